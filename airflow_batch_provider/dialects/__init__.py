@@ -1,0 +1,42 @@
+"""Vendor dialects, picked by name from a registry (the connection's ``dialect`` field)."""
+
+from __future__ import annotations
+
+from airflow_batch_provider.dialects.base import Dialect, Limits, ListPage, ResultsPage, ValidationRules
+from airflow_batch_provider.dialects.doubleword import DoublewordDialect
+from airflow_batch_provider.dialects.openai import OpenAIDialect
+from airflow_batch_provider.dialects.xai import XAIDialect
+from airflow_batch_provider.dialects.zerogpu import ZeroGPUDialect
+from airflow_batch_provider.exceptions import UnknownDialectError
+
+DIALECTS: dict[str, type[Dialect]] = {
+    cls.name: cls for cls in (OpenAIDialect, DoublewordDialect, ZeroGPUDialect, XAIDialect)
+}
+
+
+def get_dialect(name: str | Dialect | None) -> Dialect:
+    """Return the dialect registered under ``name`` (default ``openai``)."""
+    if isinstance(name, Dialect):
+        return name
+    key = (name or "openai").strip().lower()
+    try:
+        return DIALECTS[key]()
+    except KeyError:
+        raise UnknownDialectError(
+            f"unknown dialect {name!r}; registered: {', '.join(sorted(DIALECTS))}"
+        ) from None
+
+
+__all__ = [
+    "DIALECTS",
+    "Dialect",
+    "DoublewordDialect",
+    "Limits",
+    "ListPage",
+    "OpenAIDialect",
+    "ResultsPage",
+    "ValidationRules",
+    "XAIDialect",
+    "ZeroGPUDialect",
+    "get_dialect",
+]

@@ -1,0 +1,299 @@
+"""The dialect contract: everything that differs between batch vendors, stated declaratively.
+
+The hook, trigger, operators and the JSONL validator only ever talk to a ``Dialect``;
+nothing outside ``dialects/`` knows a vendor's name, header, path or field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from airflow_batch_provider.exceptions import BatchApiResponseError
+from airflow_batch_provider.models import Batch, BatchState, LineError, ResultLine, ResultSource
+
+MB = 1024 * 1024
+
+# What the hook can read results from. "files": the batch's output and error files;
+# "results_endpoint": a paged endpoint on the batch itself (xAI, Doubleword).
+ResultsMode = Literal["files", "results_endpoint"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size limits of one batch input file.
+
+    :param max_lines: most lines in one file.
+    :param max_file_bytes: largest file in bytes.
+    :param max_line_bytes: largest single line in bytes (without its newline).
+    """
+
+    max_lines: int = 50_000
+    max_file_bytes: int = 200 * MB
+    max_line_bytes: int = 1 * MB
+
+    def tightened(
+        self,
+        *,
+        max_lines: int | None = None,
+        max_file_bytes: int | None = None,
+        max_line_bytes: int | None = None,
+    ) -> Limits:
+        """Return limits no looser than these (a user may lower, never raise, a vendor limit)."""
+
+        def pick(own: int, wanted: int | None) -> int:
+            return own if wanted is None else min(own, int(wanted))
+
+        return Limits(
+            max_lines=pick(self.max_lines, max_lines),
+            max_file_bytes=pick(self.max_file_bytes, max_file_bytes),
+            max_line_bytes=pick(self.max_line_bytes, max_line_bytes),
+        )
+
+
+@dataclass(frozen=True)
+class ValidationRules:
+    """What a batch input file must satisfy for one dialect (the seed 001 rules are the baseline).
+
+    :param endpoints: urls a line may target.
+    :param limits: size limits.
+    :param mixed_endpoints: whether lines of one file may target different urls.
+    :param unique_custom_ids: whether custom_id must be unique within the file.
+    """
+
+    endpoints: frozenset[str]
+    limits: Limits = field(default_factory=Limits)
+    mixed_endpoints: bool = False
+    unique_custom_ids: bool = True
+    methods: frozenset[str] = frozenset({"POST"})
+
+
+@dataclass(frozen=True)
+class ResultsPage:
+    """One page of a paged results endpoint: parsed lines and the token for the next page."""
+
+    lines: list[ResultLine]
+    next_params: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class ListPage:
+    """One page of a batch listing."""
+
+    batches: list[Batch]
+    next_params: dict[str, Any] | None
+
+
+class Dialect:
+    """Base dialect: the OpenAI Batch API wire format.
+
+    Subclasses override only what their vendor does differently. Paths are relative
+    to the API root (the connection's base URL, which ends in the version, e.g. ``/v1``).
+    """
+
+    name: ClassVar[str] = "openai"
+    label: ClassVar[str] = "OpenAI"
+    default_base_url: ClassVar[str] = "https://api.openai.com/v1"
+
+    endpoints: ClassVar[frozenset[str]] = frozenset(
+        {"/v1/chat/completions", "/v1/embeddings", "/v1/completions", "/v1/responses", "/v1/moderations"}
+    )
+    completion_windows: ClassVar[tuple[str, ...]] = ("24h",)
+    limits: ClassVar[Limits] = Limits()
+    mixed_endpoints: ClassVar[bool] = False
+    unique_custom_ids: ClassVar[bool] = True
+    upload_purpose: ClassVar[str | None] = "batch"
+    supports_metadata: ClassVar[bool] = True
+    max_metadata_pairs: ClassVar[int] = 16
+    results_modes: ClassVar[tuple[ResultsMode, ...]] = ("files",)
+    list_page_size: ClassVar[int] = 100
+    results_page_size: ClassVar[int] = 1000
+
+    # ---- authentication -------------------------------------------------------------
+    def auth_headers(self, api_key: str | None, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
+        """Headers that authenticate a request; organisation/project come from connection extras."""
+        headers: dict[str, str] = {}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        extra = extra or {}
+        if extra.get("organization"):
+            headers["OpenAI-Organization"] = str(extra["organization"])
+        if extra.get("project"):
+            headers["OpenAI-Project"] = str(extra["project"])
+        return headers
+
+    # ---- paths ----------------------------------------------------------------------
+    files_path: ClassVar[str] = "files"
+    batches_path: ClassVar[str] = "batches"
+
+    def file_path(self, file_id: str) -> str:
+        return f"files/{file_id}"
+
+    def file_content_path(self, file_id: str) -> str:
+        return f"files/{file_id}/content"
+
+    def batch_path(self, batch_id: str) -> str:
+        return f"batches/{batch_id}"
+
+    def cancel_path(self, batch_id: str) -> str:
+        return f"batches/{batch_id}/cancel"
+
+    def results_path(self, batch_id: str) -> str:
+        raise NotImplementedError(f"dialect {self.name!r} has no results endpoint; read the output files")
+
+    # ---- validation -----------------------------------------------------------------
+    def validation_rules(self, limits: Limits | None = None) -> ValidationRules:
+        """The rules a file must meet for this vendor, with optional tighter limits."""
+        return ValidationRules(
+            endpoints=self.endpoints,
+            limits=limits or self.limits,
+            mixed_endpoints=self.mixed_endpoints,
+            unique_custom_ids=self.unique_custom_ids,
+        )
+
+    def check_endpoint(self, endpoint: str) -> None:
+        if endpoint not in self.endpoints:
+            from airflow_batch_provider.exceptions import ConfigurationError
+
+            raise ConfigurationError(
+                f"endpoint {endpoint!r} is not supported by dialect {self.name!r}; "
+                f"supported: {', '.join(sorted(self.endpoints))}"
+            )
+
+    def check_completion_window(self, window: str) -> None:
+        if window not in self.completion_windows:
+            from airflow_batch_provider.exceptions import ConfigurationError
+
+            raise ConfigurationError(
+                f"completion_window {window!r} is not supported by dialect {self.name!r}; "
+                f"supported: {', '.join(self.completion_windows)}"
+            )
+
+    # ---- files ----------------------------------------------------------------------
+    def upload_form(self) -> dict[str, str]:
+        """Form fields sent beside the file in ``POST files``."""
+        return {"purpose": self.upload_purpose} if self.upload_purpose else {}
+
+    def parse_file_id(self, raw: Mapping[str, Any]) -> str:
+        file_id = raw.get("id") or raw.get("file_id")
+        if not file_id:
+            raise BatchApiResponseError("file upload answer has no id", body=dict(raw))
+        return str(file_id)
+
+    # ---- batches --------------------------------------------------------------------
+    def create_batch_body(
+        self,
+        *,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: Mapping[str, str] | None = None,
+        name: str | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "input_file_id": input_file_id,
+            "endpoint": endpoint,
+            "completion_window": completion_window,
+        }
+        if metadata:
+            body["metadata"] = dict(metadata)
+        return body
+
+    def parse_batch(self, raw: Mapping[str, Any]) -> Batch:
+        """Map the vendor's batch object to the normalised ``Batch``."""
+        batch_id = raw.get("id")
+        if not batch_id:
+            raise BatchApiResponseError("batch object has no id", body=dict(raw))
+        data = dict(raw)
+        data["state"] = BatchState.parse(raw.get("status"), batch_id=str(batch_id))
+        data["raw"] = dict(raw)
+        try:
+            return Batch.model_validate(data)
+        except ValueError as exc:
+            raise BatchApiResponseError(f"cannot read batch {batch_id}: {exc}", body=dict(raw)) from exc
+
+    def list_params(self, limit: int | None = None) -> dict[str, Any]:
+        return {"limit": limit or self.list_page_size}
+
+    def parse_list_page(self, raw: Mapping[str, Any], params: Mapping[str, Any]) -> ListPage:
+        data = raw.get("data") or []
+        batches = [self.parse_batch(item) for item in data]
+        next_params = None
+        if raw.get("has_more") and data:
+            last = raw.get("last_id") or data[-1].get("id")
+            next_params = {**params, "after": last}
+        return ListPage(batches=batches, next_params=next_params)
+
+    def metadata_of(self, batch: Batch) -> dict[str, str]:
+        """The tags the provider set on a batch (used to find orphans by run identity)."""
+        return batch.metadata
+
+    # ---- results --------------------------------------------------------------------
+    def parse_result_line(self, raw: Mapping[str, Any], source: ResultSource) -> ResultLine:
+        """Normalise one line of an output or error file (OpenAI shape).
+
+        ``{id, custom_id, response: {status_code, request_id, body} | null, error: {...} | null}``;
+        a line is a success only with no error and a 2xx response.
+        """
+        custom_id = raw.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            raise BatchApiResponseError("result line has no custom_id", body=dict(raw))
+        response = raw.get("response") or None
+        status_code = body = request_id = None
+        if isinstance(response, Mapping):
+            status_code = response.get("status_code")
+            body = response.get("body")
+            request_id = response.get("request_id")
+        error = self.parse_line_error(raw.get("error"), status_code=status_code, body=body)
+        ok = error is None and isinstance(status_code, int) and 200 <= status_code < 300
+        if not ok and error is None:
+            error = LineError(code="unknown_error", message=f"line failed with status {status_code}")
+        return ResultLine(
+            custom_id=custom_id,
+            ok=ok,
+            status_code=status_code,
+            body=body if isinstance(body, dict) else None,
+            error=error,
+            request_id=request_id,
+            line_id=raw.get("id"),
+            source=source,
+        )
+
+    def parse_line_error(self, raw_error: Any, *, status_code: Any = None, body: Any = None) -> LineError | None:
+        """The normalised error of a line, from its ``error`` field or a non-2xx response body."""
+        if isinstance(raw_error, Mapping):
+            return LineError(
+                code=_str_or_none(raw_error.get("code")),
+                message=_str_or_none(raw_error.get("message")),
+                param=_str_or_none(raw_error.get("param")),
+                type=_str_or_none(raw_error.get("type")),
+            )
+        if isinstance(raw_error, str) and raw_error:
+            return LineError(code="error", message=raw_error)
+        if isinstance(status_code, int) and not 200 <= status_code < 300:
+            inner = body.get("error") if isinstance(body, Mapping) else None
+            if isinstance(inner, Mapping):
+                return LineError(
+                    code=_str_or_none(inner.get("code")) or f"http_{status_code}",
+                    message=_str_or_none(inner.get("message")),
+                    param=_str_or_none(inner.get("param")),
+                    type=_str_or_none(inner.get("type")),
+                )
+            return LineError(code=f"http_{status_code}", message=_str_or_none(inner) or None)
+        return None
+
+    def results_params(self, limit: int | None = None) -> dict[str, Any]:
+        raise NotImplementedError(f"dialect {self.name!r} has no results endpoint")
+
+    def parse_results_page(self, raw: Any, params: Mapping[str, Any]) -> ResultsPage:
+        raise NotImplementedError(f"dialect {self.name!r} has no results endpoint")
+
+    def __repr__(self) -> str:
+        return f"<Dialect {self.name}>"
+
+
+def _str_or_none(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value if isinstance(value, str) else str(value)

@@ -1,0 +1,164 @@
+"""xAI: its own batch object, colon-style cancel, and a paged results endpoint.
+
+A batch carries no ``status``; it has ``state{num_requests, num_pending, num_success,
+num_error, num_cancelled}``, ``cancel_time`` and ``cancel_by_xai_message``, and the
+state is derived from those. Results come from ``GET /v1/batches/{id}/results``
+(``limit`` + ``pagination_token``) with ``custom_id`` echoed as ``batch_request_id``.
+Uploads send no ``purpose``; one file may mix endpoints; a batch is created from
+``{name, input_file_id}``, so the run identity travels in ``name``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage
+from airflow_batch_provider.exceptions import BatchApiResponseError
+from airflow_batch_provider.models import Batch, BatchError, BatchState, LineError, RequestCounts, ResultLine, to_utc
+
+# The metadata key whose value becomes the batch name, so orphans can be found by listing.
+NAME_KEY = "airflow_batch_key"
+
+
+class XAIDialect(Dialect):
+    """xAI Batch API."""
+
+    name = "xai"
+    label = "xAI"
+    default_base_url = "https://api.x.ai/v1"
+    endpoints = frozenset(
+        {
+            "/v1/responses",
+            "/v1/chat/completions",
+            "/v1/images/generations",
+            "/v1/images/edits",
+            "/v1/videos/generations",
+            "/v1/videos",
+            "/v1/videos/edits",
+            "/v1/videos/extensions",
+        }
+    )
+    completion_windows = ("24h",)
+    mixed_endpoints = True
+    upload_purpose = None
+    supports_metadata = False
+    results_modes = ("results_endpoint",)
+
+    def cancel_path(self, batch_id: str) -> str:
+        return f"batches/{batch_id}:cancel"
+
+    def results_path(self, batch_id: str) -> str:
+        return f"batches/{batch_id}/results"
+
+    def create_batch_body(
+        self,
+        *,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: Mapping[str, str] | None = None,
+        name: str | None = None,
+    ) -> dict[str, Any]:
+        # xAI takes no endpoint, window or metadata: each line names its url, and the run
+        # identity is carried in the batch name.
+        batch_name = (metadata or {}).get(NAME_KEY) or name or "airflow-batch"
+        return {"name": batch_name, "input_file_id": input_file_id}
+
+    def parse_batch(self, raw: Mapping[str, Any]) -> Batch:
+        batch_id = raw.get("batch_id") or raw.get("id")
+        if not batch_id:
+            raise BatchApiResponseError("batch object has no batch_id", body=dict(raw))
+        state = raw.get("state") or {}
+        if not isinstance(state, Mapping):
+            raise BatchApiResponseError(f"batch {batch_id} has an unreadable state", body=dict(raw))
+        total = int(state.get("num_requests") or 0)
+        pending = int(state.get("num_pending") or 0)
+        success = int(state.get("num_success") or 0)
+        failed = int(state.get("num_error") or 0) + int(state.get("num_cancelled") or 0)
+        errors: list[BatchError] = []
+        expire_time = to_utc(raw.get("expire_time"))
+        cancel_time = to_utc(raw.get("cancel_time"))
+        xai_message = raw.get("cancel_by_xai_message")
+        if xai_message:
+            # xAI cancels a batch whose file fails validation: that is a failure, not a user cancel.
+            status = BatchState.FAILED
+            errors.append(BatchError(code="cancelled_by_xai", message=str(xai_message)))
+        elif cancel_time is not None:
+            status = BatchState.CANCELLED if pending == 0 else BatchState.CANCELLING
+        elif pending > 0 and expire_time is not None and expire_time <= datetime.now(timezone.utc):
+            status = BatchState.EXPIRED
+        elif pending > 0:
+            status = BatchState.IN_PROGRESS
+        elif total > 0:
+            status = BatchState.COMPLETED
+        else:
+            # Nothing counted yet: the input file is still being read.
+            status = BatchState.VALIDATING
+        name = raw.get("name")
+        return Batch(
+            id=str(batch_id),
+            state=status,
+            request_counts=RequestCounts(total=total, completed=success, failed=failed),
+            created_at=to_utc(raw.get("create_time")),
+            expires_at=expire_time,
+            cancelled_at=cancel_time,
+            metadata={NAME_KEY: str(name), "name": str(name)} if name else {},
+            errors=errors,
+            raw=dict(raw),
+        )
+
+    def list_params(self, limit: int | None = None) -> dict[str, Any]:
+        return {"limit": limit or self.list_page_size}
+
+    def parse_list_page(self, raw: Mapping[str, Any], params: Mapping[str, Any]) -> ListPage:
+        items = raw.get("batches") or raw.get("data") or []
+        token = raw.get("pagination_token")
+        next_params = {**params, "pagination_token": token} if token and items else None
+        return ListPage(batches=[self.parse_batch(item) for item in items], next_params=next_params)
+
+    def results_params(self, limit: int | None = None) -> dict[str, Any]:
+        return {"limit": limit or self.results_page_size}
+
+    def parse_results_page(self, raw: Any, params: Mapping[str, Any]) -> ResultsPage:
+        if not isinstance(raw, Mapping):
+            raise BatchApiResponseError("unreadable results page", body=repr(raw)[:500])
+        items = raw.get("results") or []
+        token = raw.get("pagination_token")
+        lines = [self.parse_results_item(item) for item in items]
+        next_params = {**params, "pagination_token": token} if token and items else None
+        return ResultsPage(lines=lines, next_params=next_params)
+
+    def parse_results_item(self, item: Mapping[str, Any]) -> ResultLine:
+        custom_id = item.get("batch_request_id") or item.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            raise BatchApiResponseError("result has no batch_request_id", body=dict(item))
+        result = item.get("batch_result") or {}
+        response = result.get("response") if isinstance(result, Mapping) else None
+        raw_error = result.get("error") if isinstance(result, Mapping) else None
+        if raw_error is None:
+            raw_error = item.get("error_message") or None
+        status_code: int | None = None
+        body: Any = response
+        if isinstance(response, Mapping) and "body" in response:
+            status_code = response.get("status_code")
+            body = response.get("body")
+        elif isinstance(response, Mapping) and len(response) == 1:
+            # The gRPC-shaped REST answer wraps the body in its endpoint's name
+            # (e.g. {"chat_get_completion": {...}}); unwrap it.
+            (inner,) = response.values()
+            if isinstance(inner, Mapping):
+                body = inner
+        error = self.parse_line_error(raw_error, status_code=status_code, body=body)
+        ok = error is None and isinstance(body, Mapping) and (status_code is None or 200 <= status_code < 300)
+        if not ok and error is None:
+            error = LineError(code="unknown_error", message="result has neither a response nor an error")
+        return ResultLine(
+            custom_id=custom_id,
+            ok=ok,
+            status_code=status_code if status_code is not None else (200 if ok else None),
+            body=dict(body) if ok and isinstance(body, Mapping) else None,
+            error=error,
+            source="inline",
+        )

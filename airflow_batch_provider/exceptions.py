@@ -1,0 +1,123 @@
+"""One exception class per failure mode, all rooted in AirflowException.
+
+Exception text never contains secrets: API-facing errors carry the status code,
+the vendor request id and a truncated body, never request headers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.exceptions import AirflowException
+
+_BODY_PREVIEW = 2000
+
+
+class BatchProviderError(AirflowException):
+    """Base class of every error raised by this provider."""
+
+
+class ConfigurationError(BatchProviderError):
+    """A connection, dialect or operator argument is missing or invalid."""
+
+
+class UnknownDialectError(ConfigurationError):
+    """The connection names a dialect that is not registered."""
+
+
+class UnknownBatchStatusError(BatchProviderError):
+    """The vendor reported a batch status this provider does not know.
+
+    Never treated as success: an unknown state could be a failure mode added by the vendor.
+    """
+
+
+class BatchApiError(BatchProviderError):
+    """An HTTP call to the batch API failed.
+
+    :param message: what was being done and what went wrong.
+    :param status_code: HTTP status, or None for transport errors.
+    :param request_id: the vendor's request id header, when it sent one.
+    :param body: the parsed or raw response body (truncated in the text).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int | None = None,
+        request_id: str | None = None,
+        body: Any = None,
+    ) -> None:
+        self.status_code = status_code
+        self.request_id = request_id
+        self.body = body
+        parts = [message]
+        if status_code is not None:
+            parts.append(f"status={status_code}")
+        if request_id:
+            parts.append(f"request_id={request_id}")
+        if body not in (None, "", b""):
+            text = body if isinstance(body, str) else repr(body)
+            parts.append(f"body={text[:_BODY_PREVIEW]}")
+        super().__init__(" | ".join(parts))
+
+
+class BatchApiAuthError(BatchApiError):
+    """401/403: the API key was rejected or lacks permission."""
+
+
+class BatchApiNotFoundError(BatchApiError):
+    """404: the named file or batch does not exist at the vendor."""
+
+
+class BatchApiRateLimitError(BatchApiError):
+    """429 after every retry was spent."""
+
+
+class BatchApiServerError(BatchApiError):
+    """5xx after every retry was spent."""
+
+
+class BatchApiBadRequestError(BatchApiError):
+    """400/422: the vendor refused the request (for example a batch file that fails validation)."""
+
+
+class BatchApiConnectionError(BatchApiError):
+    """The connection failed or timed out after every retry was spent."""
+
+
+class BatchApiResponseError(BatchApiError):
+    """The vendor answered 2xx with a body this provider cannot parse."""
+
+
+class JsonlValidationError(BatchProviderError):
+    """A batch JSONL file breaks the dialect's rules; the message names the line."""
+
+
+class DuplicateKeyError(BatchProviderError):
+    """Two source rows share the same key columns."""
+
+
+class RejectRatioExceededError(BatchProviderError):
+    """More rows were rejected than ``max_reject_ratio`` allows."""
+
+
+class EmptyBatchError(BatchProviderError):
+    """No valid rows, and ``allow_empty`` is False."""
+
+
+class StaleSubmissionStateError(BatchProviderError):
+    """A shard changed since an earlier try submitted it and the policy is to fail."""
+
+
+class BatchFailedError(BatchProviderError):
+    """A batch ended failed, expired, cancelled, timed out, or polling gave up."""
+
+
+class PartialFailureError(BatchFailedError):
+    """A batch completed but some lines failed and ``on_partial_failure='fail'``."""
+
+
+class WarehouseSchemaError(BatchProviderError):
+    """An existing results table lacks a column the merge needs or has an incompatible type."""

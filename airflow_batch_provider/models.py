@@ -1,0 +1,239 @@
+"""Pydantic v2 models: the wire lines and the normalised domain objects.
+
+Request-side models (``RequestLine``) are strict and forbid unknown fields: what we
+send must be exactly the documented shape. Response-side models ignore unknown
+fields, because vendors add fields over time and a new field must never break a run.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from airflow_batch_provider.exceptions import UnknownBatchStatusError
+
+
+class _Response(BaseModel):
+    """Base for models parsed from vendor responses: unknown fields are tolerated."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class BatchState(str, Enum):
+    """Normalised lifecycle state of a batch (OpenAI's vocabulary is the baseline)."""
+
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in _TERMINAL
+
+    @property
+    def is_success(self) -> bool:
+        return self is BatchState.COMPLETED
+
+    @classmethod
+    def parse(cls, value: str | None, *, batch_id: str | None = None) -> BatchState:
+        """Map a vendor status string to a state; an unknown one is an error, never success."""
+        if value is None:
+            raise UnknownBatchStatusError(f"batch {batch_id or '?'} has no status")
+        normalised = str(value).strip().lower().replace("-", "_")
+        # Vendors spell the cancel states both ways (cancelled / canceled).
+        normalised = {"canceled": "cancelled", "canceling": "cancelling"}.get(normalised, normalised)
+        try:
+            return cls(normalised)
+        except ValueError:
+            raise UnknownBatchStatusError(
+                f"batch {batch_id or '?'} reported unknown status {value!r}; "
+                f"known: {', '.join(s.value for s in cls)}"
+            ) from None
+
+
+_TERMINAL = frozenset({BatchState.COMPLETED, BatchState.FAILED, BatchState.EXPIRED, BatchState.CANCELLED})
+
+
+class RequestLine(BaseModel):
+    """One line of a batch input file: ``{custom_id, method, url, body}``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    custom_id: str = Field(min_length=1)
+    method: str = "POST"
+    url: str
+    body: dict[str, Any]
+
+
+class RequestCounts(_Response):
+    """How many lines of a batch are done; ``completed`` counts successes only."""
+
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+    @property
+    def pending(self) -> int:
+        return max(self.total - self.completed - self.failed, 0)
+
+
+class BatchError(_Response):
+    """A batch-level error (for example one validation problem with its line number)."""
+
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+    line: int | None = None
+
+
+class Batch(_Response):
+    """A batch as the provider sees it, whatever the vendor's wire shape."""
+
+    id: str
+    state: BatchState
+    endpoint: str | None = None
+    completion_window: str | None = None
+    input_file_id: str | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    created_at: datetime | None = None
+    in_progress_at: datetime | None = None
+    finalizing_at: datetime | None = None
+    completed_at: datetime | None = None
+    failed_at: datetime | None = None
+    expired_at: datetime | None = None
+    expires_at: datetime | None = None
+    cancelling_at: datetime | None = None
+    cancelled_at: datetime | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    errors: list[BatchError] = Field(default_factory=list)
+    raw: dict[str, Any] = Field(default_factory=dict, repr=False)
+
+    @field_validator(
+        "created_at",
+        "in_progress_at",
+        "finalizing_at",
+        "completed_at",
+        "failed_at",
+        "expired_at",
+        "expires_at",
+        "cancelling_at",
+        "cancelled_at",
+        mode="before",
+    )
+    @classmethod
+    def _aware_utc(cls, value: Any) -> Any:
+        return to_utc(value)
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _metadata(cls, value: Any) -> Any:
+        return {} if value is None else {str(k): str(v) for k, v in dict(value).items()}
+
+    @field_validator("errors", mode="before")
+    @classmethod
+    def _errors(cls, value: Any) -> Any:
+        # OpenAI wraps errors as {"object": "list", "data": [...]}.
+        if value is None:
+            return []
+        if isinstance(value, dict):
+            return value.get("data") or []
+        return value
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state.is_terminal
+
+    def summary(self) -> dict[str, Any]:
+        """A small JSON-able view for XCom, events and logs (no raw vendor object)."""
+        return self.model_dump(mode="json", exclude={"raw"})
+
+
+class LineError(_Response):
+    """A per-line error, normalised from whatever the vendor sent."""
+
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+    type: str | None = None
+
+
+ResultSource = Literal["output", "error", "inline"]
+
+
+class ResultLine(_Response):
+    """One result of a batch line, normalised: an answer (``ok``) or an error."""
+
+    custom_id: str
+    ok: bool
+    status_code: int | None = None
+    body: dict[str, Any] | None = None
+    error: LineError | None = None
+    request_id: str | None = None
+    line_id: str | None = None
+    source: ResultSource = "output"
+
+
+class Shard(BaseModel):
+    """One batch input file in staging."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    index: int
+    path: str = Field(description="path of the shard, relative to the manifest's directory")
+    lines: int
+    bytes: int
+    fingerprint: str = Field(description="sha256 of the shard's bytes")
+    endpoint: str | None = None
+
+
+class Manifest(BaseModel):
+    """What a build produced: the shards, the key mapping and the row accounting."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    version: int = 1
+    source: str = ""
+    dialect: str = "openai"
+    endpoint: str
+    model: str | None = None
+    key_columns: list[str] = Field(default_factory=list)
+    custom_id_prefix: str = ""
+    shards: list[Shard] = Field(default_factory=list)
+    rows_read: int = 0
+    rows_written: int = 0
+    rows_rejected: int = 0
+    rejects_path: str | None = None
+    keys_path: str | None = Field(
+        default=None, description="JSONL of {custom_id, key} for every written row, relative to the manifest"
+    )
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+def to_utc(value: Any) -> datetime | None:
+    """Turn epoch seconds, ISO strings or datetimes into aware UTC datetimes; None stays None."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, datetime):
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+    if isinstance(value, (int, float)):
+        # Some vendors send milliseconds; no batch was created before 2001 or after 2286.
+        seconds = value / 1000 if value > 10_000_000_000 else value
+        return datetime.fromtimestamp(seconds, tz=timezone.utc)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.endswith("Z"):
+            text = text[:-1] + "+00:00"
+        parsed = datetime.fromisoformat(text)
+        return parsed.replace(tzinfo=timezone.utc) if parsed.tzinfo is None else parsed.astimezone(timezone.utc)
+    raise ValueError(f"cannot read {value!r} as a timestamp")
