@@ -207,6 +207,10 @@ class Manifest(BaseModel):
     endpoint: str
     model: str | None = None
     key_columns: list[str] = Field(default_factory=list)
+    key_types: list[str] = Field(
+        default_factory=list,
+        description="portable type of each key column: integer, float, text, boolean, date, timestamp, json",
+    )
     custom_id_prefix: str = ""
     shards: list[Shard] = Field(default_factory=list)
     rows_read: int = 0
