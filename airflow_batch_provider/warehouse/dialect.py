@@ -1,0 +1,377 @@
+"""What differs per database for the merge: quoting, types, upsert syntax, transactions, bulk load.
+
+Like common-sql's ``hook.dialect``, one small object per database holds every piece of
+database-specific SQL. It builds on the hook's own settings (``escape_word_format``,
+``placeholder``) and on common-sql's ``Dialect.generate_insert_sql`` for the generic
+``executemany`` path, so a connection that overrides those in its extras is honoured.
+
+Identifiers are always quoted here, and a quote character inside a name is doubled:
+common-sql's ``escape_word`` only quotes reserved or unusual words and does not escape an
+embedded quote, which is not enough for names taken from user input.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime, timezone
+from itertools import islice
+from typing import Any
+
+import orjson
+
+from airflow_batch_provider.exceptions import ConfigurationError
+from airflow_batch_provider.warehouse.rows import Column
+
+_BATCH_ROWS = 5000
+
+
+class WarehouseDialect:
+    """Generic SQL (SQLite flavoured), used for any DbApiHook without a specific dialect.
+
+    :param hook: the target connection's ``DbApiHook``.
+    """
+
+    name = "generic"
+    temp_table = "CREATE TEMP TABLE {} ({})"
+    types = {
+        "integer": "BIGINT",
+        "float": "DOUBLE PRECISION",
+        "text": "TEXT",
+        "boolean": "BOOLEAN",
+        "date": "DATE",
+        "timestamp": "TIMESTAMP",
+        "json": "TEXT",
+    }
+    key_types: dict[str, str] = {}
+    merged_at_type = "TIMESTAMP"
+
+    def __init__(self, hook: Any) -> None:
+        self.hook = hook
+        fmt = getattr(hook, "escape_word_format", None) or '"{}"'
+        if "{}" not in fmt or len(fmt) < 3:
+            fmt = '"{}"'
+        self._quote_format = fmt
+        self._close = fmt[-1]
+
+    # ---- identifiers and types -------------------------------------------------------------
+    def quote(self, name: str) -> str:
+        """Quote one identifier, doubling any quote character inside it."""
+        if not name or "\x00" in name:
+            raise ConfigurationError(f"invalid identifier {name!r}")
+        return self._quote_format.format(name.replace(self._close, self._close * 2))
+
+    def table(self, table: str, schema: str | None = None) -> str:
+        """The quoted (optionally schema-qualified) table name; the table name is never split on dots."""
+        return f"{self.quote(schema)}.{self.quote(table)}" if schema else self.quote(table)
+
+    @property
+    def placeholder(self) -> str:
+        return str(getattr(self.hook, "placeholder", "%s"))
+
+    def sql_type(self, portable: str, *, key: bool = False) -> str:
+        if key and portable in self.key_types:
+            return self.key_types[portable]
+        try:
+            return self.types[portable]
+        except KeyError:
+            raise ConfigurationError(
+                f"unknown column type {portable!r}; known: {', '.join(sorted(self.types))}"
+            ) from None
+
+    def merged_at_value(self, when: datetime) -> Any:
+        return when.astimezone(timezone.utc).replace(tzinfo=None).isoformat(sep=" ")
+
+    def cast(self, expression: str, portable: str) -> str:
+        """Cast a bound parameter so every database knows its type in a SELECT list."""
+        return f"CAST({expression} AS {self.sql_type(portable)})"
+
+    # ---- statements --------------------------------------------------------------------------
+    def create_temp_table(self, name: str, columns: Sequence[tuple[str, str]]) -> str:
+        body = ", ".join(f"{self.quote(col)} {sql_type}" for col, sql_type in columns)
+        return self.temp_table.format(self.quote(name), body)
+
+    def drop_temp_table(self, name: str) -> str | None:
+        return f"DROP TABLE IF EXISTS {self.quote(name)}"
+
+    def upsert(self, table: str, columns: Sequence[str], keys: Sequence[str], select: str) -> str:
+        """``INSERT INTO table (columns) <select>`` that updates rows whose keys already exist."""
+        cols = ", ".join(self.quote(c) for c in columns)
+        key_list = ", ".join(self.quote(k) for k in keys)
+        updates = ", ".join(f"{self.quote(c)} = excluded.{self.quote(c)}" for c in columns if c not in keys)
+        # "WHERE 1=1" keeps SQLite from reading ON CONFLICT as part of the SELECT's join.
+        return (
+            f"INSERT INTO {table} ({cols}) {select} WHERE 1=1 "
+            f"ON CONFLICT ({key_list}) DO UPDATE SET {updates}"
+        )
+
+    # ---- transactions ------------------------------------------------------------------------
+    def cursor(self, conn: Any) -> Any:
+        """A cursor that shares the connection's transaction and temp tables."""
+        return conn.cursor()
+
+    def begin(self, conn: Any) -> None:
+        """Start the one transaction of the merge (DB-API drivers open one implicitly)."""
+
+    def probe_columns(self, conn: Any, table: str) -> list[str] | None:
+        """The column names of ``table``, or None when it does not exist. Leaves no transaction open."""
+        cur = self.cursor(conn)
+        try:
+            cur.execute(f"SELECT * FROM {table} WHERE 1=0")
+            names = [d[0] for d in cur.description or ()]
+        except Exception:
+            conn.rollback()
+            return None
+        finally:
+            cur.close()
+        conn.rollback()
+        return names
+
+    # ---- bulk load ---------------------------------------------------------------------------
+    def bulk_load(
+        self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]
+    ) -> int:
+        """Load rows into a staging table; the generic path is batched ``executemany``."""
+        names = [self.quote(c.name) for c in columns]
+        sql = self.hook.dialect.generate_insert_sql(self.quote(table), names, names)
+        count = 0
+        cur = self.cursor(conn)
+        try:
+            iterator = iter(rows)
+            while chunk := list(islice(iterator, _BATCH_ROWS)):
+                cur.executemany(sql, chunk)
+                count += len(chunk)
+        finally:
+            cur.close()
+        return count
+
+
+class SqliteWarehouseDialect(WarehouseDialect):
+    """SQLite: ``ON CONFLICT`` upserts (3.24+), explicit ``BEGIN``, JSON as TEXT."""
+
+    name = "sqlite"
+    types = {**WarehouseDialect.types, "integer": "INTEGER", "float": "REAL"}
+    merged_at_type = "TEXT"
+
+    def begin(self, conn: Any) -> None:
+        # The sqlite3 module only opens a transaction before DML; DDL must be inside it too.
+        conn.isolation_level = None
+        conn.execute("BEGIN")
+
+    def cast(self, expression: str, portable: str) -> str:
+        return expression
+
+
+class PostgresWarehouseDialect(WarehouseDialect):
+    """PostgreSQL: COPY into an ON COMMIT DROP temp table, then one ``INSERT ... ON CONFLICT``."""
+
+    name = "postgres"
+    temp_table = "CREATE TEMP TABLE {} ({}) ON COMMIT DROP"
+    types = {**WarehouseDialect.types, "json": "JSONB"}
+    merged_at_type = "TIMESTAMP WITH TIME ZONE"
+
+    def merged_at_value(self, when: datetime) -> Any:
+        return when.astimezone(timezone.utc)
+
+    def cast(self, expression: str, portable: str) -> str:
+        if portable == "timestamp":
+            return f"CAST({expression} AS TIMESTAMP WITH TIME ZONE)"
+        return super().cast(expression, portable)
+
+    def drop_temp_table(self, name: str) -> str | None:
+        return None  # ON COMMIT DROP
+
+    def bulk_load(
+        self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]
+    ) -> int:
+        names = ", ".join(self.quote(c.name) for c in columns)
+        sql = f"COPY {self.quote(table)} ({names}) FROM STDIN"
+        cur = conn.cursor()
+        count = 0
+        try:
+            if hasattr(cur, "copy"):  # psycopg 3
+                with cur.copy(sql) as copy:
+                    for row in rows:
+                        copy.write_row(row)
+                        count += 1
+            else:  # psycopg2
+                reader = _CopyTextReader(rows)
+                cur.copy_expert(sql, reader)
+                count = reader.rows
+        finally:
+            cur.close()
+        return count
+
+
+class DuckDBWarehouseDialect(WarehouseDialect):
+    """DuckDB: rows are staged as JSONL files in chunks and read with ``read_json`` (its bulk path)."""
+
+    name = "duckdb"
+    types = {**WarehouseDialect.types, "json": "JSON", "float": "DOUBLE", "text": "VARCHAR"}
+    merged_at_type = "TIMESTAMP WITH TIME ZONE"
+    chunk_rows = 200_000
+
+    def begin(self, conn: Any) -> None:
+        conn.execute("BEGIN TRANSACTION")
+
+    def cursor(self, conn: Any) -> Any:
+        # DuckDB's cursor() opens a second connection with its own transaction and temp
+        # tables; the merge must stay on the one connection.
+        return _SameConnection(conn)
+
+    def merged_at_value(self, when: datetime) -> Any:
+        return when.astimezone(timezone.utc)
+
+    def cast(self, expression: str, portable: str) -> str:
+        if portable == "timestamp":
+            return f"CAST({expression} AS TIMESTAMP WITH TIME ZONE)"
+        return super().cast(expression, portable)
+
+    def probe_columns(self, conn: Any, table: str) -> list[str] | None:
+        try:
+            cur = conn.execute(f"SELECT * FROM {table} WHERE 1=0")
+        except Exception:
+            return None
+        return [d[0] for d in cur.description or ()]
+
+    def bulk_load(
+        self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]
+    ) -> int:
+        # The staging tables use plain internal names (c0, c1, ...), so they are safe in the
+        # read_json column struct; the user's names only ever appear quoted in the final upsert.
+        spec = "{" + ", ".join(f"'{c.name}': '{self.sql_type(c.type)}'" for c in columns) + "}"
+        names = [c.name for c in columns]
+        count = 0
+        iterator = iter(rows)
+        fd, path = tempfile.mkstemp(prefix="abp-merge-", suffix=".jsonl")
+        os.close(fd)
+        try:
+            while True:
+                written = 0
+                with open(path, "wb") as fh:
+                    for row in islice(iterator, self.chunk_rows):
+                        fh.write(orjson.dumps(dict(zip(names, row, strict=True))))
+                        fh.write(b"\n")
+                        written += 1
+                if not written:
+                    break
+                conn.execute(
+                    f"INSERT INTO {self.quote(table)} SELECT * FROM read_json(?, format='newline_delimited', "
+                    f"columns={spec}, maximum_object_size=134217728)",
+                    [path],
+                )
+                count += written
+        finally:
+            os.unlink(path)
+        return count
+
+
+class MySqlWarehouseDialect(WarehouseDialect):
+    """MySQL/MariaDB: ``ON DUPLICATE KEY UPDATE``, VARCHAR keys (TEXT cannot be a primary key)."""
+
+    name = "mysql"
+    temp_table = "CREATE TEMPORARY TABLE {} ({})"
+    types = {
+        **WarehouseDialect.types,
+        "float": "DOUBLE",
+        "text": "LONGTEXT",
+        "json": "LONGTEXT",
+        "timestamp": "DATETIME(6)",
+    }
+    key_types = {"text": "VARCHAR(255)"}
+    merged_at_type = "DATETIME(6)"
+
+    def begin(self, conn: Any) -> None:
+        cur = conn.cursor()
+        try:
+            cur.execute("START TRANSACTION")
+        finally:
+            cur.close()
+
+    def cast(self, expression: str, portable: str) -> str:
+        return expression
+
+    def drop_temp_table(self, name: str) -> str | None:
+        return f"DROP TEMPORARY TABLE IF EXISTS {self.quote(name)}"
+
+    def upsert(self, table: str, columns: Sequence[str], keys: Sequence[str], select: str) -> str:
+        cols = ", ".join(self.quote(c) for c in columns)
+        updates = ", ".join(f"{self.quote(c)} = VALUES({self.quote(c)})" for c in columns if c not in keys)
+        return f"INSERT INTO {table} ({cols}) {select} ON DUPLICATE KEY UPDATE {updates}"
+
+
+class _SameConnection:
+    """DuckDB connection used as a cursor: execute/fetch on it, and closing it does nothing."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def close(self) -> None:
+        """The connection is closed by the merge, not by its cursors."""
+
+
+def get_warehouse_dialect(hook: Any) -> WarehouseDialect:
+    """Pick the dialect for a DbApiHook by its connection type / SQLAlchemy dialect name."""
+    from airflow.providers.common.sql.hooks.sql import DbApiHook
+
+    if not isinstance(hook, DbApiHook):
+        raise ConfigurationError(
+            f"the target connection's hook {type(hook).__name__} is not a common-sql DbApiHook"
+        )
+    conn_type = str(getattr(hook, "conn_type", "") or "").lower()
+    if conn_type in ("postgres", "postgresql", "redshift"):
+        return PostgresWarehouseDialect(hook)
+    if conn_type == "duckdb":
+        return DuckDBWarehouseDialect(hook)
+    if conn_type == "sqlite":
+        return SqliteWarehouseDialect(hook)
+    if conn_type in ("mysql", "mariadb"):
+        return MySqlWarehouseDialect(hook)
+    return WarehouseDialect(hook)
+
+
+# ---- psycopg2 COPY text format -------------------------------------------------------------
+_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+def _copy_field(value: Any) -> str:
+    if value is None:
+        return "\\N"
+    if isinstance(value, bool):
+        return "t" if value else "f"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value).translate(_COPY_ESCAPES)
+
+
+class _CopyTextReader:
+    """A file-like view of rows in COPY text format, produced as psycopg2 reads it."""
+
+    def __init__(self, rows: Iterable[Sequence[Any]]) -> None:
+        self._rows: Iterator[Sequence[Any]] = iter(rows)
+        self._buffer = b""
+        self.rows = 0
+
+    def read(self, size: int = -1) -> bytes:
+        size = 1 << 16 if size is None or size < 0 else size
+        parts = [self._buffer]
+        have = len(self._buffer)
+        while have < size:
+            row = next(self._rows, None)
+            if row is None:
+                break
+            line = ("\t".join(map(_copy_field, row)) + "\n").encode()
+            parts.append(line)
+            have += len(line)
+            self.rows += 1
+        data = b"".join(parts)
+        self._buffer = data[size:]
+        return data[:size]
+
+    readline = read

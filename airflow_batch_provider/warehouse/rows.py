@@ -1,0 +1,364 @@
+"""From a normalised ``ResultLine`` to one flat results-table row, whatever the endpoint.
+
+The body shapes handled here are the OpenAI-compatible ones every dialect normalises to:
+chat completions, legacy completions, the Responses API and embeddings. Nothing here
+knows a vendor or a database; the writer decides how the row reaches the table.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from airflow_batch_provider.exceptions import ConfigurationError
+from airflow_batch_provider.models import ResultLine
+
+#: Every status a results row can have.
+STATUSES: tuple[str, ...] = (
+    "succeeded",
+    "failed",
+    "expired",
+    "cancelled",
+    "missing",
+    "rejected",
+    "invalid_output",
+)
+#: The statuses worth sending again.
+RETRYABLE_STATUSES: frozenset[str] = frozenset({"failed", "expired", "cancelled", "missing"})
+
+# Error codes a vendor writes for lines a batch never ran because the batch itself ended.
+_ERROR_CODE_STATUS = {"batch_expired": "expired", "batch_cancelled": "cancelled"}
+
+
+@dataclass(frozen=True)
+class Column:
+    """A results-table column with its portable type.
+
+    :param name: column name (quoted by the warehouse dialect, never pasted raw).
+    :param type: integer, float, text, boolean, date, timestamp or json.
+    """
+
+    name: str
+    type: str
+
+
+#: The columns every results row carries after the key columns, in row order.
+#: ``custom_id`` and ``seq`` lead the staged row; ``seq`` only orders duplicates and never
+#: reaches the target table.
+RESULT_COLUMNS: tuple[Column, ...] = (
+    Column("status", "text"),
+    Column("content", "text"),
+    Column("embedding", "json"),
+    Column("finish_reason", "text"),
+    Column("model", "text"),
+    Column("prompt_tokens", "integer"),
+    Column("completion_tokens", "integer"),
+    Column("total_tokens", "integer"),
+    Column("error_code", "text"),
+    Column("error_message", "text"),
+    Column("batch_id", "text"),
+)
+RESERVED_COLUMNS: frozenset[str] = frozenset({"custom_id", "merged_at", *(c.name for c in RESULT_COLUMNS)})
+
+_PATH_TOKEN = re.compile(r"\.?([^.\[\]]+)|\[(\d+)\]")
+
+
+def compile_json_path(path: str) -> tuple[str | int, ...]:
+    """Split ``$.choices[0].message.content`` (the ``$.`` is optional) into keys and indexes."""
+    text = path.strip()
+    if text.startswith("$"):
+        text = text[1:]
+    steps: list[str | int] = []
+    pos = 0
+    while pos < len(text):
+        match = _PATH_TOKEN.match(text, pos)
+        if not match or match.end() == pos:
+            raise ConfigurationError(f"JSON path {path!r}: cannot read it at character {pos}")
+        steps.append(match.group(1) if match.group(1) is not None else int(match.group(2)))
+        pos = match.end()
+    if not steps:
+        raise ConfigurationError(f"JSON path {path!r} is empty")
+    return tuple(steps)
+
+
+def follow(obj: Any, steps: Sequence[str | int]) -> Any:
+    """The value at ``steps`` inside ``obj``, or None when any step is absent."""
+    for step in steps:
+        if isinstance(step, int):
+            if not isinstance(obj, list) or step >= len(obj):
+                return None
+            obj = obj[step]
+        else:
+            if not isinstance(obj, Mapping):
+                return None
+            obj = obj.get(step)
+        if obj is None:
+            return None
+    return obj
+
+
+def _scalar_or_json(value: Any) -> Any:
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value if not isinstance(value, bool) else str(value).lower()
+    return orjson.dumps(value).decode()
+
+
+# ---- structured output ---------------------------------------------------------------------
+_JSON_TYPES = {"integer": "integer", "number": "float", "boolean": "boolean", "string": "text"}
+
+
+class OutputSchema:
+    """Parses and validates an answer's content against a pydantic model or a JSON schema.
+
+    :param schema: a pydantic model class, its dotted import path, or a JSON schema dict
+        whose top level is an object with ``properties``.
+    :param prefix: prepended to every field's column name.
+    """
+
+    def __init__(self, schema: type[BaseModel] | str | Mapping[str, Any], prefix: str = "") -> None:
+        if isinstance(schema, str):
+            from airflow.utils.module_loading import import_string
+
+            try:
+                schema = import_string(schema)
+            except ImportError as exc:
+                raise ConfigurationError(f"output_schema {schema!r} cannot be imported: {exc}") from exc
+        self.model: type[BaseModel] | None = None
+        self._validator: Any = None
+        if isinstance(schema, type) and issubclass(schema, BaseModel):
+            self.model = schema
+            json_schema = schema.model_json_schema()
+        elif isinstance(schema, Mapping):
+            import jsonschema
+
+            json_schema = dict(schema)
+            try:
+                cls = jsonschema.validators.validator_for(json_schema)
+                cls.check_schema(json_schema)
+            except jsonschema.SchemaError as exc:
+                raise ConfigurationError(f"output_schema is not a valid JSON schema: {exc.message}") from exc
+            self._validator = cls(json_schema)
+        else:
+            raise ConfigurationError(
+                f"output_schema must be a pydantic model class, its dotted path or a JSON schema dict, "
+                f"not {type(schema).__name__}"
+            )
+        properties = json_schema.get("properties")
+        if not isinstance(properties, Mapping) or not properties:
+            raise ConfigurationError("output_schema must describe an object with properties")
+        self.fields: list[str] = list(properties)
+        self.columns: tuple[Column, ...] = tuple(
+            Column(f"{prefix}{name}", _portable_type(spec)) for name, spec in properties.items()
+        )
+
+    def parse(self, content: str | None) -> tuple[tuple[Any, ...] | None, str | None]:
+        """``(values in column order, None)`` for a valid answer, ``(None, reason)`` otherwise."""
+        if content is None or not content.strip():
+            return None, "the answer has no content to parse"
+        if self.model is not None:
+            try:
+                data = self.model.model_validate_json(content).model_dump(mode="json")
+            except ValidationError as exc:
+                problems = "; ".join(
+                    f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+                    for err in exc.errors()[:5]
+                )
+                return None, f"output does not match {self.model.__name__}: {problems}"
+        else:
+            try:
+                data = orjson.loads(content)
+            except orjson.JSONDecodeError as exc:
+                return None, f"output is not valid JSON: {exc}"
+            error = next(iter(self._validator.iter_errors(data)), None)
+            if error is not None:
+                where = ".".join(str(p) for p in error.absolute_path) or "<root>"
+                return None, f"output does not match the schema at {where}: {error.message}"
+            if not isinstance(data, Mapping):
+                return None, "output is not a JSON object"
+        return tuple(
+            _field_value(data.get(name), col.type)
+            for name, col in zip(self.fields, self.columns, strict=True)
+        ), None
+
+
+def _portable_type(spec: Any) -> str:
+    if not isinstance(spec, Mapping):
+        return "json"
+    options = spec.get("anyOf") or spec.get("oneOf")
+    if options:
+        # Optional[X] shows up as anyOf [X, null]: the column takes X's type.
+        non_null = [o for o in options if not (isinstance(o, Mapping) and o.get("type") == "null")]
+        return _portable_type(non_null[0]) if len(non_null) == 1 else "json"
+    kind = spec.get("type")
+    if isinstance(kind, list):
+        non_null_kinds = [k for k in kind if k != "null"]
+        kind = non_null_kinds[0] if len(non_null_kinds) == 1 else None
+    return _JSON_TYPES.get(kind, "json") if isinstance(kind, str) else "json"
+
+
+def _field_value(value: Any, portable: str) -> Any:
+    if value is None:
+        return None
+    if portable == "json":
+        return orjson.dumps(value).decode()
+    if portable == "text" and not isinstance(value, str):
+        return orjson.dumps(value).decode()
+    return value
+
+
+# ---- the mapper ----------------------------------------------------------------------------
+class ResultMapper:
+    """Turns result lines into staged rows and keeps the run's token sums.
+
+    Row layout: ``custom_id, seq, *RESULT_COLUMNS, *extra columns, *schema columns``.
+
+    :param extra_columns: ``{column: JSON path into the response body}``.
+    :param output_schema: optional structured-output schema (see :class:`OutputSchema`).
+    """
+
+    def __init__(
+        self,
+        *,
+        extra_columns: Mapping[str, str] | None = None,
+        output_schema: OutputSchema | None = None,
+    ) -> None:
+        self.extra_paths = [(name, compile_json_path(path)) for name, path in (extra_columns or {}).items()]
+        self.output_schema = output_schema
+        self.extra_columns = tuple(Column(name, "text") for name, _ in self.extra_paths)
+        self.columns: tuple[Column, ...] = (
+            *RESULT_COLUMNS,
+            *self.extra_columns,
+            *(output_schema.columns if output_schema else ()),
+        )
+        seen: set[str] = set()
+        for col in self.columns:
+            if col.name in seen or col.name in ("custom_id", "merged_at", "seq"):
+                raise ConfigurationError(
+                    f"column {col.name!r} is defined twice (extra_columns / output_schema fields must not "
+                    f"reuse a results column: {', '.join(sorted(RESERVED_COLUMNS))})"
+                )
+            seen.add(col.name)
+        self._empty_schema = (None,) * len(output_schema.columns) if output_schema else ()
+        self.lines = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.total_tokens = 0
+
+    def row(self, line: ResultLine, batch_id: str | None) -> tuple[Any, ...]:
+        """The staged row of one result line."""
+        self.lines += 1
+        body = line.body if isinstance(line.body, dict) else None
+        content = embedding = finish_reason = model = None
+        prompt = completion = total = None
+        if body is not None:
+            content, embedding, finish_reason = extract_answer(body)
+            model = body.get("model")
+            prompt, completion, total = extract_usage(body)
+            self.prompt_tokens += prompt or 0
+            self.completion_tokens += completion or 0
+            self.total_tokens += total or 0
+        error_code = error_message = None
+        schema_values = self._empty_schema
+        if line.ok:
+            status = "succeeded"
+            if self.output_schema is not None:
+                values, reason = self.output_schema.parse(content)
+                if values is None:
+                    status, error_code, error_message = "invalid_output", "invalid_output", reason
+                else:
+                    schema_values = values
+        else:
+            code = line.error.code if line.error else None
+            status = _ERROR_CODE_STATUS.get(code or "", "failed")
+            error_code = code
+            error_message = line.error.message if line.error else None
+        extras = (
+            tuple(_scalar_or_json(follow(body, steps)) for _, steps in self.extra_paths)
+            if body
+            else ((None,) * len(self.extra_paths))
+        )
+        return (
+            line.custom_id,
+            self.lines,
+            status,
+            content,
+            None if embedding is None else orjson.dumps(embedding).decode(),
+            finish_reason,
+            model if isinstance(model, str) else None,
+            prompt,
+            completion,
+            total,
+            error_code,
+            error_message,
+            batch_id,
+            *extras,
+            *schema_values,
+        )
+
+
+def extract_answer(body: Mapping[str, Any]) -> tuple[str | None, Any, str | None]:
+    """``(content, embedding, finish_reason)`` from a chat, completions, responses or embeddings body."""
+    choices = body.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], Mapping):
+        first = choices[0]
+        message = first.get("message")
+        content: Any = None
+        if isinstance(message, Mapping):
+            content = message.get("content")
+            if content is None and message.get("tool_calls"):
+                # A tool-calling answer has no text; its calls are the answer.
+                content = orjson.dumps(message["tool_calls"]).decode()
+            elif content is None and message.get("refusal"):
+                content = message["refusal"]
+        elif "text" in first:
+            content = first.get("text")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+        return _text(content), None, _text(first.get("finish_reason"))
+    data = body.get("data")
+    if body.get("object") == "list" and isinstance(data, list):
+        vectors = [d.get("embedding") for d in data if isinstance(d, Mapping)]
+        embedding = vectors[0] if len(vectors) == 1 else vectors
+        return None, embedding, None
+    output = body.get("output")
+    if isinstance(output, list) or "output_text" in body:
+        text = body.get("output_text")
+        if not isinstance(text, str):
+            parts = [
+                part.get("text", "")
+                for item in output or []
+                if isinstance(item, Mapping) and item.get("type") == "message"
+                for part in item.get("content") or []
+                if isinstance(part, Mapping) and part.get("type") == "output_text"
+            ]
+            text = "".join(parts) if parts else None
+        details = body.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, Mapping) else None
+        return text, None, _text(reason or body.get("status"))
+    return None, None, None
+
+
+def extract_usage(body: Mapping[str, Any]) -> tuple[int | None, int | None, int | None]:
+    """``(prompt, completion, total)`` tokens; the Responses API names them input/output."""
+    usage = body.get("usage")
+    if not isinstance(usage, Mapping):
+        return None, None, None
+    prompt = _int(usage.get("prompt_tokens", usage.get("input_tokens")))
+    completion = _int(usage.get("completion_tokens", usage.get("output_tokens")))
+    total = _int(usage.get("total_tokens"))
+    if total is None and (prompt is not None or completion is not None):
+        total = (prompt or 0) + (completion or 0)
+    return prompt, completion, total
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None

@@ -1,0 +1,507 @@
+"""The merge write path: stage keys and results, let the database join them, upsert once.
+
+Everything happens on one connection in one transaction:
+
+1. the target table is created (typed columns) or checked for the columns the merge needs;
+2. the manifest's keys, the build's rejects and the streamed result rows are bulk-loaded
+   into temp tables (COPY on PostgreSQL, ``read_json`` on DuckDB, ``executemany`` elsewhere);
+3. one ``INSERT ... SELECT keys LEFT JOIN results ... ON CONFLICT`` writes one row per key,
+   so a key with no result becomes ``missing`` without Python ever holding the key set;
+4. counts, orphans and retryable keys are read back from the temp tables; then commit.
+
+A failure anywhere rolls the whole merge back, leaving the table as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import orjson
+
+from airflow_batch_provider.exceptions import WarehouseSchemaError
+from airflow_batch_provider.models import ResultLine
+from airflow_batch_provider.warehouse.dialect import WarehouseDialect, get_warehouse_dialect
+from airflow_batch_provider.warehouse.rows import RETRYABLE_STATUSES, STATUSES, Column, ResultMapper
+
+log = logging.getLogger(__name__)
+
+_SAMPLES = 10
+_FETCH = 10_000
+
+
+@dataclass(frozen=True)
+class ShardOutcome:
+    """What to call a key of a shard that has no result line.
+
+    :param batch_id: the batch the shard went to.
+    :param absent_status: ``missing`` for a completed batch; ``expired``/``cancelled``/``failed``
+        when the batch itself ended that way (its unprocessed lines have no result).
+    """
+
+    batch_id: str | None
+    absent_status: str = "missing"
+
+
+@dataclass
+class MergeReport:
+    """What one merge wrote and found."""
+
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATUSES, 0))
+    rows_written: int = 0
+    result_lines: int = 0
+    orphan_results: int = 0
+    orphan_samples: list[str] = field(default_factory=list)
+    duplicate_results: int = 0
+    unkeyed_rejects: int = 0
+    unkeyed_reject_samples: list[dict[str, Any]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    created_table: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "counts": dict(self.counts),
+            "rows_written": self.rows_written,
+            "result_lines": self.result_lines,
+            "orphan_results": self.orphan_results,
+            "orphan_samples": list(self.orphan_samples),
+            "duplicate_results": self.duplicate_results,
+            "unkeyed_rejects": self.unkeyed_rejects,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "created_table": self.created_table,
+        }
+
+
+#: Called before commit with an iterator of ``(shard, custom_id)`` of retryable keys, ordered by shard.
+RetryCallback = Callable[[Iterator[tuple[int, str]]], Any]
+
+
+class ResultsWriter:
+    """Upserts batch results into a results table, one row per input key.
+
+    :param hook: the target connection's ``DbApiHook``.
+    :param table: target table name (quoted, never split on dots).
+    :param schema: optional schema / database of the table.
+    :param key_columns: the manifest's key columns with their portable types; empty means
+        ``custom_id`` is the only key (a hand-made input file without a manifest).
+    :param mapper: turns result lines into rows (extra columns, structured output).
+    :param create_table: create the table when it does not exist (else it must exist).
+    """
+
+    def __init__(
+        self,
+        hook: Any,
+        table: str,
+        *,
+        schema: str | None = None,
+        key_columns: Sequence[Column] = (),
+        mapper: ResultMapper | None = None,
+        create_table: bool = True,
+    ) -> None:
+        self.hook = hook
+        self.dialect: WarehouseDialect = get_warehouse_dialect(hook)
+        self.table_name = table
+        self.qtable = self.dialect.table(table, schema)
+        self.key_columns = list(key_columns)
+        self.mapper = mapper or ResultMapper()
+        self.create_table = create_table
+        names = [c.name for c in self.key_columns]
+        if len(set(names)) != len(names):
+            raise WarehouseSchemaError(f"key columns repeat a name: {names}")
+        clash = [
+            n for n in names if n in {c.name for c in self.mapper.columns} or n in ("merged_at", "custom_id")
+        ]
+        if clash:
+            raise WarehouseSchemaError(
+                f"key column(s) {clash} clash with results columns of the same name; rename them in the build"
+            )
+        self.manifest_mode = bool(self.key_columns)
+        # Target layout: keys, custom_id, result columns, merged_at.
+        self.target_columns: list[Column] = [
+            *self.key_columns,
+            Column("custom_id", "text"),
+            *self.mapper.columns,
+            Column("merged_at", "timestamp"),
+        ]
+        self.target_keys = [c.name for c in self.key_columns] if self.manifest_mode else ["custom_id"]
+
+    # ---- DDL --------------------------------------------------------------------------------
+    def _create_sql(self) -> str:
+        keys = set(self.target_keys)
+        parts = []
+        for col in self.target_columns:
+            is_key = col.name in keys
+            if col.name == "merged_at":
+                sql_type = self.dialect.merged_at_type
+            else:
+                sql_type = self.dialect.sql_type(col.type, key=is_key or col.name == "custom_id")
+            parts.append(f"{self.dialect.quote(col.name)} {sql_type}{' NOT NULL' if is_key else ''}")
+        pk = ", ".join(self.dialect.quote(k) for k in self.target_keys)
+        return f"CREATE TABLE {self.qtable} ({', '.join(parts)}, PRIMARY KEY ({pk}))"
+
+    def _ensure_table(self, conn: Any, report: MergeReport, existing: list[str] | None) -> None:
+        if existing is None:
+            if not self.create_table:
+                raise WarehouseSchemaError(f"table {self.qtable} does not exist and create_table is False")
+            self._execute(conn, self._create_sql())
+            report.created_table = True
+            return
+        have = {name.lower() for name in existing}
+        missing = [c.name for c in self.target_columns if c.name.lower() not in have]
+        if missing:
+            raise WarehouseSchemaError(
+                f"table {self.qtable} exists but lacks column(s) {', '.join(repr(m) for m in missing)}; "
+                f"add them or merge into a new table"
+            )
+
+    # ---- the merge --------------------------------------------------------------------------
+    def merge(
+        self,
+        results: Iterable[tuple[ResultLine, str | None]],
+        *,
+        keys: Iterable[Mapping[str, Any]] | None = None,
+        rejects: Iterable[Mapping[str, Any]] | None = None,
+        shards: Mapping[int, ShardOutcome] | None = None,
+        on_retry: RetryCallback | None = None,
+        merged_at: datetime | None = None,
+    ) -> MergeReport:
+        """Write one row per key in one transaction and return what happened.
+
+        :param results: ``(result line, batch id)`` pairs, streamed.
+        :param keys: keys.jsonl records ``{custom_id, key, shard}`` (manifest mode only).
+        :param rejects: rejects.jsonl records (manifest mode only).
+        :param shards: per shard, its batch and the status of keys it has no result for.
+        :param on_retry: receives the retryable ``(shard, custom_id)`` pairs before commit; an
+            exception from it rolls the merge back.
+        """
+        if self.manifest_mode and keys is None:
+            raise ValueError("key columns were given but no keys to merge")
+        report = MergeReport()
+        merged_at = merged_at or datetime.now(timezone.utc)
+        run = uuid.uuid4().hex[:10]
+        t_results, t_keys, t_rejects, t_shards = (
+            f"abp_{name}_{run}" for name in ("res", "keys", "rej", "shards")
+        )
+        conn = self.hook.get_conn()
+        created: list[str] = []
+        try:
+            # Probed before the transaction starts: a failed probe aborts a PostgreSQL/DuckDB one.
+            existing = self.dialect.probe_columns(conn, self.qtable)
+            self.dialect.begin(conn)
+            self._ensure_table(conn, report, existing)
+            # Staging: results.
+            res_cols = self._staging_columns(
+                ["custom_id", "seq", *[c.name for c in self.mapper.columns]],
+                ["text", "integer", *[c.type for c in self.mapper.columns]],
+            )
+            self._create_temp(conn, t_results, res_cols, created)
+            rows = (self.mapper.row(line, batch_id) for line, batch_id in results)
+            report.result_lines = self.dialect.bulk_load(conn, t_results, res_cols, rows)
+            report.prompt_tokens = self.mapper.prompt_tokens
+            report.completion_tokens = self.mapper.completion_tokens
+            report.total_tokens = self.mapper.total_tokens
+            if self.manifest_mode:
+                self._merge_keyed(
+                    conn,
+                    report,
+                    t_results,
+                    t_keys,
+                    t_rejects,
+                    t_shards,
+                    created,
+                    keys or (),
+                    rejects or (),
+                    shards or {},
+                    merged_at,
+                    on_retry,
+                )
+            else:
+                self._merge_unkeyed(conn, report, t_results, merged_at)
+                if on_retry is not None:
+                    raise ValueError("resubmission needs a manifest (the original shards and keys)")
+            for name in created:
+                drop = self.dialect.drop_temp_table(name)
+                if drop:
+                    self._execute(conn, drop)
+            conn.commit()
+        except BaseException:
+            try:
+                conn.rollback()
+            except Exception:  # pragma: no cover - the original error matters more
+                log.exception("rollback failed")
+            raise
+        finally:
+            conn.close()
+        return report
+
+    # ---- manifest mode ----------------------------------------------------------------------
+    def _merge_keyed(
+        self,
+        conn: Any,
+        report: MergeReport,
+        t_results: str,
+        t_keys: str,
+        t_rejects: str,
+        t_shards: str,
+        created: list[str],
+        keys: Iterable[Mapping[str, Any]],
+        rejects: Iterable[Mapping[str, Any]],
+        shards: Mapping[int, ShardOutcome],
+        merged_at: datetime,
+        on_retry: RetryCallback | None,
+    ) -> None:
+        d = self.dialect
+        q = d.quote
+        nkeys = len(self.key_columns)
+        key_names = [f"k{i}" for i in range(nkeys)]
+        key_types = [self._staging_type(c.type) for c in self.key_columns]
+        key_cols = self._staging_columns(
+            ["custom_id", "shard", "seq", *key_names], ["text", "integer", "integer", *key_types]
+        )
+        self._create_temp(conn, t_keys, key_cols, created)
+        d.bulk_load(conn, t_keys, key_cols, self._key_rows(keys))
+
+        rej_cols = self._staging_columns(
+            ["custom_id", "seq", "code", "reason", *key_names],
+            ["text", "integer", "text", "text", *key_types],
+        )
+        self._create_temp(conn, t_rejects, rej_cols, created)
+        d.bulk_load(conn, t_rejects, rej_cols, self._reject_rows(rejects, report))
+
+        shard_cols = self._staging_columns(["shard", "batch_id", "absent"], ["integer", "text", "text"])
+        self._create_temp(conn, t_shards, shard_cols, created)
+        d.bulk_load(conn, t_shards, shard_cols, ((i, s.batch_id, s.absent_status) for i, s in shards.items()))
+
+        ranked = self._ranked_results(t_results)
+        status_expr = (
+            f"CASE WHEN r.{q('custom_id')} IS NULL THEN COALESCE(s.{q('absent')}, 'missing') "
+            f"ELSE r.{q('status')} END"
+        )
+        target = [c.name for c in self.key_columns]
+        select_cols = [f"k.{q(n)}" for n in key_names]
+        target.append("custom_id")
+        select_cols.append(f"k.{q('custom_id')}")
+        for col in self.mapper.columns:
+            target.append(col.name)
+            if col.name == "status":
+                select_cols.append(status_expr)
+            elif col.name == "batch_id":
+                select_cols.append(f"COALESCE(r.{q('batch_id')}, s.{q('batch_id')})")
+            else:
+                select_cols.append(self._cast_json(f"r.{q(col.name)}", col))
+        target.append("merged_at")
+        select_cols.append(d.cast(d.placeholder, "timestamp"))
+        from_clause = (
+            f"FROM {q(t_keys)} k LEFT JOIN {ranked} r ON r.{q('custom_id')} = k.{q('custom_id')} "
+            f"LEFT JOIN {q(t_shards)} s ON s.{q('shard')} = k.{q('shard')}"
+        )
+        stamp = [d.merged_at_value(merged_at)]
+        self._execute(
+            conn,
+            d.upsert(self.qtable, target, self.target_keys, f"SELECT {', '.join(select_cols)} {from_clause}"),
+            stamp,
+        )
+
+        # Rejects: one row per rejected key, unless the build also wrote that key.
+        rej_exprs = [f"j.{q(n)}" for n in key_names]
+        rej_exprs.append(f"j.{q('custom_id')}")
+        for col in self.mapper.columns:
+            if col.name == "status":
+                rej_exprs.append("'rejected'")
+            elif col.name == "error_code":
+                rej_exprs.append(f"j.{q('code')}")
+            elif col.name == "error_message":
+                rej_exprs.append(f"j.{q('reason')}")
+            else:
+                rej_exprs.append(self._cast_json("NULL", col) if col.type == "json" else "NULL")
+        rej_exprs.append(d.cast(d.placeholder, "timestamp"))
+        partition = ", ".join(f"x.{q(n)}" for n in key_names)
+        key_match = " AND ".join(f"k.{q(n)} = j.{q(n)}" for n in key_names)
+        rej_from = (
+            f"FROM (SELECT x.*, ROW_NUMBER() OVER (PARTITION BY {partition} ORDER BY x.{q('seq')}) AS abp_rn "
+            f"FROM {q(t_rejects)} x) j "
+            f"WHERE j.abp_rn = 1 AND NOT EXISTS (SELECT 1 FROM {q(t_keys)} k WHERE {key_match})"
+        )
+        rej_sql = d.upsert(self.qtable, target, self.target_keys, f"SELECT {', '.join(rej_exprs)} {rej_from}")
+        # The generic upsert appends its own WHERE; the reject select already has one.
+        self._execute(conn, rej_sql.replace(" WHERE 1=1 ON CONFLICT", " AND 1=1 ON CONFLICT"), stamp)
+
+        # Counts per status over the same join (with whether a result line was found).
+        has_result = f"CASE WHEN r.{q('custom_id')} IS NULL THEN 0 ELSE 1 END"
+        matched = 0
+        for status, found, n in self._fetchall(
+            conn,
+            f"SELECT {status_expr}, {has_result}, COUNT(*) {from_clause} GROUP BY {status_expr}, {has_result}",
+        ):
+            report.counts[str(status)] = report.counts.get(str(status), 0) + int(n)
+            matched += int(n) if int(found) else 0
+        rejected = self._fetchall(conn, f"SELECT COUNT(*) {rej_from}")
+        report.counts["rejected"] += int(rejected[0][0])
+        report.rows_written = sum(report.counts.values())
+        self._orphans(conn, report, t_results, t_keys)
+        report.duplicate_results = max(report.result_lines - report.orphan_results - matched, 0)
+
+        if on_retry is not None:
+            wanted = ", ".join(f"'{s}'" for s in sorted(RETRYABLE_STATUSES))
+            sql = (
+                f"SELECT k.{q('shard')}, k.{q('custom_id')} {from_clause} WHERE {status_expr} IN ({wanted}) "
+                f"ORDER BY k.{q('shard')}, k.{q('seq')}"
+            )
+            on_retry(self._stream(conn, sql))
+
+    def _orphans(self, conn: Any, report: MergeReport, t_results: str, t_keys: str) -> None:
+        q = self.dialect.quote
+        where = (
+            f"WHERE NOT EXISTS (SELECT 1 FROM {q(t_keys)} k WHERE k.{q('custom_id')} = r.{q('custom_id')})"
+        )
+        report.orphan_results = int(
+            self._fetchall(conn, f"SELECT COUNT(*) FROM {q(t_results)} r {where}")[0][0]
+        )
+        if report.orphan_results:
+            sample = self._fetchall(
+                conn,
+                f"SELECT r.{q('custom_id')} FROM {q(t_results)} r {where} ORDER BY r.{q('seq')} LIMIT {_SAMPLES}",
+            )
+            report.orphan_samples = [str(r[0]) for r in sample]
+            log.warning(
+                "%d result line(s) have a custom_id that is not in the manifest; they were not written. "
+                "First ones: %s",
+                report.orphan_results,
+                ", ".join(report.orphan_samples),
+            )
+
+    # ---- no manifest ------------------------------------------------------------------------
+    def _merge_unkeyed(self, conn: Any, report: MergeReport, t_results: str, merged_at: datetime) -> None:
+        d = self.dialect
+        q = d.quote
+        target = ["custom_id", *[c.name for c in self.mapper.columns], "merged_at"]
+        select_cols = [
+            f"r.{q('custom_id')}",
+            *[self._cast_json(f"r.{q(c.name)}", c) for c in self.mapper.columns],
+        ]
+        select_cols.append(d.cast(d.placeholder, "timestamp"))
+        ranked = self._ranked_results(t_results)
+        select = f"SELECT {', '.join(select_cols)} FROM {ranked} r"
+        self._execute(
+            conn, d.upsert(self.qtable, target, ["custom_id"], select), [d.merged_at_value(merged_at)]
+        )
+        counts = self._fetchall(
+            conn, f"SELECT r.{q('status')}, COUNT(*) FROM {ranked} r GROUP BY r.{q('status')}"
+        )
+        for status, n in counts:
+            report.counts[str(status)] = report.counts.get(str(status), 0) + int(n)
+        report.rows_written = sum(report.counts.values())
+        report.duplicate_results = report.result_lines - report.rows_written
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _ranked_results(self, t_results: str) -> str:
+        """Results with one line per custom_id: a success wins over an error, then the later line."""
+        q = self.dialect.quote
+        return (
+            f"(SELECT * FROM (SELECT x.*, ROW_NUMBER() OVER (PARTITION BY x.{q('custom_id')} ORDER BY CASE WHEN "
+            f"x.{q('status')} = 'succeeded' THEN 0 ELSE 1 END, x.{q('seq')} DESC) AS abp_rn "
+            f"FROM {q(t_results)} x) y WHERE y.abp_rn = 1)"
+        )
+
+    def _cast_json(self, expression: str, col: Column) -> str:
+        return self.dialect.cast(expression, "json") if col.type == "json" else expression
+
+    @staticmethod
+    def _staging_type(portable: str) -> str:
+        # JSON travels as text through staging; the upsert casts it into the target's JSON type.
+        return "text" if portable == "json" else portable
+
+    def _staging_columns(self, names: Sequence[str], types: Sequence[str]) -> list[Column]:
+        return [Column(n, self._staging_type(t)) for n, t in zip(names, types, strict=True)]
+
+    def _create_temp(self, conn: Any, name: str, columns: Sequence[Column], created: list[str]) -> None:
+        spec = [(c.name, self.dialect.sql_type(c.type, key=c.name == "custom_id")) for c in columns]
+        self._execute(conn, self.dialect.create_temp_table(name, spec))
+        created.append(name)
+
+    def _key_values(self, key: Any, where: str) -> tuple[Any, ...]:
+        if not isinstance(key, list) or len(key) != len(self.key_columns):
+            raise WarehouseSchemaError(
+                f"{where}: key {key!r} does not have {len(self.key_columns)} value(s) for key columns "
+                f"{[c.name for c in self.key_columns]}"
+            )
+        return tuple(
+            orjson.dumps(v).decode() if c.type == "json" and v is not None else v
+            for v, c in zip(key, self.key_columns, strict=True)
+        )
+
+    def _key_rows(self, keys: Iterable[Mapping[str, Any]]) -> Iterator[tuple[Any, ...]]:
+        for seq, record in enumerate(keys, start=1):
+            custom_id = record.get("custom_id")
+            if not isinstance(custom_id, str) or not custom_id:
+                raise WarehouseSchemaError(f"keys.jsonl line {seq}: no custom_id")
+            shard = record.get("shard")
+            yield (
+                custom_id,
+                shard if isinstance(shard, int) else None,
+                seq,
+                *self._key_values(record.get("key"), f"keys.jsonl line {seq}"),
+            )
+
+    def _reject_rows(
+        self, rejects: Iterable[Mapping[str, Any]], report: MergeReport
+    ) -> Iterator[tuple[Any, ...]]:
+        for seq, record in enumerate(rejects, start=1):
+            key = record.get("key")
+            reason = str(record.get("reason") or "")
+            if record.get("column"):
+                reason = f"{reason} (column {record['column']})"
+            if key is None or any(v is None for v in key):
+                # A row without a usable key cannot be written to a keyed table: count and log it.
+                report.unkeyed_rejects += 1
+                if len(report.unkeyed_reject_samples) < _SAMPLES:
+                    report.unkeyed_reject_samples.append(dict(record))
+                continue
+            yield (
+                record.get("custom_id"),
+                seq,
+                record.get("code"),
+                reason,
+                *self._key_values(key, f"rejects.jsonl line {seq}"),
+            )
+
+    def _execute(self, conn: Any, sql: str, params: Sequence[Any] | None = None) -> None:
+        cur = self.dialect.cursor(conn)
+        try:
+            if params is None:
+                cur.execute(sql)
+            else:
+                cur.execute(sql, tuple(params))
+        finally:
+            cur.close()
+
+    def _fetchall(self, conn: Any, sql: str) -> list[tuple[Any, ...]]:
+        """For aggregate queries whose answer is a handful of rows."""
+        cur = self.dialect.cursor(conn)
+        try:
+            cur.execute(sql)
+            return [tuple(r) for r in cur.fetchall()]
+        finally:
+            cur.close()
+
+    def _stream(self, conn: Any, sql: str) -> Iterator[tuple[int, str]]:
+        """Stream a large result in pages (a server-side cursor on PostgreSQL)."""
+        if self.dialect.name == "postgres":
+            cur = conn.cursor(name=f"abp_retry_{uuid.uuid4().hex[:8]}")
+        else:
+            cur = self.dialect.cursor(conn)
+        try:
+            cur.execute(sql)
+            while page := cur.fetchmany(_FETCH):
+                for shard, custom_id in page:
+                    yield int(shard), str(custom_id)
+        finally:
+            cur.close()

@@ -1,0 +1,351 @@
+"""ResultsWriter against real databases: every status, re-runs, rollback, awkward identifiers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+
+from airflow_batch_provider.dialects import get_dialect
+from airflow_batch_provider.exceptions import WarehouseSchemaError
+from airflow_batch_provider.models import ResultLine
+from airflow_batch_provider.warehouse.rows import Column, OutputSchema, ResultMapper
+from airflow_batch_provider.warehouse.write import ResultsWriter, ShardOutcome
+
+OPENAI = get_dialect("openai")
+
+
+def chat_line(custom_id: str, content: str, *, prompt: int = 10, completion: int = 5) -> ResultLine:
+    raw = {
+        "id": f"batch_req_{custom_id}",
+        "custom_id": custom_id,
+        "response": {
+            "status_code": 200,
+            "request_id": f"req_{custom_id}",
+            "body": {
+                "object": "chat.completion",
+                "model": "gpt-test",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": completion,
+                    "total_tokens": prompt + completion,
+                },
+            },
+        },
+        "error": None,
+    }
+    return OPENAI.parse_result_line(raw, "output")
+
+
+def error_line(custom_id: str, code: str, message: str = "boom") -> ResultLine:
+    raw = {
+        "id": f"batch_req_{custom_id}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
+    return OPENAI.parse_result_line(raw, "error")
+
+
+def http_error_line(custom_id: str, status: int = 500) -> ResultLine:
+    raw = {
+        "custom_id": custom_id,
+        "response": {
+            "status_code": status,
+            "body": {"error": {"code": "server_error", "message": "upstream died"}},
+        },
+        "error": None,
+    }
+    return OPENAI.parse_result_line(raw, "error")
+
+
+def embedding_line(custom_id: str, vector: list[float]) -> ResultLine:
+    raw = {
+        "custom_id": custom_id,
+        "response": {
+            "status_code": 200,
+            "body": {
+                "object": "list",
+                "model": "emb-test",
+                "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+                "usage": {"prompt_tokens": 3, "total_tokens": 3},
+            },
+        },
+    }
+    return OPENAI.parse_result_line(raw, "output")
+
+
+def with_batch(lines: list[ResultLine], batch_id: str = "batch_1") -> Iterator[tuple[ResultLine, str]]:
+    for line in lines:
+        yield line, batch_id
+
+
+def keys_for(ids: list[tuple[str, Any]], shard: int = 0) -> list[dict[str, Any]]:
+    return [{"custom_id": cid, "key": [k], "shard": shard} for cid, k in ids]
+
+
+def table_rows(wh: Any, table: str, columns: str) -> list[tuple[Any, ...]]:
+    return wh.rows(f"SELECT {columns} FROM {wh.quote(table)} ORDER BY 1")
+
+
+def test_every_status_lands_once(warehouse: Any) -> None:
+    writer = ResultsWriter(warehouse.hook, "results", key_columns=[Column("id", "integer")])
+    keys = keys_for([("c1", 1), ("c2", 2), ("c3", 3), ("c4", 4), ("c5", 5), ("c6", 6)])
+    rejects = [
+        {
+            "row": 7,
+            "key": [7],
+            "custom_id": None,
+            "code": "too_long",
+            "reason": "prompt over limit",
+            "column": "text",
+        },
+        {
+            "row": 8,
+            "key": None,
+            "custom_id": None,
+            "code": "null_key",
+            "reason": "key is null",
+            "column": "id",
+        },
+    ]
+    results = [
+        chat_line("c1", "hello"),
+        error_line("c2", "batch_expired"),
+        error_line("c3", "batch_cancelled"),
+        http_error_line("c4"),
+        chat_line("zz-unknown", "stray"),
+    ]
+    report = writer.merge(
+        with_batch(results), keys=keys, rejects=rejects, shards={0: ShardOutcome("batch_1")}
+    )
+    assert report.counts == {
+        "succeeded": 1,
+        "failed": 1,
+        "expired": 1,
+        "cancelled": 1,
+        "missing": 2,
+        "rejected": 1,
+        "invalid_output": 0,
+    }
+    assert report.orphan_results == 1 and report.orphan_samples == ["zz-unknown"]
+    assert report.unkeyed_rejects == 1
+    assert report.prompt_tokens == 20 and report.completion_tokens == 10
+    rows = table_rows(
+        warehouse,
+        "results",
+        "id, custom_id, status, content, finish_reason, model, prompt_tokens, error_code, batch_id",
+    )
+    assert rows == [
+        (1, "c1", "succeeded", "hello", "stop", "gpt-test", 10, None, "batch_1"),
+        (2, "c2", "expired", None, None, None, None, "batch_expired", "batch_1"),
+        (3, "c3", "cancelled", None, None, None, None, "batch_cancelled", "batch_1"),
+        (4, "c4", "failed", None, None, None, None, "server_error", "batch_1"),
+        (5, "c5", "missing", None, None, None, None, None, "batch_1"),
+        (6, "c6", "missing", None, None, None, None, None, "batch_1"),
+        (7, None, "rejected", None, None, None, None, "too_long", None),
+    ]
+    assert warehouse.rows(f"SELECT error_message FROM {warehouse.quote('results')} WHERE id = 7") == [
+        ("prompt over limit (column text)",)
+    ]
+
+
+def test_rerun_upserts_without_duplicates(warehouse: Any) -> None:
+    writer = ResultsWriter(warehouse.hook, "results", key_columns=[Column("id", "integer")])
+    keys = keys_for([("c1", 1), ("c2", 2)])
+    writer.merge(with_batch([chat_line("c1", "first")]), keys=keys)
+    # The second run finds c2 too and a new answer for c1: rows are updated, never added.
+    report = writer.merge(
+        with_batch([chat_line("c1", "second"), chat_line("c2", "late")], "batch_2"), keys=keys
+    )
+    assert report.counts["succeeded"] == 2
+    assert table_rows(warehouse, "results", "id, content, batch_id") == [
+        (1, "second", "batch_2"),
+        (2, "late", "batch_2"),
+    ]
+    assert warehouse.rows(f"SELECT COUNT(*) FROM {warehouse.quote('results')}") == [(2,)]
+
+
+def test_crash_mid_write_rolls_back(warehouse: Any) -> None:
+    writer = ResultsWriter(warehouse.hook, "results", key_columns=[Column("id", "integer")])
+    keys = keys_for([(f"c{i}", i) for i in range(50)])
+    writer.merge(with_batch([chat_line(f"c{i}", "v1") for i in range(50)]), keys=keys)
+
+    def exploding() -> Iterator[tuple[ResultLine, str]]:
+        for i in range(50):
+            if i == 30:
+                raise RuntimeError("connection to the API dropped mid-stream")
+            yield chat_line(f"c{i}", "v2"), "batch_2"
+
+    with pytest.raises(RuntimeError, match="dropped"):
+        writer.merge(exploding(), keys=keys)
+    assert warehouse.rows(f"SELECT content, COUNT(*) FROM {warehouse.quote('results')} GROUP BY content") == [
+        ("v1", 50)
+    ]
+
+    # A failure after the upsert statement ran (before commit) is rolled back too.
+    def fail_in_retry(pairs: Iterator[tuple[int, str]]) -> None:
+        raise RuntimeError("could not write the resubmission shard")
+
+    with pytest.raises(RuntimeError, match="resubmission"):
+        writer.merge(
+            with_batch([chat_line(f"c{i}", "v3") for i in range(40)]), keys=keys, on_retry=fail_in_retry
+        )
+    assert warehouse.rows(f"SELECT content, COUNT(*) FROM {warehouse.quote('results')} GROUP BY content") == [
+        ("v1", 50)
+    ]
+
+
+def test_crash_on_first_merge_leaves_no_table_rows(warehouse: Any) -> None:
+    writer = ResultsWriter(warehouse.hook, "fresh", key_columns=[Column("id", "integer")])
+
+    def exploding() -> Iterator[tuple[ResultLine, str]]:
+        yield chat_line("c1", "x"), "b"
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        writer.merge(exploding(), keys=keys_for([("c1", 1)]))
+    # MySQL's CREATE TABLE commits by itself, so the table may exist; it must be empty.
+    if warehouse.kind == "mysql":
+        assert warehouse.rows("SELECT COUNT(*) FROM `fresh`") == [(0,)]
+    else:
+        assert (
+            ResultsWriter(warehouse.hook, "fresh").dialect.probe_columns(
+                warehouse.hook.get_conn(), warehouse.quote("fresh")
+            )
+            is None
+        )
+
+
+def test_awkward_identifiers(warehouse: Any) -> None:
+    table = 'my "results" table'
+    key_cols = [Column("select", "text"), Column('we"ird col', "integer")]
+    writer = ResultsWriter(warehouse.hook, table, key_columns=key_cols)
+    keys = [
+        {"custom_id": "a", "key": ["x y", 1], "shard": 0},
+        {"custom_id": "b", "key": ["x'y", 2], "shard": 0},
+    ]
+    report = writer.merge(with_batch([chat_line("a", "A"), chat_line("b", "B")]), keys=keys)
+    assert report.counts["succeeded"] == 2
+    q = warehouse.quote
+    weird = q('we"ird col')
+    rows = warehouse.rows(f"SELECT {q('select')}, {weird}, content FROM {q(table)} ORDER BY 2")
+    assert rows == [("x y", 1, "A"), ("x'y", 2, "B")]
+    writer.merge(with_batch([chat_line("a", "A2")]), keys=keys)
+    assert warehouse.rows(f"SELECT COUNT(*) FROM {q(table)}") == [(2,)]
+
+
+def test_without_manifest_custom_id_is_the_key(warehouse: Any) -> None:
+    writer = ResultsWriter(warehouse.hook, "plain")
+    lines = [
+        chat_line("a", "1"),
+        error_line("b", "rate_limit"),
+        chat_line("a", "1-again"),
+        error_line("c", "x"),
+    ]
+    report = writer.merge(with_batch(lines))
+    assert report.counts["succeeded"] == 1 and report.counts["failed"] == 2
+    assert report.duplicate_results == 1
+    assert table_rows(warehouse, "plain", "custom_id, status, content") == [
+        ("a", "succeeded", "1-again"),
+        ("b", "failed", None),
+        ("c", "failed", None),
+    ]
+    writer.merge(with_batch(lines))
+    assert warehouse.rows(f"SELECT COUNT(*) FROM {warehouse.quote('plain')}") == [(3,)]
+
+
+def test_success_wins_over_an_earlier_error_for_the_same_key(warehouse: Any) -> None:
+    writer = ResultsWriter(warehouse.hook, "results", key_columns=[Column("id", "integer")])
+    lines = [chat_line("c1", "ok"), error_line("c1", "server_error")]
+    report = writer.merge(with_batch(lines), keys=keys_for([("c1", 1)]))
+    assert report.counts["succeeded"] == 1 and report.duplicate_results == 1
+    assert table_rows(warehouse, "results", "status, content") == [("succeeded", "ok")]
+
+
+def test_embeddings_land_as_json(warehouse: Any) -> None:
+    writer = ResultsWriter(warehouse.hook, "emb", key_columns=[Column("id", "integer")])
+    writer.merge(with_batch([embedding_line("e1", [0.25, -1.5, 3.0])]), keys=keys_for([("e1", 1)]))
+    (value,) = warehouse.rows(f"SELECT embedding FROM {warehouse.quote('emb')}")[0]
+    parsed = value if isinstance(value, list) else orjson.loads(value)
+    assert parsed == [0.25, -1.5, 3.0]
+    assert warehouse.rows(f"SELECT total_tokens, model FROM {warehouse.quote('emb')}") == [(3, "emb-test")]
+
+
+def test_structured_output_valid_and_invalid(warehouse: Any) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "label": {"type": "string"},
+            "score": {"type": "number"},
+            "urgent": {"type": "boolean"},
+            "count": {"type": "integer"},
+        },
+        "required": ["label", "score"],
+    }
+    mapper = ResultMapper(output_schema=OutputSchema(schema), extra_columns={"req_model": "$.model"})
+    writer = ResultsWriter(warehouse.hook, "structured", key_columns=[Column("id", "integer")], mapper=mapper)
+    lines = [
+        chat_line("s1", '{"label": "bug", "score": 0.9, "urgent": true, "count": 3}'),
+        chat_line("s2", '{"label": "bug"}'),
+        chat_line("s3", "not json at all"),
+    ]
+    report = writer.merge(with_batch(lines), keys=keys_for([("s1", 1), ("s2", 2), ("s3", 3)]))
+    assert report.counts["succeeded"] == 1 and report.counts["invalid_output"] == 2
+    rows = table_rows(warehouse, "structured", "id, status, label, score, urgent, count, req_model")
+    assert (
+        rows[0][:4] == (1, "succeeded", "bug", 0.9)
+        and bool(rows[0][4]) is True
+        and rows[0][5:] == (3, "gpt-test")
+    )
+    assert rows[1][:3] == (2, "invalid_output", None)
+    messages = dict(
+        warehouse.rows(f"SELECT id, error_message FROM {warehouse.quote('structured')} WHERE id > 1")
+    )
+    assert "score" in messages[2] and "not valid JSON" in messages[3]
+
+
+def test_existing_table_missing_column_is_named(warehouse: Any) -> None:
+    warehouse.run(
+        f"CREATE TABLE {warehouse.quote('old')} (id INTEGER PRIMARY KEY, custom_id TEXT, status TEXT)"
+    )
+    writer = ResultsWriter(warehouse.hook, "old", key_columns=[Column("id", "integer")])
+    with pytest.raises(WarehouseSchemaError, match="'content'"):
+        writer.merge(with_batch([chat_line("c1", "x")]), keys=keys_for([("c1", 1)]))
+
+
+def test_shard_of_an_expired_batch_marks_absent_keys_expired(warehouse: Any) -> None:
+    writer = ResultsWriter(warehouse.hook, "results", key_columns=[Column("id", "integer")])
+    keys = keys_for([("a", 1), ("b", 2)], shard=0) + keys_for([("c", 3)], shard=1)
+    report = writer.merge(
+        with_batch([chat_line("a", "done")]),
+        keys=keys,
+        shards={0: ShardOutcome("batch_a", "expired"), 1: ShardOutcome("batch_b", "missing")},
+    )
+    assert report.counts["succeeded"] == 1 and report.counts["expired"] == 1 and report.counts["missing"] == 1
+    assert table_rows(warehouse, "results", "id, status, batch_id") == [
+        (1, "succeeded", "batch_1"),
+        (2, "expired", "batch_a"),
+        (3, "missing", "batch_b"),
+    ]
+
+
+def test_retry_callback_gets_retryable_keys_in_shard_order(warehouse: Any) -> None:
+    writer = ResultsWriter(warehouse.hook, "results", key_columns=[Column("id", "integer")])
+    keys = keys_for([("b", 2), ("a", 1)], shard=0) + keys_for([("c", 3), ("d", 4)], shard=1)
+    seen: list[tuple[int, str]] = []
+    writer.merge(
+        with_batch([chat_line("a", "ok"), error_line("c", "server_error")]),
+        keys=keys,
+        on_retry=lambda pairs: seen.extend(pairs),
+    )
+    assert seen == [(0, "b"), (1, "c"), (1, "d")]
