@@ -1,0 +1,286 @@
+"""BatchTrigger: watch one or many batches from the triggerer until one terminal outcome.
+
+Async all the way down: the batches are read with the hook's async httpx client, never a
+sync call or a thread. The trigger's kwargs are primitives only (ids, connection id, clock
+values, intervals) and never a secret; the hook reads the connection itself. The deadline
+is an absolute time computed from the submit time, so a triggerer restart (which rebuilds
+the trigger from its kwargs) keeps it instead of starting the clock again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from airflow_batch_provider.exceptions import (
+    BatchApiConnectionError,
+    BatchApiError,
+    BatchApiRateLimitError,
+    BatchApiResponseError,
+    BatchApiServerError,
+    BatchProviderError,
+)
+from airflow_batch_provider.models import Batch, to_utc
+from airflow_batch_provider.outcome import decide, error_event, progress_key, progress_line
+
+if TYPE_CHECKING:
+    from airflow_batch_provider.hooks.batch import BatchApiHook
+
+# Errors worth another poll: the vendor or the network may recover. Anything else (401, 404,
+# 400, an unknown status) will not get better by asking again, so it ends the watch at once.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    BatchApiRateLimitError,
+    BatchApiServerError,
+    BatchApiConnectionError,
+    BatchApiResponseError,
+    httpx.TransportError,
+    asyncio.TimeoutError,
+)
+# A Retry-After longer than this is capped: a trigger must not go silent for an hour on one header.
+MAX_RETRY_AFTER = 300.0
+# How long on_kill may spend cancelling one batch (the triggerer bounds the whole call too).
+CANCEL_TIMEOUT = 20.0
+
+
+def deadline_from(
+    submitted_at: str | float | datetime | None, timeout: float | timedelta | None
+) -> datetime | None:
+    """The absolute deadline ``submitted_at + timeout`` (aware UTC), or None when either is missing."""
+    start = to_utc(submitted_at)
+    if start is None or timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    return start + timedelta(seconds=seconds)
+
+
+def retry_after_of(exc: BaseException) -> float | None:
+    """Seconds the server asked us to wait (``Retry-After``), when the error carries it."""
+    value = getattr(exc, "retry_after", None)
+    if value is None:
+        headers = getattr(exc, "headers", None)
+        if headers is not None:
+            value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(float(value), 0.0)
+    except (TypeError, ValueError):
+        return None
+
+
+class BatchTrigger(BaseTrigger):
+    """Poll batches until they all complete, one ends badly, or the deadline passes.
+
+    Yields exactly one event (see :mod:`airflow_batch_provider.outcome`):
+    ``{status, batch_ids, batches, message, termination_reason, counts}``.
+
+    :param batch_ids: the batches to watch.
+    :param batch_conn_id: the ``batch_api`` connection to read them with.
+    :param dialect: the dialect name, overriding the connection's.
+    :param submitted_at: when the batches were submitted (ISO-8601 or epoch seconds); the
+        timeout counts from here and the progress log reports elapsed time from here.
+    :param timeout: seconds after ``submitted_at`` to give up with a ``timeout`` event.
+    :param deadline: an absolute deadline (ISO-8601 or epoch seconds); wins over ``timeout``.
+    :param poll_interval: seconds between polls while something changes.
+    :param max_poll_interval: the longest wait between polls once nothing changes.
+    :param backoff: factor applied to the interval after a poll that saw no change.
+    :param max_consecutive_errors: transient polling errors tolerated in a row; the next one
+        ends the watch with an ``error`` event.
+    :param cancel_on_kill: cancel the batches when a user kills the deferred task.
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_ids: Sequence[str],
+        batch_conn_id: str = "batch_api_default",
+        dialect: str | None = None,
+        submitted_at: str | float | None = None,
+        timeout: float | None = None,
+        deadline: str | float | None = None,
+        poll_interval: float = 30.0,
+        max_poll_interval: float = 600.0,
+        backoff: float = 1.5,
+        max_consecutive_errors: int = 5,
+        cancel_on_kill: bool = True,
+    ) -> None:
+        super().__init__()
+        if not batch_ids:
+            raise ValueError("BatchTrigger needs at least one batch id")
+        self.batch_ids = [str(b) for b in batch_ids]
+        self.batch_conn_id = batch_conn_id
+        self.dialect = dialect
+        started = to_utc(submitted_at)
+        self.submitted_at = started.isoformat() if started else None
+        self.timeout = float(timeout) if timeout is not None else None
+        absolute = to_utc(deadline) if deadline is not None else deadline_from(started, self.timeout)
+        self.deadline = absolute.isoformat() if absolute else None
+        self.poll_interval = max(float(poll_interval), 0.0)
+        self.max_poll_interval = max(float(max_poll_interval), self.poll_interval)
+        self.backoff = max(float(backoff), 1.0)
+        self.max_consecutive_errors = int(max_consecutive_errors)
+        self.cancel_on_kill = bool(cancel_on_kill)
+        self._hook: BatchApiHook | None = None
+        self._last: list[Batch] = []
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "batch_ids": list(self.batch_ids),
+                "batch_conn_id": self.batch_conn_id,
+                "dialect": self.dialect,
+                "submitted_at": self.submitted_at,
+                "timeout": self.timeout,
+                "deadline": self.deadline,
+                "poll_interval": self.poll_interval,
+                "max_poll_interval": self.max_poll_interval,
+                "backoff": self.backoff,
+                "max_consecutive_errors": self.max_consecutive_errors,
+                "cancel_on_kill": self.cancel_on_kill,
+            },
+        )
+
+    # ---- helpers -----------------------------------------------------------------------
+    @property
+    def deadline_at(self) -> datetime | None:
+        return to_utc(self.deadline)
+
+    def _new_hook(self) -> BatchApiHook:
+        from airflow_batch_provider.hooks.batch import BatchApiHook
+
+        return BatchApiHook(self.batch_conn_id, dialect=self.dialect)
+
+    def _elapsed(self, now: datetime) -> float | None:
+        start = to_utc(self.submitted_at)
+        return (now - start).total_seconds() if start else None
+
+    async def _poll(self, hook: BatchApiHook) -> list[Batch]:
+        results = await asyncio.gather(*(hook.aget_batch(b) for b in self.batch_ids), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return [r for r in results if isinstance(r, Batch)]
+
+    # ---- the loop ----------------------------------------------------------------------
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        hook = self._hook = self._new_hook()
+        interval = self.poll_interval
+        errors = 0
+        last_key: tuple[Any, ...] | None = None
+        deadline = self.deadline_at
+        try:
+            while True:
+                now = datetime.now(timezone.utc)
+                try:
+                    batches = await self._poll(hook)
+                except TRANSIENT_ERRORS as exc:
+                    errors += 1
+                    if errors > self.max_consecutive_errors:
+                        yield TriggerEvent(
+                            error_event(
+                                self.batch_ids,
+                                f"gave up polling batch(es) {', '.join(self.batch_ids)} after {errors} "
+                                f"consecutive errors; last: {exc}",
+                            )
+                        )
+                        return
+                    wait = max(retry_after_of(exc) or 0.0, interval)
+                    wait = min(wait, MAX_RETRY_AFTER)
+                    self.log.warning(
+                        "Polling batch(es) failed (%d of %d tolerated in a row), retrying in %.1fs: %s",
+                        errors,
+                        self.max_consecutive_errors,
+                        wait,
+                        exc,
+                    )
+                    if deadline is not None and now >= deadline and self._last:
+                        yield TriggerEvent(
+                            decide(self._last, deadline=deadline, now=now).event(self.batch_ids)
+                        )
+                        return
+                    await asyncio.sleep(wait)
+                    continue
+                except (BatchProviderError, ValueError) as exc:
+                    # Not transient (auth, not found, unknown status, unreadable config): stop now.
+                    kind = type(exc).__name__
+                    yield TriggerEvent(
+                        error_event(
+                            self.batch_ids,
+                            f"cannot poll batch(es) {', '.join(self.batch_ids)}: {kind}: {exc}",
+                        )
+                    )
+                    return
+                errors = 0
+                self._last = batches
+                outcome = decide(batches, deadline=deadline, now=now)
+                if outcome.is_terminal:
+                    self.log.info("Batch watch ended (%s): %s", outcome.status, outcome.message)
+                    yield TriggerEvent(outcome.event(self.batch_ids))
+                    return
+                key = progress_key(batches)
+                if key != last_key:
+                    self.log.info(progress_line(batches, self._elapsed(now)))
+                    last_key = key
+                    interval = self.poll_interval
+                else:
+                    interval = min(interval * self.backoff, self.max_poll_interval)
+                wait = interval
+                if deadline is not None:
+                    # Wake at the deadline rather than oversleeping it by a long backoff.
+                    wait = min(wait, max((deadline - now).total_seconds(), 0.0) + 0.01)
+                await asyncio.sleep(wait)
+        finally:
+            self._hook = None
+            await _close(hook)
+
+    async def cleanup(self) -> None:
+        """Release the HTTP client when the trigger leaves this triggerer (never cancels work)."""
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            await _close(hook)
+
+    async def on_kill(self) -> None:
+        """A user killed the deferred task: cancel the batches that are still running."""
+        if not self.cancel_on_kill:
+            self.log.info("Task killed; leaving batch(es) %s running (cancel_on_kill=False)", self.batch_ids)
+            return
+        # run() has closed its client by now (its finally ran when it was cancelled).
+        hook = self._new_hook()
+        try:
+            await cancel_batches(hook, self.batch_ids, log=self.log)
+        finally:
+            await _close(hook)
+
+
+async def cancel_batches(hook: BatchApiHook, batch_ids: Sequence[str], *, log: Any) -> list[str]:
+    """Cancel every batch that is not already terminal; returns the ids a cancel was sent for."""
+
+    async def one(batch_id: str) -> str | None:
+        try:
+            batch = await asyncio.wait_for(hook.aget_batch(batch_id), CANCEL_TIMEOUT)
+            if batch.is_terminal:
+                return None
+            await asyncio.wait_for(hook.acancel_batch(batch_id), CANCEL_TIMEOUT)
+            log.info("Cancelled batch %s", batch_id)
+            return batch_id
+        except (BatchApiError, httpx.HTTPError, asyncio.TimeoutError) as exc:
+            log.warning("Could not cancel batch %s: %s", batch_id, exc)
+            return None
+
+    done = await asyncio.gather(*(one(b) for b in batch_ids))
+    return [b for b in done if b]
+
+
+async def _close(hook: Any) -> None:
+    aclose = getattr(hook, "aclose", None)
+    if aclose is not None:
+        # Closing a client must never mask the outcome being reported.
+        with contextlib.suppress(Exception):
+            await aclose()
