@@ -141,15 +141,25 @@ def test_connections_resolve_to_valid_json(resolved: dict[str, Any]) -> None:
     assert warehouse["password"] == _env_example()["POSTGRES_PASSWORD"]
 
 
-def test_batch_server_command_parses_with_the_provider_cli(resolved: dict[str, Any]) -> None:
+def test_batch_server_command_parses_with_the_provider_cli(
+    resolved: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     service = resolved["services"]["batch-server"]
     assert service["entrypoint"] == ["airflow-batch"]
-    pytest.importorskip("airflow_batch_provider.server.cli", reason="server CLI not built yet")
-    from airflow_batch_provider.cli import build_parser
+    import argparse
 
-    args = build_parser().parse_args(service["command"])
-    assert args.command == "serve"
-    assert str(args.port) == "8000"
+    from airflow_batch_provider.server.cli import add_arguments, config_from_args
+
+    assert service["command"][0] == "serve"
+    parser = argparse.ArgumentParser(prog="airflow-batch serve")
+    add_arguments(parser)
+    args = parser.parse_args(service["command"][1:])
+    assert (args.host, args.port, args.backend) == ("0.0.0.0", 8000, "echo")
+    # The key the server demands is the one the Airflow connection sends.
+    assert args.api_key_env in service["environment"]
+    monkeypatch.setenv(args.api_key_env, service["environment"][args.api_key_env])
+    config = config_from_args(args)
+    assert config.api_key == _env_example()["BATCH_API_KEY"]
     ports = service["ports"][0]
     assert str(ports["target"]) == "8000"
 
