@@ -1,0 +1,229 @@
+"""``airflow-batch validate`` and ``airflow-batch prepare``: check and fix a batch JSONL file from the shell.
+
+Both stream the file line by line (memory stays flat on a 200 MB file) and accept a local
+path or, when Airflow's object storage is configured, a URI such as ``s3://bucket/batch.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import IO, Any, TextIO
+
+import orjson
+
+from airflow_batch_provider.jsonl import LineValidator, iter_raw_lines
+
+# prepare rewrites whole lines, so it must hold one; this is far above any vendor's line limit.
+_PREPARE_LINE_CAP = 64 * 1024 * 1024
+
+
+def add_subcommands(subparsers: Any) -> None:
+    """Add ``validate`` and ``prepare`` to the ``airflow-batch`` argument parser."""
+    validate = subparsers.add_parser(
+        "validate",
+        help="check a batch JSONL file against every rule of a dialect",
+        description="Check a batch JSONL file; print each problem with its line number; exit 1 if any.",
+    )
+    validate.add_argument("file", help="path or URI of the JSONL file ('-' for stdin)")
+    validate.add_argument(
+        "--dialect", default="openai", help="vendor dialect whose rules apply (default openai)"
+    )
+    validate.add_argument(
+        "--endpoint", default=None, help="url every line must target, e.g. /v1/chat/completions"
+    )
+    validate.add_argument("--max-lines", type=int, default=None, help="lower the lines-per-file limit")
+    validate.add_argument("--max-file-bytes", type=int, default=None, help="lower the file size limit")
+    validate.add_argument("--max-line-bytes", type=int, default=None, help="lower the line size limit")
+    validate.add_argument(
+        "--max-problems",
+        type=int,
+        default=None,
+        help="stop printing after this many problems (all are counted)",
+    )
+    validate.add_argument("--quiet", "-q", action="store_true", help="print only the summary line")
+    validate.set_defaults(func=run_validate)
+
+    prepare = subparsers.add_parser(
+        "prepare",
+        help="set or override the model (and url) on every line of a batch JSONL file",
+        description="Set body.model (and optionally url) on every line, streaming; output is atomic.",
+    )
+    prepare.add_argument("file", help="path or URI of the JSONL file")
+    prepare.add_argument("--model", required=True, help="model to set on every line")
+    prepare.add_argument(
+        "--output", "-o", default=None, help="where to write (default: replace FILE in place)"
+    )
+    prepare.add_argument(
+        "--endpoint", default=None, help="also set the url of every line, e.g. /v1/chat/completions"
+    )
+    prepare.set_defaults(func=run_prepare)
+
+
+# ---- file access: local paths without importing Airflow, URIs through ObjectStoragePath ----------
+
+
+def _is_uri(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _local(path: str) -> str:
+    return path[len("file://") :] if path.startswith("file://") else path
+
+
+@contextmanager
+def _open_input(path: str) -> Iterator[IO[bytes]]:
+    if path == "-":
+        yield sys.stdin.buffer
+        return
+    if _is_uri(path):
+        from airflow_batch_provider import staging
+
+        with staging.open_read(staging.resolve_path(path)) as handle:
+            yield handle
+        return
+    with open(_local(path), "rb", buffering=1 << 20) as handle:
+        yield handle
+
+
+@contextmanager
+def _atomic_output(path: str) -> Iterator[IO[bytes]]:
+    if _is_uri(path):
+        from airflow_batch_provider import staging
+
+        with staging.atomic_writer(staging.resolve_path(path)) as handle:
+            yield handle
+        return
+    target = os.path.abspath(_local(path))
+    directory = os.path.dirname(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb", buffering=1 << 20) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        if os.path.exists(target):
+            # Keep the permissions of the file being replaced.
+            os.chmod(tmp, os.stat(target).st_mode & 0o7777)
+        os.replace(tmp, target)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# ---- validate ----------------------------------------------------------------------------------
+
+
+def run_validate(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Validate a file; print problems and a summary; return 1 if there is any problem, else 0."""
+    from airflow_batch_provider.dialects import get_dialect
+
+    out = out or sys.stdout
+    dialect = get_dialect(args.dialect)
+    if args.endpoint:
+        dialect.check_endpoint(args.endpoint)
+    limits = dialect.limits.tightened(
+        max_lines=args.max_lines, max_file_bytes=args.max_file_bytes, max_line_bytes=args.max_line_bytes
+    )
+    validator = LineValidator(dialect.validation_rules(limits), args.endpoint)
+    count = 0
+    shown = 0
+    limit = args.max_problems
+    quiet = getattr(args, "quiet", False)
+    name = args.file
+    write = out.write
+    with _open_input(args.file) as stream:
+        for raw in iter_raw_lines(stream, limits.max_line_bytes):
+            _, problems = validator.check_raw(raw)
+            for problem in problems:
+                count += 1
+                if not quiet and (limit is None or shown < limit):
+                    shown += 1
+                    write(f"{name}:{problem}\n")
+    for problem in validator.finish():
+        count += 1
+        if not quiet and (limit is None or shown < limit):
+            shown += 1
+            write(f"{name}:{problem}\n")
+    if count:
+        hidden = f" ({count - shown} not shown)" if count > shown and not quiet else ""
+        write(
+            f"{name}: {count} problem(s){hidden} in {validator.lines:,} line(s), {validator.bytes:,} bytes "
+            f"[dialect {dialect.name}]\n"
+        )
+        return 1
+    write(f"{name}: ok, {validator.lines:,} line(s), {validator.bytes:,} bytes [dialect {dialect.name}]\n")
+    return 0
+
+
+# ---- prepare -----------------------------------------------------------------------------------
+
+
+class PrepareError(Exception):
+    """A line that prepare cannot rewrite; the message names the line."""
+
+
+def prepare_stream(source: IO[bytes], target: IO[bytes], *, model: str, endpoint: str | None = None) -> int:
+    """Copy batch lines from ``source`` to ``target`` with ``body.model`` (and ``url``) set; return the count.
+
+    Blank lines are dropped (they hold no request); a line that is not a JSON object with an
+    object ``body`` raises :class:`PrepareError` naming its line number.
+    """
+    written = 0
+    buffer: list[bytes] = []
+    buffered = 0
+    loads, dumps = orjson.loads, orjson.dumps
+    for raw in iter_raw_lines(source, _PREPARE_LINE_CAP):
+        if raw.oversize:
+            raise PrepareError(f"line {raw.number}: {raw.size:,} bytes is too long to rewrite")
+        data = raw.data
+        if not data.strip():
+            continue
+        try:
+            obj = loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise PrepareError(f"line {raw.number}: not valid JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise PrepareError(f"line {raw.number}: not a JSON object")
+        body = obj.get("body")
+        if body is None:
+            body = obj["body"] = {}
+        if not isinstance(body, dict):
+            raise PrepareError(f"line {raw.number}: body is a {type(body).__name__}, not an object")
+        body["model"] = model
+        if endpoint is not None:
+            obj["url"] = endpoint
+        line = dumps(obj)
+        buffer.append(line)
+        buffer.append(b"\n")
+        buffered += len(line) + 1
+        written += 1
+        if buffered >= 1 << 20:
+            target.write(b"".join(buffer))
+            buffer.clear()
+            buffered = 0
+    if buffer:
+        target.write(b"".join(buffer))
+    return written
+
+
+def run_prepare(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Rewrite a file with the model set; return 0, or 1 when a line cannot be rewritten (nothing written)."""
+    out = out or sys.stdout
+    output = args.output or args.file
+    if args.endpoint and not args.endpoint.startswith("/"):
+        out.write(f"--endpoint must be a path such as /v1/chat/completions, not {args.endpoint!r}\n")
+        return 1
+    try:
+        with _open_input(args.file) as source, _atomic_output(output) as target:
+            lines = prepare_stream(source, target, model=args.model, endpoint=args.endpoint)
+    except PrepareError as exc:
+        out.write(f"{args.file}:{exc}; {output} was not changed\n")
+        return 1
+    out.write(f"{output}: set model {args.model!r} on {lines:,} line(s)\n")
+    return 0

@@ -1,0 +1,161 @@
+"""custom_id from a row's key columns, and the way back from staged key values to typed Python.
+
+A custom_id must be stable across runs (the same key always gives the same id, in any
+process), at most 64 characters (the strictest vendor limit) and distinct for distinct keys.
+A single integer key, or a single short string key made of safe characters, is used as is so
+ids stay readable in vendor consoles; everything else is hashed. Hashed ids start with
+``HASH_PREFIX`` and a readable id never does, so the two forms cannot collide. The way back
+from a hashed id is ``keys.jsonl`` in staging, which records the key values of every line.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import uuid
+from collections.abc import Sequence
+from datetime import date, datetime, time, timedelta
+from decimal import Decimal
+from typing import Any
+
+import orjson
+
+MAX_CUSTOM_ID = 64
+HASH_PREFIX = "k-"
+# 26 base32 characters = 130 bits of sha256; ample for any batch and short enough for a prefix.
+_HASH_CHARS = 26
+MAX_PREFIX = MAX_CUSTOM_ID - len(HASH_PREFIX) - _HASH_CHARS
+
+_SAFE = re.compile(r"[A-Za-z0-9_.:-]+")
+_INTEGER_TEXT = re.compile(r"-?[0-9]+")
+
+KEY_TYPES = ("integer", "float", "text", "boolean", "date", "timestamp", "json")
+
+
+def check_prefix(prefix: str) -> str:
+    """Return ``prefix`` if it can start a custom_id, else raise ``ValueError`` saying why."""
+    if prefix and not _SAFE.fullmatch(prefix):
+        raise ValueError(f"custom_id prefix {prefix!r} may only use letters, digits and _ . : -")
+    if len(prefix) > MAX_PREFIX:
+        raise ValueError(f"custom_id prefix {prefix!r} is longer than {MAX_PREFIX} characters")
+    return prefix
+
+
+def _canonical(value: Any) -> Any:
+    """A JSON-able, type-tagged form of one key value, identical in every process and run.
+
+    The tag keeps ``1`` and ``"1"`` (and ``1`` and ``True``) apart: SQLite lets one column hold both.
+    """
+    if value is None:
+        return ["n"]
+    if isinstance(value, bool):
+        return ["b", value]
+    if isinstance(value, int):
+        return ["i", str(value)]
+    if isinstance(value, float):
+        return ["f", repr(value)]
+    if isinstance(value, Decimal):
+        # 1.0 and 1.00 are the same key; integral decimals equal the integer they hold.
+        if value == value.to_integral_value():
+            return ["i", str(int(value))]
+        return ["f", format(value.normalize(), "f")]
+    if isinstance(value, str):
+        return ["s", value]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return ["x", bytes(value).hex()]
+    if isinstance(value, datetime):
+        return ["t", value.isoformat()]
+    if isinstance(value, date):
+        return ["d", value.isoformat()]
+    if isinstance(value, (time, timedelta, uuid.UUID)):
+        return ["s", str(value)]
+    if isinstance(value, (list, tuple)):
+        return ["a", [_canonical(v) for v in value]]
+    if isinstance(value, dict):
+        return ["o", sorted((str(k), _canonical(v)) for k, v in value.items())]
+    return ["s", str(value)]
+
+
+def readable_id(value: Any) -> str | None:
+    """The key as it would appear in a readable custom_id, or None if it must be hashed."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return str(value)
+    # Digits-only text is hashed so the string "1" never shares an id with the integer 1.
+    if isinstance(value, str) and (
+        _SAFE.fullmatch(value) and not _INTEGER_TEXT.fullmatch(value) and not value.startswith(HASH_PREFIX)
+    ):
+        return value
+    return None
+
+
+def hashed_id(values: Sequence[Any]) -> str:
+    """The hash part of a custom_id for ``values`` (``HASH_PREFIX`` + 26 base32 characters)."""
+    digest = hashlib.sha256(orjson.dumps([_canonical(v) for v in values])).digest()
+    return HASH_PREFIX + base64.b32encode(digest).decode("ascii")[:_HASH_CHARS].lower()
+
+
+def custom_id_for(values: Sequence[Any], prefix: str = "") -> str:
+    """The custom_id of a row with key ``values``: stable, at most 64 characters, distinct per key.
+
+    :param values: the row's key column values, in key column order.
+    :param prefix: optional text put in front (letters, digits, ``_.:-``; at most ``MAX_PREFIX``).
+    """
+    if len(values) == 1:
+        readable = readable_id(values[0])
+        if readable is not None and len(prefix) + len(readable) <= MAX_CUSTOM_ID:
+            return prefix + readable
+    return prefix + hashed_id(values)
+
+
+def jsonable_key(values: Sequence[Any]) -> list[Any]:
+    """Key values as written to ``keys.jsonl`` and ``rejects.jsonl`` (dates as ISO text, decimals as text)."""
+    return [_jsonable(v) for v in values]
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (datetime, date, time)):
+        return value.isoformat()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "base64:" + base64.b64encode(raw).decode("ascii")
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return str(value)
+
+
+def decode_key(values: Sequence[Any], key_types: Sequence[str]) -> tuple[Any, ...]:
+    """Turn a ``keys.jsonl`` key back into typed Python values using the manifest's ``key_types``.
+
+    An unknown or missing type leaves the value as stored.
+    """
+    out: list[Any] = []
+    for i, value in enumerate(values):
+        kind = key_types[i] if i < len(key_types) else "text"
+        out.append(_decode(value, kind))
+    return tuple(out)
+
+
+def _decode(value: Any, kind: str) -> Any:
+    if value is None:
+        return None
+    if kind == "integer":
+        return int(value)
+    if kind == "float":
+        return Decimal(value) if isinstance(value, str) else float(value)
+    if kind == "boolean":
+        return bool(value)
+    if kind == "date" and isinstance(value, str):
+        return date.fromisoformat(value)
+    if kind == "timestamp" and isinstance(value, str):
+        return datetime.fromisoformat(value)
+    return value

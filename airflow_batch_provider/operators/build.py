@@ -1,0 +1,781 @@
+"""SqlToBatchJsonlOperator: stream warehouse rows into validated, sharded batch JSONL files in staging."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from airflow.sdk import BaseHook, BaseOperator
+
+from airflow_batch_provider import keys as keymod
+from airflow_batch_provider import staging
+from airflow_batch_provider.dialects import get_dialect
+from airflow_batch_provider.exceptions import (
+    BatchProviderError,
+    ConfigurationError,
+    DuplicateKeyError,
+    EmptyBatchError,
+    RejectRatioExceededError,
+)
+from airflow_batch_provider.jsonl import LineValidator
+from airflow_batch_provider.models import Manifest
+from airflow_batch_provider.warehouse.read import stream_rows, value_type
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context, ObjectStoragePath
+
+    from airflow_batch_provider.dialects import Dialect, Limits
+
+ON_NULL_CHOICES = ("reject", "empty", "fail")
+DEFAULT_ENDPOINT = "/v1/chat/completions"
+EMBEDDINGS_ENDPOINT = "/v1/embeddings"
+RESPONSES_ENDPOINT = "/v1/responses"
+# Names a row template may use besides the result columns.
+_TEMPLATE_GLOBALS = frozenset({"row"})
+_DUPLICATES_SHOWN = 10
+_LOG_EVERY = 100_000
+
+
+class NullValueError(BatchProviderError):
+    """A column the request body uses is NULL and ``on_null='fail'``."""
+
+
+class RowRejected(Exception):
+    """A row cannot become a valid line; carries what goes into ``rejects.jsonl``."""
+
+    def __init__(self, code: str, reason: str, column: str | None = None) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+        self.column = column
+
+
+# ---------------------------------------------------------------------------------------------
+# Row templates
+# ---------------------------------------------------------------------------------------------
+
+
+def _jinja_env() -> Any:
+    from jinja2 import StrictUndefined
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    # Sandboxed: templates come from DAG authors but render warehouse data; StrictUndefined
+    # turns a misspelt column into an error instead of an empty prompt.
+    return ImmutableSandboxedEnvironment(
+        undefined=StrictUndefined, autoescape=False, keep_trailing_newline=True
+    )
+
+
+class RowTemplate:
+    """One Jinja template rendered per row, with a fast path for plain ``{{ column }}`` substitution.
+
+    :param source: the template text.
+    :param columns: the result's column names (a reference to anything else is an error).
+    :param env: the sandboxed Jinja environment.
+    """
+
+    def __init__(self, source: str, columns: Sequence[str], env: Any) -> None:
+        from jinja2 import meta, nodes
+
+        self.source = source
+        ast = env.parse(source)
+        names = meta.find_undeclared_variables(ast)
+        missing = sorted(n for n in names if n not in columns and n not in _TEMPLATE_GLOBALS)
+        if missing:
+            raise ConfigurationError(
+                f"template {source[:80]!r} uses {', '.join(missing)}, which the query does not return "
+                f"(columns: {', '.join(columns)})"
+            )
+        index = {c: i for i, c in enumerate(columns)}
+        self.column_indexes = sorted(index[n] for n in names if n in index)
+        self.uses_row = "row" in names
+        self._columns = list(columns)
+        # Fast path: text and bare names only (no filters, loops or attribute access); rendering
+        # is then a string join, identical to Jinja's str() conversion of each value.
+        parts: list[str | int] = []
+        simple = True
+        for node in ast.body:
+            if not isinstance(node, nodes.Output):
+                simple = False
+                break
+            for child in node.nodes:
+                if isinstance(child, nodes.TemplateData):
+                    parts.append(child.data)
+                elif isinstance(child, nodes.Name) and child.name in index:
+                    parts.append(index[child.name])
+                else:
+                    simple = False
+                    break
+            if not simple:
+                break
+        self._parts = parts if simple else None
+        self._template = None if simple else env.from_string(source)
+
+    def render(self, row: Sequence[Any]) -> str:
+        if self._parts is not None:
+            return "".join(p if isinstance(p, str) else str(row[p]) for p in self._parts)
+        values = dict(zip(self._columns, row, strict=False))
+        assert self._template is not None
+        return str(self._template.render(values, row=values))
+
+
+def _compile_structure(value: Any, columns: Sequence[str], env: Any, templates: list[RowTemplate]) -> Any:
+    """Turn a JSON-like structure with template strings into a function ``row -> rendered structure``."""
+    if isinstance(value, str):
+        if "{{" not in value and "{%" not in value:
+            return lambda row, v=value: v
+        tpl = RowTemplate(value, columns, env)
+        templates.append(tpl)
+        return tpl.render
+    if isinstance(value, Mapping):
+        items = [(str(k), _compile_structure(v, columns, env, templates)) for k, v in value.items()]
+        return lambda row: {k: f(row) for k, f in items}
+    if isinstance(value, (list, tuple)):
+        funcs = [_compile_structure(v, columns, env, templates) for v in value]
+        return lambda row: [f(row) for f in funcs]
+    return lambda row, v=value: v
+
+
+# ---------------------------------------------------------------------------------------------
+# Body builders: row tuple -> request body
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BodyBuilder:
+    """How a body is made from a row, and which columns it reads (for NULL and bytes checks)."""
+
+    build: Callable[[Sequence[Any]], dict[str, Any]]
+    columns: list[int]
+    checks_all_columns: bool = False
+
+
+def _decode_bytes(value: Any, column: str) -> str:
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RowRejected(
+            "invalid_utf8",
+            f"column {column!r} holds bytes that are not valid UTF-8 (byte {exc.start}); "
+            "cast or convert it in the query",
+            column,
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The operator
+# ---------------------------------------------------------------------------------------------
+
+
+class SqlToBatchJsonlOperator(BaseOperator):
+    """Build batch JSONL shards from a SQL query or table, ready for :class:`SubmitBatchOperator`.
+
+    Rows are streamed from any common-sql ``DbApiHook`` connection and turned into one request
+    line each. Every line is validated against the dialect's rules; rows that cannot become a
+    valid line are written to ``rejects.jsonl`` with their key and a reason. Output (shards,
+    ``keys.jsonl``, ``rejects.jsonl`` and ``manifest.json``, written last) goes to
+    ``staging_path``. The return value (XCom) is the manifest plus ``staging_path``,
+    ``manifest_path`` and a ``uri`` on every shard, so ``.expand()`` can map over ``["shards"]``.
+
+    :param conn_id: connection of the source database (any ``DbApiHook``).
+    :param sql: the query (templated; ``.sql`` files are read). Give ``sql`` or ``table``.
+    :param table: a table to read whole (templated); used as written, so quote it yourself if needed.
+    :param where: optional filter for ``table`` (templated).
+    :param parameters: query parameters, in the driver's style (templated).
+    :param key_columns: column(s) whose values identify a row; they make the custom_id.
+    :param messages: chat messages whose strings are Jinja row templates (a list of
+        ``{"role", "content"}``), or one template string rendering a JSON list of messages.
+    :param body_template: a Jinja row template rendering the whole body as a JSON object.
+    :param body_callable: a Python callable ``row dict -> body dict``.
+    :param input_column: for embeddings: the column holding the text to embed.
+    :param body: body defaults merged into every line (max_tokens, temperature, response_format...).
+    :param endpoint: the url every line targets (templated); default chat completions, or
+        embeddings when ``input_column`` is given.
+    :param model: the model (templated); omit it to set it later with ``airflow-batch prepare``.
+    :param dialect: vendor dialect whose rules and limits apply (default ``openai``).
+    :param batch_conn_id: a batch API connection to read the dialect from, when ``dialect`` is not given.
+    :param staging_path: where to write (templated; a URI or ObjectStoragePath). Default:
+        ``[batch_provider] staging_root`` (or ``$AIRFLOW_HOME/batch-staging``) / dag / run / task.
+    :param max_lines: lower the dialect's lines-per-shard limit.
+    :param max_file_bytes: lower the dialect's bytes-per-shard limit.
+    :param max_line_bytes: lower the dialect's bytes-per-line limit.
+    :param on_null: a NULL in a column the body uses: ``reject`` the row (default), render it
+        as ``empty`` text, or ``fail`` the task.
+    :param allow_empty: succeed when no row becomes a line (default: fail).
+    :param max_reject_ratio: fail when rejected / read exceeds this (0..1); None = no limit.
+    :param custom_id_prefix: text put in front of every custom_id (templated).
+    :param fetch_batch_size: rows per fetch from the database.
+    """
+
+    template_fields: Sequence[str] = (
+        "sql",
+        "table",
+        "where",
+        "parameters",
+        "staging_path",
+        "model",
+        "endpoint",
+        "custom_id_prefix",
+    )
+    template_ext: Sequence[str] = (".sql",)
+    template_fields_renderers = {"sql": "sql", "parameters": "json"}
+    ui_color = "#e8f1fb"
+
+    def __init__(
+        self,
+        *,
+        conn_id: str,
+        key_columns: str | Sequence[str],
+        sql: str | None = None,
+        table: str | None = None,
+        where: str | None = None,
+        parameters: Sequence[Any] | Mapping[str, Any] | None = None,
+        messages: Sequence[Mapping[str, Any]] | str | None = None,
+        body_template: str | None = None,
+        body_callable: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None,
+        input_column: str | None = None,
+        body: Mapping[str, Any] | None = None,
+        endpoint: str | None = None,
+        model: str | None = None,
+        dialect: str | None = None,
+        batch_conn_id: str | None = None,
+        staging_path: Any = None,
+        max_lines: int | None = None,
+        max_file_bytes: int | None = None,
+        max_line_bytes: int | None = None,
+        on_null: str = "reject",
+        allow_empty: bool = False,
+        max_reject_ratio: float | None = None,
+        custom_id_prefix: str = "",
+        fetch_batch_size: int = 5_000,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if (sql is None) == (table is None):
+            raise ConfigurationError("give exactly one of sql or table")
+        if where is not None and table is None:
+            raise ConfigurationError("where applies to table; put the filter in sql instead")
+        modes = [
+            n
+            for n, v in (
+                ("messages", messages),
+                ("body_template", body_template),
+                ("body_callable", body_callable),
+                ("input_column", input_column),
+            )
+            if v is not None
+        ]
+        if len(modes) != 1:
+            raise ConfigurationError(
+                "give exactly one body source: messages, body_template, body_callable or input_column"
+                + (f" (got {', '.join(modes)})" if modes else "")
+            )
+        if on_null not in ON_NULL_CHOICES:
+            raise ConfigurationError(f"on_null must be one of {', '.join(ON_NULL_CHOICES)}, not {on_null!r}")
+        if max_reject_ratio is not None and not 0 <= max_reject_ratio <= 1:
+            raise ConfigurationError(f"max_reject_ratio must be between 0 and 1, not {max_reject_ratio!r}")
+        key_list = [key_columns] if isinstance(key_columns, str) else list(key_columns)
+        if not key_list:
+            raise ConfigurationError("key_columns needs at least one column")
+        if body is not None and body.get("stream") is True:
+            raise ConfigurationError("body has stream=true, which no batch accepts")
+        self.conn_id = conn_id
+        self.sql = sql
+        self.table = table
+        self.where = where
+        self.parameters = parameters
+        self.key_columns = key_list
+        self.messages = messages
+        self.body_template = body_template
+        self.body_callable = body_callable
+        self.input_column = input_column
+        self.body = dict(body or {})
+        self.endpoint = endpoint
+        self.model = model
+        self.dialect = dialect
+        self.batch_conn_id = batch_conn_id
+        self.staging_path = staging_path
+        self.max_lines = max_lines
+        self.max_file_bytes = max_file_bytes
+        self.max_line_bytes = max_line_bytes
+        self.on_null = on_null
+        self.allow_empty = allow_empty
+        self.max_reject_ratio = max_reject_ratio
+        self.custom_id_prefix = custom_id_prefix
+        self.fetch_batch_size = fetch_batch_size
+
+    # ---- configuration resolved at run time -------------------------------------------------
+
+    def _dialect(self) -> Dialect:
+        name = self.dialect
+        if name is None and self.batch_conn_id:
+            extra = BaseHook.get_connection(self.batch_conn_id).extra_dejson
+            name = extra.get("dialect")
+        return get_dialect(name or "openai")
+
+    def _endpoint(self) -> str:
+        if self.endpoint:
+            return self.endpoint
+        return EMBEDDINGS_ENDPOINT if self.input_column is not None else DEFAULT_ENDPOINT
+
+    def _limits(self, dialect: Dialect) -> Limits:
+        return dialect.limits.tightened(
+            max_lines=self.max_lines, max_file_bytes=self.max_file_bytes, max_line_bytes=self.max_line_bytes
+        )
+
+    def _query(self) -> str:
+        if self.sql is not None:
+            return self.sql
+        query = f"SELECT * FROM {self.table}"
+        return f"{query} WHERE {self.where}" if self.where else query
+
+    def _staging_dir(self, context: Context | Mapping[str, Any]) -> ObjectStoragePath:
+        if self.staging_path:
+            return staging.resolve_path(self.staging_path)
+        return staging.resolve_path(default_staging_path(context, self.task_id))
+
+    def _hook(self) -> Any:
+        from airflow.providers.common.sql.hooks.sql import DbApiHook
+
+        hook = BaseHook.get_connection(self.conn_id).get_hook()
+        if not isinstance(hook, DbApiHook):
+            raise ConfigurationError(
+                f"connection {self.conn_id!r} gives a {type(hook).__name__}, not a common-sql DbApiHook"
+            )
+        return hook
+
+    def _body_builder(self, columns: list[str], endpoint: str) -> BodyBuilder:
+        defaults = dict(self.body)
+        if self.model:
+            defaults = {"model": self.model, **{k: v for k, v in defaults.items() if k != "model"}}
+        index = {c: i for i, c in enumerate(columns)}
+        if self.input_column is not None:
+            if self.input_column not in index:
+                raise ConfigurationError(
+                    f"input_column {self.input_column!r} is not in the query result "
+                    f"(columns: {', '.join(columns)})"
+                )
+            i = index[self.input_column]
+
+            def build_embedding(row: Sequence[Any]) -> dict[str, Any]:
+                value = row[i]
+                if not isinstance(value, (str, list)):
+                    value = str(value)
+                return {**defaults, "input": value}
+
+            return BodyBuilder(build_embedding, [i])
+        if self.body_callable is not None:
+            func = self.body_callable
+
+            def build_callable(row: Sequence[Any]) -> dict[str, Any]:
+                try:
+                    result = func(dict(zip(columns, row, strict=False)))
+                except Exception as exc:
+                    raise RowRejected(
+                        "callable_error", f"body_callable raised {type(exc).__name__}: {exc}"
+                    ) from None
+                if not isinstance(result, Mapping):
+                    raise RowRejected(
+                        "invalid_body", f"body_callable returned a {type(result).__name__}, not a dict"
+                    )
+                return {**defaults, **result}
+
+            # The callable decides what to do with NULLs itself.
+            return BodyBuilder(build_callable, [])
+        env = _jinja_env()
+        templates: list[RowTemplate] = []
+        if self.body_template is not None:
+            tpl = RowTemplate(self.body_template, columns, env)
+            templates.append(tpl)
+
+            def build_from_template(row: Sequence[Any]) -> dict[str, Any]:
+                text = tpl.render(row)
+                try:
+                    parsed = orjson.loads(text)
+                except orjson.JSONDecodeError as exc:
+                    raise RowRejected("invalid_json", f"body_template rendered invalid JSON: {exc}") from None
+                if not isinstance(parsed, dict):
+                    raise RowRejected(
+                        "invalid_body", f"body_template rendered a {type(parsed).__name__}, not an object"
+                    )
+                return {**defaults, **parsed}
+
+            builder = build_from_template
+        else:
+            field = "input" if endpoint == RESPONSES_ENDPOINT else "messages"
+            if isinstance(self.messages, str):
+                tpl = RowTemplate(self.messages, columns, env)
+                templates.append(tpl)
+
+                def build_from_text(row: Sequence[Any]) -> dict[str, Any]:
+                    text = tpl.render(row)
+                    try:
+                        parsed = orjson.loads(text)
+                    except orjson.JSONDecodeError as exc:
+                        raise RowRejected(
+                            "invalid_json", f"messages template rendered invalid JSON: {exc}"
+                        ) from None
+                    if not isinstance(parsed, list) or not parsed:
+                        raise RowRejected(
+                            "invalid_body", "messages template must render a non-empty JSON list"
+                        )
+                    return {**defaults, field: parsed}
+
+                builder = build_from_text
+            else:
+                render = _compile_structure(list(self.messages or []), columns, env, templates)
+
+                def build_messages(row: Sequence[Any]) -> dict[str, Any]:
+                    return {**defaults, field: render(row)}
+
+                builder = build_messages
+        used = sorted({i for t in templates for i in t.column_indexes})
+        return BodyBuilder(builder, used, checks_all_columns=any(t.uses_row for t in templates))
+
+    # ---- execution ----------------------------------------------------------------------------
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        dialect = self._dialect()
+        endpoint = self._endpoint()
+        dialect.check_endpoint(endpoint)
+        limits = self._limits(dialect)
+        rules = dataclasses.replace(dialect.validation_rules(limits), unique_custom_ids=False)
+        prefix = keymod.check_prefix(self.custom_id_prefix or "")
+        directory = self._staging_dir(context)
+        staging.mkdirs(directory)
+        # A manifest left by an earlier try would describe shards this try is about to replace.
+        manifest_file = directory / staging.MANIFEST_NAME
+        if manifest_file.exists():
+            manifest_file.unlink()
+        hook = self._hook()
+        query = self._query()
+        self.log.info(
+            "Building %s batch lines for %s from %s into %s", dialect.name, endpoint, self.conn_id, directory
+        )
+        build = _Build(
+            operator=self,
+            directory=directory,
+            endpoint=endpoint,
+            limits=limits,
+            validator=LineValidator(rules, endpoint),
+            prefix=prefix,
+        )
+        with stream_rows(hook, query, self.parameters, batch_size=self.fetch_batch_size) as rows:
+            build.run(rows)
+        manifest = Manifest(
+            source=f"{self.conn_id}: {self.table or _one_line(query)}",
+            dialect=dialect.name,
+            endpoint=endpoint,
+            model=self.model or None,
+            key_columns=self.key_columns,
+            key_types=build.key_types,
+            custom_id_prefix=prefix,
+            shards=build.shards,
+            rows_read=build.rows_read,
+            rows_written=build.rows_written,
+            rows_rejected=build.rows_rejected,
+            rejects_path=staging.REJECTS_NAME,
+            keys_path=staging.KEYS_NAME,
+            extra={
+                "rejects_by_code": dict(build.reject_codes),
+                "columns": build.column_names,
+                "on_null": self.on_null,
+                "limits": dataclasses.asdict(limits),
+            },
+        )
+        self._check_outcome(build)
+        written = staging.write_manifest(directory, manifest)
+        staging.remove_stale_shards(directory, {s.path for s in manifest.shards})
+        self.log.info(
+            "Wrote %d lines in %d shard(s); %d row(s) rejected of %d read; manifest %s",
+            manifest.rows_written,
+            len(manifest.shards),
+            manifest.rows_rejected,
+            manifest.rows_read,
+            written,
+        )
+        return manifest_xcom(manifest, directory)
+
+    def _check_outcome(self, build: _Build) -> None:
+        summary = ", ".join(f"{code}: {n}" for code, n in build.reject_codes.most_common())
+        where = f"see {build.directory / staging.REJECTS_NAME}"
+        if build.rows_written == 0 and not self.allow_empty:
+            detail = (
+                f"; all {build.rows_read} row(s) rejected ({summary}), {where}" if build.rows_read else ""
+            )
+            raise EmptyBatchError(f"the query returned no row that makes a valid line{detail}")
+        if self.max_reject_ratio is not None and build.rows_read:
+            ratio = build.rows_rejected / build.rows_read
+            if ratio > self.max_reject_ratio:
+                raise RejectRatioExceededError(
+                    f"{build.rows_rejected} of {build.rows_read} rows rejected ({ratio:.1%}), over "
+                    f"max_reject_ratio {self.max_reject_ratio:.1%} ({summary}); {where}"
+                )
+
+
+def _one_line(sql: str, limit: int = 200) -> str:
+    text = " ".join(sql.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def default_staging_path(context: Context | Mapping[str, Any], task_id: str) -> str:
+    """The default staging directory of a task instance: root / dag / run / task[-map_index]."""
+    from airflow.configuration import conf
+
+    root = conf.get("batch_provider", "staging_root", fallback=None) or os.environ.get(
+        "AIRFLOW_BATCH_STAGING_ROOT"
+    )
+    if not root:
+        home = os.environ.get("AIRFLOW_HOME") or os.path.expanduser("~/airflow")
+        root = "file://" + os.path.join(os.path.abspath(home), "batch-staging")
+    ti = context.get("ti") or context.get("task_instance")
+    dag_id = getattr(ti, "dag_id", None) or getattr(context.get("dag"), "dag_id", None) or "dag"
+    run_id = context.get("run_id") or getattr(ti, "run_id", None) or "manual"
+    map_index = getattr(ti, "map_index", -1)
+    task = task_id if map_index is None or map_index < 0 else f"{task_id}-{map_index}"
+    parts = [staging.safe_segment(str(p)) for p in (dag_id, run_id, task)]
+    return root.rstrip("/") + "/" + "/".join(parts)
+
+
+def manifest_xcom(manifest: Manifest, directory: ObjectStoragePath) -> dict[str, Any]:
+    """The XCom value of a build: the manifest, where it lives, and an absolute ``uri`` per shard."""
+    data = manifest.model_dump(mode="json")
+    for shard in data["shards"]:
+        shard["uri"] = str(directory / shard["path"])
+    data["staging_path"] = str(directory)
+    data["manifest_path"] = str(directory / staging.MANIFEST_NAME)
+    return data
+
+
+class _Build:
+    """The row loop of one build: lines into shards, keys and rejects, counts and duplicate tracking."""
+
+    def __init__(
+        self,
+        *,
+        operator: SqlToBatchJsonlOperator,
+        directory: ObjectStoragePath,
+        endpoint: str,
+        limits: Limits,
+        validator: LineValidator,
+        prefix: str,
+    ) -> None:
+        self.op = operator
+        self.directory = directory
+        self.endpoint = endpoint
+        self.limits = limits
+        self.validator = validator
+        self.prefix = prefix
+        # A line must also fit an otherwise empty shard.
+        self.max_line = min(limits.max_line_bytes, limits.max_file_bytes - 1)
+        self.rows_read = 0
+        self.rows_written = 0
+        self.rows_rejected = 0
+        self.reject_codes: Counter[str] = Counter()
+        self.shards: list[Any] = []
+        self.key_types: list[str] = []
+        self.column_names: list[str] = []
+        # Duplicate detection with flat-ish memory: 8 bytes per row (a 64-bit hash of the
+        # custom_id in one of 256 arrays), checked at the end; candidates are confirmed by
+        # re-reading keys.jsonl / rejects.jsonl, so a hash collision never fails a build.
+        self._hashes = [array("q") for _ in range(256)]
+
+    def run(self, rows: Any) -> None:
+        op = self.op
+        columns = rows.column_names
+        self.column_names = columns
+        index = {c: i for i, c in enumerate(columns)}
+        missing = [k for k in op.key_columns if k not in index]
+        if missing:
+            raise ConfigurationError(
+                f"key column(s) {', '.join(missing)} not in the query result (columns: {', '.join(columns)})"
+            )
+        key_idx = [index[k] for k in op.key_columns]
+        types: list[str | None] = [rows.columns[i].type for i in key_idx]
+        builder = op._body_builder(columns, self.endpoint)
+        checked = list(range(len(columns))) if builder.checks_all_columns else builder.columns
+        checked_names = [(i, columns[i]) for i in checked]
+        on_null = op.on_null
+        endpoint = self.endpoint
+        build_body = builder.build
+        check_object = self.validator.check_object
+        dumps = orjson.dumps
+        max_line = self.max_line
+        hashes = self._hashes
+        custom_id = _custom_id_function(self.prefix, len(key_idx))
+        single_key = key_idx[0] if len(key_idx) == 1 else None
+        row_number = 0
+        with (
+            staging.ShardedJsonlWriter(self.directory, self.limits, endpoint=endpoint) as writer,
+            staging.atomic_writer(self.directory / staging.KEYS_NAME) as keys_out,
+            staging.atomic_writer(self.directory / staging.REJECTS_NAME) as rejects_out,
+        ):
+
+            def reject(row_no: int, key: list[Any] | None, cid: str | None, err: RowRejected) -> None:
+                self.rows_rejected += 1
+                self.reject_codes[err.code] += 1
+                record = {
+                    "row": row_no,
+                    "key": key,
+                    "custom_id": cid,
+                    "code": err.code,
+                    "reason": err.reason,
+                    "column": err.column,
+                }
+                rejects_out.write(dumps(record) + b"\n")
+
+            for batch in rows.batches():
+                for row in batch:
+                    row_number += 1
+                    # ---- key -------------------------------------------------------------
+                    if single_key is not None:
+                        kv = row[single_key]
+                        key_values: list[Any] = [kv]
+                        if kv is None:
+                            reject(
+                                row_number,
+                                [None],
+                                None,
+                                RowRejected(
+                                    "null_key", f"key column {op.key_columns[0]!r} is NULL", op.key_columns[0]
+                                ),
+                            )
+                            continue
+                    else:
+                        key_values = [row[i] for i in key_idx]
+                        if None in key_values:
+                            col = op.key_columns[key_values.index(None)]
+                            reject(
+                                row_number,
+                                keymod.jsonable_key(key_values),
+                                None,
+                                RowRejected("null_key", f"key column {col!r} is NULL", col),
+                            )
+                            continue
+                    if None in types:
+                        for pos, value in enumerate(key_values):
+                            if types[pos] is None:
+                                types[pos] = value_type(value)
+                    cid = custom_id(key_values)
+                    h = hash(cid)
+                    hashes[h & 255].append(h)
+                    # ---- body --------------------------------------------------------------
+                    try:
+                        values: Sequence[Any] = row
+                        for i, name in checked_names:
+                            v = row[i]
+                            if v is None:
+                                if on_null == "reject":
+                                    raise RowRejected("null_value", f"column {name!r} is NULL", name)
+                                if on_null == "fail":
+                                    raise NullValueError(
+                                        f"row {row_number} (key {keymod.jsonable_key(key_values)}): "
+                                        f"column {name!r} is NULL and on_null='fail'"
+                                    )
+                                values = list(values) if values is row else values
+                                values[i] = ""  # type: ignore[index]
+                            elif isinstance(v, (bytes, bytearray, memoryview)):
+                                values = list(values) if values is row else values
+                                values[i] = _decode_bytes(v, name)  # type: ignore[index]
+                        body = build_body(values)
+                        line_obj = {"custom_id": cid, "method": "POST", "url": endpoint, "body": body}
+                        problems = check_object(line_obj, row_number)
+                        if problems:
+                            p = problems[0]
+                            raise RowRejected(p.code, p.message, p.param)
+                        try:
+                            line = dumps(line_obj)
+                        except orjson.JSONEncodeError as exc:
+                            raise RowRejected(
+                                "unserializable", f"body cannot be written as JSON: {exc}"
+                            ) from None
+                        if len(line) > max_line:
+                            raise RowRejected(
+                                "line_too_large",
+                                f"line is {len(line):,} bytes; the limit is {max_line:,}",
+                            )
+                    except RowRejected as err:
+                        reject(row_number, keymod.jsonable_key(key_values), cid, err)
+                        continue
+                    shard = writer.add(line)
+                    keys_out.write(
+                        dumps({"custom_id": cid, "key": keymod.jsonable_key(key_values), "shard": shard})
+                        + b"\n"
+                    )
+                    self.rows_written += 1
+                if row_number and row_number % _LOG_EVERY < len(batch):
+                    op.log.info(
+                        "%d rows read, %d written, %d rejected",
+                        row_number,
+                        self.rows_written,
+                        self.rows_rejected,
+                    )
+            self.rows_read = row_number
+            self.shards = writer.close()
+        self.key_types = [t or "text" for t in types]
+        self._check_duplicates()
+
+    def _check_duplicates(self) -> None:
+        candidates: set[int] = set()
+        for bucket in self._hashes:
+            seen: set[int] = set()
+            for h in bucket:
+                if h in seen:
+                    candidates.add(h)
+                else:
+                    seen.add(h)
+        self._hashes = []
+        if not candidates:
+            return
+        counts: Counter[str] = Counter()
+        key_of: dict[str, Any] = {}
+        for name in (staging.KEYS_NAME, staging.REJECTS_NAME):
+            for record in _iter_jsonl(self.directory / name):
+                cid = record.get("custom_id")
+                if isinstance(cid, str) and hash(cid) in candidates:
+                    counts[cid] += 1
+                    key_of[cid] = record.get("key")
+        dups = [(cid, n) for cid, n in counts.items() if n > 1]
+        if not dups:
+            return
+        dups.sort(key=lambda item: -item[1])
+        shown = "; ".join(
+            f"{dict(zip(self.op.key_columns, key_of[cid] or [], strict=False))} x{n}"
+            for cid, n in dups[:_DUPLICATES_SHOWN]
+        )
+        more = f" and {len(dups) - _DUPLICATES_SHOWN} more" if len(dups) > _DUPLICATES_SHOWN else ""
+        raise DuplicateKeyError(
+            f"{len(dups)} key(s) of ({', '.join(self.op.key_columns)}) appear on more than one row: "
+            f"{shown}{more}. "
+            "Make key_columns unique per row (add a column or deduplicate in the query)."
+        )
+
+
+def _custom_id_function(prefix: str, key_count: int) -> Callable[[list[Any]], str]:
+    custom_id_for = keymod.custom_id_for
+    if key_count != 1:
+        return lambda values: custom_id_for(values, prefix)
+    room = keymod.MAX_CUSTOM_ID - len(prefix)
+
+    def single(values: list[Any]) -> str:
+        v = values[0]
+        # Integer keys are the common case: skip the general path.
+        if type(v) is int:
+            text = str(v)
+            if len(text) <= room:
+                return prefix + text
+        return custom_id_for(values, prefix)
+
+    return single
+
+
+def _iter_jsonl(path: ObjectStoragePath) -> Iterator[dict[str, Any]]:
+    with staging.open_read(path) as handle:
+        for raw in handle:
+            if raw.strip():
+                yield orjson.loads(raw)
