@@ -57,7 +57,7 @@ def _canonical(value: Any) -> Any:
         return ["f", repr(value)]
     if isinstance(value, Decimal):
         # 1.0 and 1.00 are the same key; integral decimals equal the integer they hold.
-        if value == value.to_integral_value():
+        if value.is_finite() and value == value.to_integral_value():
             return ["i", str(int(value))]
         return ["f", format(value.normalize(), "f")]
     if isinstance(value, str):
@@ -83,6 +83,8 @@ def readable_id(value: Any) -> str | None:
         return None
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, Decimal) and value.is_finite() and value == value.to_integral_value():
+        return str(int(value))
     # Digits-only text is hashed so the string "1" never shares an id with the integer 1.
     if isinstance(value, str) and (
         _SAFE.fullmatch(value) and not _INTEGER_TEXT.fullmatch(value) and not value.startswith(HASH_PREFIX)

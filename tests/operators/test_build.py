@@ -184,7 +184,9 @@ def test_body_template_renders_whole_body(duckdb_warehouse: Any, tmp_path: Path)
     _, out = build(
         duckdb_warehouse,
         tmp_path,
-        body_template='{"messages": [{"role": "user", "content": {{ title | tojson }}}], "max_tokens": {{ id * 10 }}}',
+        body_template=(
+            '{"messages": [{"role": "user", "content": {{ title | tojson }}}], "max_tokens": {{ id * 10 }}}'
+        ),
         body={"temperature": 0.5},
     )
     lines = all_lines(out, staging.read_manifest(out))
