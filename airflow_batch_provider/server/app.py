@@ -1,0 +1,505 @@
+"""FastAPI application of the local batch server: /v1 files, batches, results, sync inference, /admin."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import orjson
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from airflow_batch_provider.server.backends import make_backend
+from airflow_batch_provider.server.config import BATCH_FAULTS, REQUEST_FAULTS, ServerConfig
+from airflow_batch_provider.server.engine import TERMINAL, Engine, new_batch_record, validate_file
+from airflow_batch_provider.server.faults import Faults
+from airflow_batch_provider.server.results import DoublewordResults, xai_page
+from airflow_batch_provider.server.store import Store, now
+from airflow_batch_provider.server.wire import ApiError, Wire, get_wire
+
+log = logging.getLogger(__name__)
+
+FAULT_HEADER = "x-batch-fault"
+_DOWNLOAD_CHUNK = 1 << 16
+_MAX_FORM_FIELD = 1 << 16
+
+
+class ORJSON(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+class ServerState:
+    """Everything a request handler needs, created once per app."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.wire: Wire = get_wire(config.dialect)
+        self.store = Store(config.data_dir)
+        self.faults = Faults(config.faults.model_copy())
+        self.backend = make_backend(config)
+        self.engine = Engine(self.store, config, self.faults, self.backend, self.wire)
+        self.dw_results = DoublewordResults(self.store)
+
+
+def _state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state
+
+
+async def _guard(request: Request) -> None:
+    """Faults first (as a gateway in front of the API would answer), then authentication."""
+    st = _state(request)
+    faults = st.faults
+    faults.count("requests")
+    forced = request.headers.get(FAULT_HEADER, "").strip().lower()
+    if forced and forced not in REQUEST_FAULTS and forced not in BATCH_FAULTS:
+        raise st.wire.error(
+            400, f"unknown {FAULT_HEADER} {forced!r}; use one of {', '.join(REQUEST_FAULTS + BATCH_FAULTS)}"
+        )
+    cfg = faults.config
+    if forced == "slow" or (not forced and faults.fires("slow", cfg.slow_rate)):
+        faults.count("slow")
+        await asyncio.sleep(cfg.slow_seconds)
+    for status, rate in ((429, cfg.rate_429), (500, cfg.rate_500), (503, cfg.rate_503)):
+        if forced == str(status) or (not forced and faults.fires(str(status), rate)):
+            faults.count(f"status_{status}")
+            if status == 429:
+                raise st.wire.rate_limited(cfg.retry_after)
+            raise st.wire.server_error(status, cfg.retry_after)
+    request.state.fault = forced
+    st.wire.check_auth(request.headers, st.config.api_key)
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    """Build the server application for ``config`` (state is opened when the app starts)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = ServerState(config)
+        app.state.server = state
+        resumed = state.engine.resume_all()
+        if resumed:
+            log.info("resumed %d live batches", resumed)
+        try:
+            yield
+        finally:
+            await state.engine.stop()
+            await state.backend.aclose()
+            state.store.close()
+
+    app = FastAPI(title="airflow-batch local batch server", lifespan=lifespan, default_response_class=ORJSON)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        return ORJSON(exc.body, status_code=exc.status, headers=exc.headers)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_guard)])
+    _files_routes(v1)
+    _batch_routes(v1)
+    _inference_routes(v1)
+    app.include_router(v1)
+    app.include_router(_admin_router())
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "dialect": config.dialect, "backend": config.backend}
+
+    return app
+
+
+# ---- files ---------------------------------------------------------------------------
+class _UploadSink:
+    """Receives a multipart body chunk by chunk, writing the file part straight to disk."""
+
+    def __init__(self, dest: Any) -> None:
+        self.dest = dest
+        self.fields: dict[str, str] = {}
+        self.filename: str | None = None
+        self.size = 0
+        self._fh: Any = None
+        self._headers: dict[bytes, bytes] = {}
+        self._hname = b""
+        self._hvalue = b""
+        self._name: str | None = None
+        self._buffer = bytearray()
+        self.error: str | None = None
+
+    def callbacks(self) -> dict[str, Any]:
+        return {
+            "on_part_begin": self._begin,
+            "on_header_field": lambda d, s, e: setattr(self, "_hname", self._hname + d[s:e]),
+            "on_header_value": lambda d, s, e: setattr(self, "_hvalue", self._hvalue + d[s:e]),
+            "on_header_end": self._header_end,
+            "on_headers_finished": self._headers_done,
+            "on_part_data": self._data,
+            "on_part_end": self._end,
+        }
+
+    def _begin(self) -> None:
+        self._headers = {}
+        self._name = None
+        self._buffer = bytearray()
+
+    def _header_end(self) -> None:
+        self._headers[self._hname.lower()] = self._hvalue
+        self._hname = self._hvalue = b""
+
+    def _headers_done(self) -> None:
+        _, params = parse_options_header(self._headers.get(b"content-disposition", b""))
+        self._name = params.get(b"name", b"").decode("utf-8", "replace")
+        if self._name == "file":
+            if self._fh is not None:
+                self.error = "only one file part is allowed"
+                return
+            self.filename = params.get(b"filename", b"upload.jsonl").decode("utf-8", "replace")
+            self._fh = open(self.dest, "wb")  # noqa: SIM115 - closed in _end/close
+
+    def _data(self, data: bytes, start: int, end: int) -> None:
+        if self._name == "file" and self._fh is not None:
+            self._fh.write(data[start:end])
+            self.size += end - start
+        elif len(self._buffer) < _MAX_FORM_FIELD:
+            self._buffer += data[start:end]
+
+    def _end(self) -> None:
+        if self._name == "file" and self._fh is not None:
+            self._fh.close()
+        elif self._name:
+            self.fields[self._name] = self._buffer.decode("utf-8", "replace")
+
+    def close(self) -> None:
+        if self._fh is not None and not self._fh.closed:
+            self._fh.close()
+
+
+def _files_routes(r: APIRouter) -> None:
+    @r.post("/files")
+    async def upload(request: Request) -> dict[str, Any]:
+        st = _state(request)
+        wire = st.wire
+        ctype, params = parse_options_header(request.headers.get("content-type", ""))
+        boundary = params.get(b"boundary")
+        if ctype != b"multipart/form-data" or not boundary:
+            raise wire.error(400, "Upload must be multipart/form-data with a 'file' part.", param="file")
+        file_id = st.store.new_id("file-", wire.id_style)
+        temp = st.store.temp_path(file_id)
+        sink = _UploadSink(temp)
+        parser = MultipartParser(boundary, cast(Any, sink.callbacks()))
+        try:
+            async for chunk in request.stream():
+                parser.write(chunk)
+            parser.finalize()
+        except Exception as exc:
+            sink.close()
+            temp.unlink(missing_ok=True)
+            raise wire.error(400, f"Could not read the multipart body: {exc}", param="file") from None
+        sink.close()
+        if sink.error or sink.filename is None:
+            temp.unlink(missing_ok=True)
+            raise wire.error(400, sink.error or "Missing required parameter: 'file'.", param="file")
+        purpose = sink.fields.get("purpose")
+        if wire.upload_requires_purpose and not purpose:
+            temp.unlink(missing_ok=True)
+            raise wire.error(400, "Missing required parameter: 'purpose'.", param="purpose")
+        os.replace(temp, st.store.file_path(file_id))
+        rec = {
+            "id": file_id,
+            "bytes": sink.size,
+            "created_at": now(),
+            "filename": sink.filename,
+            "purpose": purpose,
+        }
+        st.store.add_file(rec)
+        st.faults.count("files_uploaded")
+        return wire.render_file(rec)
+
+    @r.get("/files")
+    async def list_files(request: Request) -> dict[str, Any]:
+        st = _state(request)
+        q = request.query_params
+        try:
+            limit = int(q.get("limit") or 10000)
+        except ValueError:
+            raise st.wire.error(400, "limit must be an integer.", param="limit") from None
+        items, more = st.store.list_files(
+            after=q.get("after"), limit=max(1, min(limit, 10000)), purpose=q.get("purpose")
+        )
+        return st.wire.render_file_list(items, more)
+
+    @r.get("/files/{file_id}")
+    async def get_file(file_id: str, request: Request) -> dict[str, Any]:
+        st = _state(request)
+        rec = st.store.get_file(file_id)
+        if rec is None:
+            raise st.wire.not_found("file", file_id)
+        return st.wire.render_file(rec)
+
+    @r.get("/files/{file_id}/content")
+    async def content(file_id: str, request: Request) -> Response:
+        st = _state(request)
+        rec = st.store.get_file(file_id)
+        path = st.store.file_path(file_id)
+        if rec is None or not path.exists():
+            raise st.wire.not_found("file", file_id)
+        size = path.stat().st_size
+        drop = request.state.fault == "drop" or (
+            not request.state.fault and st.faults.fires("drop", st.faults.config.drop_rate)
+        )
+        if drop:
+            st.faults.count("drop")
+
+        async def body() -> AsyncIterator[bytes]:
+            sent = 0
+            # Local-disk reads of 64 KiB are cheaper than a thread hop per chunk.
+            with open(path, "rb") as fh:  # noqa: ASYNC230
+                while chunk := fh.read(_DOWNLOAD_CHUNK):
+                    if drop and sent + len(chunk) > size // 2:
+                        yield chunk[: max(size // 2 - sent, 0)]
+                        # Raising mid-body makes uvicorn abort the connection: the client sees
+                        # a truncated download, exactly like a dropped connection.
+                        raise ConnectionAbortedError("injected dropped connection")
+                    sent += len(chunk)
+                    yield chunk
+
+        return StreamingResponse(
+            body(),
+            media_type="application/octet-stream",
+            headers={
+                "Content-Length": str(size),
+                "Content-Disposition": f'attachment; filename="{rec["filename"]}"',
+            },
+        )
+
+    @r.delete("/files/{file_id}")
+    async def delete(file_id: str, request: Request) -> dict[str, Any]:
+        st = _state(request)
+        if not st.store.delete_file(file_id):
+            raise st.wire.not_found("file", file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+
+# ---- batches ---------------------------------------------------------------------------
+def _batch_routes(r: APIRouter) -> None:
+    @r.post("/batches")
+    async def create(request: Request) -> dict[str, Any]:
+        st = _state(request)
+        wire = st.wire
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError:
+            raise wire.error(400, "Request body is not valid JSON.") from None
+        created = wire.parse_create(body)
+        file_rec = st.store.get_file(created["input_file_id"])
+        if file_rec is None:
+            raise wire.not_found("file", created["input_file_id"])
+        if wire.upload_requires_purpose and file_rec.get("purpose") != "batch":
+            raise wire.error(
+                400,
+                f"File {file_rec['id']} has purpose {file_rec.get('purpose')!r}; "
+                "a batch input needs purpose 'batch'.",
+                param="input_file_id",
+            )
+        forced = request.state.fault
+        cfg = st.faults.config
+        flags = {
+            "fail": forced == "fail_validation" or cfg.fail_validation,
+            "expire": forced == "expire" or cfg.expire_batches,
+            "stall": forced == "stall" or cfg.stall_batches,
+        }
+        for name, on in flags.items():
+            if on:
+                st.faults.count(f"batch_{name}")
+        rec = new_batch_record(
+            st.store.new_id("batch_", wire.id_style),
+            created,
+            wire.window_seconds(created["completion_window"]),
+            st.config,
+            flags,
+        )
+        if wire.sync_validation:
+            await _validate_now(st, rec, flags["fail"])
+        st.engine.submit(rec)
+        st.faults.count("batches_created")
+        return wire.render_batch(rec)
+
+    @r.get("/batches")
+    async def list_batches(request: Request) -> dict[str, Any]:
+        st = _state(request)
+        after, limit = st.wire.list_page_args(request.query_params)
+        items, more = st.store.list_batches(after=after, limit=limit)
+        # Live batches are fresher in memory than in the last checkpoint.
+        items = [st.engine.active.get(i["id"], i) for i in items]
+        return st.wire.render_batch_list(items, more)
+
+    @r.get("/batches/{batch_id}")
+    async def get_batch(batch_id: str, request: Request) -> dict[str, Any]:
+        st = _state(request)
+        return st.wire.render_batch(_batch(st, batch_id))
+
+    @r.post("/batches/{batch_id}/cancel")
+    async def cancel(batch_id: str, request: Request) -> dict[str, Any]:
+        st = _state(request)
+        if not st.wire.is_cancel_path("cancel"):
+            raise st.wire.error(
+                404, f"Unknown path; cancel with POST /v1/batches/{batch_id}:cancel.", code="not_found"
+            )
+        return _cancel(st, batch_id)
+
+    @r.post("/batches/{batch_ref}")
+    async def colon_action(batch_ref: str, request: Request) -> dict[str, Any]:
+        st = _state(request)
+        batch_id, _, action = batch_ref.rpartition(":")
+        if action != "cancel" or st.wire.is_cancel_path("cancel") or not batch_id:
+            raise st.wire.error(404, f"Unknown path /v1/batches/{batch_ref}.", code="not_found")
+        return _cancel(st, batch_id)
+
+    @r.get("/batches/{batch_id}/results")
+    async def results(batch_id: str, request: Request) -> Response:
+        st = _state(request)
+        wire = st.wire
+        if not wire.results_endpoint:
+            raise wire.error(
+                404, "This API has no results endpoint; download output_file_id.", code="not_found"
+            )
+        rec = _batch(st, batch_id)
+        q = request.query_params
+        try:
+            limit = int(q.get("limit") or 1000)
+            skip = int(q.get("skip") or 0)
+        except ValueError:
+            raise wire.error(400, "skip and limit must be integers.") from None
+        if not 1 <= limit <= 10000 or skip < 0:
+            raise wire.error(400, "limit must be 1..10000 and skip >= 0.", param="limit")
+        if wire.name == "xai":
+            try:
+                page = await asyncio.to_thread(xai_page, st.store, rec, q.get("pagination_token"), limit)
+            except ValueError as exc:
+                raise wire.error(400, str(exc), param="pagination_token") from None
+            return ORJSON(page)
+        data = await asyncio.to_thread(st.dw_results.page, rec, skip, limit)
+        return Response(data, media_type="application/x-ndjson")
+
+
+def _batch(st: ServerState, batch_id: str) -> dict[str, Any]:
+    rec = st.engine.get(batch_id)
+    if rec is None:
+        raise st.wire.not_found("batch", batch_id)
+    return rec
+
+
+def _cancel(st: ServerState, batch_id: str) -> dict[str, Any]:
+    rec = _batch(st, batch_id)
+    if rec["status"] in ("completed", "failed", "expired"):
+        raise st.wire.error(
+            400,
+            f"Cannot cancel a batch with status {st.wire.status_of(rec)!r}.",
+            code="invalid_state",
+            param="batch_id",
+        )
+    st.engine.cancel(rec)
+    return st.wire.render_batch(rec)
+
+
+async def _validate_now(st: ServerState, rec: dict[str, Any], force_fail: bool) -> None:
+    """Synchronous validation at create time (ZeroGPU): a bad file is a 400 naming the line."""
+    if force_fail:
+        raise st.wire.validation_error(
+            {
+                "code": "invalid_request_error",
+                "line": None,
+                "message": "validation failed (fault injection)",
+                "param": None,
+            }
+        )
+    lines, problems = await asyncio.to_thread(
+        validate_file, st.store.file_path(rec["input_file_id"]), st.engine.rules, rec["endpoint"], 1
+    )
+    if problems:
+        raise st.wire.validation_error(problems[0])
+    rec["request_counts"]["total"] = lines
+    rec["status"] = "in_progress"
+    rec["in_progress_at"] = now()
+
+
+# ---- synchronous inference -----------------------------------------------------------
+def _inference_routes(r: APIRouter) -> None:
+    async def serve(request: Request, url: str) -> Response:
+        st = _state(request)
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError:
+            raise st.wire.error(400, "Request body is not valid JSON.") from None
+        if not isinstance(body, dict):
+            raise st.wire.error(400, "Request body must be a JSON object.")
+        if body.get("stream") is True:
+            raise st.wire.error(
+                400, "stream=true is not supported by the local batch server.", param="stream"
+            )
+        status, answer = await st.backend.call(url, body)
+        st.faults.count("inference_calls")
+        return ORJSON(answer, status_code=status)
+
+    for path in ("/chat/completions", "/embeddings", "/completions", "/responses", "/moderations"):
+        r.add_api_route(path, _bind(serve, "/v1" + path), methods=["POST"])
+
+
+def _bind(serve: Any, url: str) -> Any:
+    async def endpoint(request: Request) -> Response:
+        response: Response = await serve(request, url)
+        return response
+
+    return endpoint
+
+
+# ---- admin -------------------------------------------------------------------------------
+def _admin_router() -> APIRouter:
+    r = APIRouter(prefix="/admin")
+
+    @r.get("/faults")
+    async def get_faults(request: Request) -> dict[str, Any]:
+        return _state(request).faults.config.model_dump()
+
+    @r.post("/faults")
+    async def set_faults(request: Request) -> Response:
+        st = _state(request)
+        try:
+            changes = orjson.loads(await request.body() or b"{}")
+            config = st.faults.update(changes)
+        except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
+            return ORJSON({"error": {"message": f"bad fault settings: {exc}"}}, status_code=400)
+        return ORJSON(config.model_dump())
+
+    @r.get("/stats")
+    async def stats(request: Request) -> dict[str, Any]:
+        st = _state(request)
+        out = st.faults.stats()
+        out["active_batches"] = len(st.engine.active)
+        return out
+
+    @r.post("/batches/{batch_id}/force")
+    async def force(batch_id: str, request: Request) -> Response:
+        st = _state(request)
+        rec = st.engine.get(batch_id)
+        if rec is None:
+            return ORJSON({"error": {"message": f"no batch {batch_id}"}}, status_code=404)
+        try:
+            action = orjson.loads(await request.body() or b"{}").get("action")
+        except (orjson.JSONDecodeError, AttributeError):
+            action = None
+        if rec["status"] in TERMINAL:
+            return ORJSON(
+                {"error": {"message": f"batch {batch_id} is already {rec['status']}"}}, status_code=409
+            )
+        try:
+            st.engine.force(rec, str(action))
+        except ValueError as exc:
+            return ORJSON({"error": {"message": str(exc)}}, status_code=400)
+        return ORJSON({"id": batch_id, "status": rec["status"], "flags": rec["flags"]})
+
+    return r

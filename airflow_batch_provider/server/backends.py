@@ -1,0 +1,455 @@
+"""What answers each batch line: the offline ``echo`` model or an ``upstream`` endpoint.
+
+A backend takes the line's url and body and returns ``(status_code, body)`` exactly as a
+synchronous OpenAI-compatible endpoint would answer it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import os
+import re
+import struct
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import httpx
+import orjson
+
+from airflow_batch_provider.server.config import ServerConfig
+
+_WORD = re.compile(r"\S+")
+_RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
+
+
+class Backend(Protocol):
+    name: str
+
+    async def call(self, url: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]: ...
+
+    async def aclose(self) -> None: ...
+
+
+def error_body(
+    message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """An OpenAI-shaped error answer body."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def count_tokens(text: str) -> int:
+    """The echo model's tokenizer: one token per whitespace-separated word (honest and cheap)."""
+    return len(_WORD.findall(text))
+
+
+def _digest(*parts: str) -> bytes:
+    return hashlib.sha256("\x1f".join(parts).encode()).digest()
+
+
+def _text_of(content: Any) -> str:
+    """Text of a message content: a string, or the text parts of a content list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, Mapping):
+                text = part.get("text") or part.get("input_text")
+                if isinstance(text, str):
+                    texts.append(text)
+            elif isinstance(part, str):
+                texts.append(part)
+        return " ".join(texts)
+    return ""
+
+
+class EchoBackend:
+    """Deterministic offline model: answers derived from the input, named ``echo:<model>``.
+
+    Chat answers repeat the last user message; structured-output requests get a JSON
+    object built from the schema; embeddings are unit vectors seeded by the input text.
+
+    :param embedding_dim: vector size when the request gives no ``dimensions``.
+    """
+
+    name = "echo"
+
+    def __init__(self, embedding_dim: int = 16) -> None:
+        self.embedding_dim = embedding_dim
+
+    async def call(self, url: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        return self.answer(url, body)
+
+    async def aclose(self) -> None:
+        return None
+
+    def answer(self, url: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Synchronous core (the batch engine calls it directly, in a loop, for speed)."""
+        path = url.split("?", 1)[0].rstrip("/")
+        if path.startswith("/v1/"):
+            path = path[3:]
+        handler = {
+            "/chat/completions": self._chat,
+            "/embeddings": self._embeddings,
+            "/completions": self._completions,
+            "/responses": self._responses,
+            "/moderations": self._moderations,
+        }.get(path)
+        if handler is None:
+            return 404, error_body(f"the echo backend does not serve {url}", code="unknown_url", param="url")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            return 400, error_body("model must be a string", param="model")
+        try:
+            return 200, handler(body, f"echo:{model or 'default'}")
+        except _BadRequest as exc:
+            return 400, error_body(str(exc), param=exc.param)
+
+    # ---- endpoints --------------------------------------------------------------------
+    def _chat(self, body: Mapping[str, Any], model: str) -> dict[str, Any]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _BadRequest("messages must be a non-empty list", "messages")
+        prompt_parts: list[str] = []
+        last_user = ""
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping):
+                raise _BadRequest(f"messages[{i}] must be an object", f"messages[{i}]")
+            text = _text_of(message.get("content"))
+            prompt_parts.append(text)
+            if message.get("role") == "user":
+                last_user = text
+        prompt = " ".join(prompt_parts)
+        content, finish = self._reply(last_user or prompt, body)
+        n = body.get("n") or 1
+        if not isinstance(n, int) or n < 1:
+            raise _BadRequest("n must be a positive integer", "n")
+        completion_tokens = count_tokens(content) * n
+        prompt_tokens = count_tokens(prompt)
+        return {
+            "id": "chatcmpl-echo-" + _digest(model, prompt).hex()[:24],
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "system_fingerprint": "echo",
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": content, "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+                for i in range(n)
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+    def _completions(self, body: Mapping[str, Any], model: str) -> dict[str, Any]:
+        prompt = body.get("prompt")
+        text = prompt if isinstance(prompt, str) else " ".join(p for p in prompt or [] if isinstance(p, str))
+        content, finish = self._reply(text, body)
+        pt, ct = count_tokens(text), count_tokens(content)
+        return {
+            "id": "cmpl-echo-" + _digest(model, text).hex()[:24],
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "text": content, "logprobs": None, "finish_reason": finish}],
+            "usage": {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct},
+        }
+
+    def _responses(self, body: Mapping[str, Any], model: str) -> dict[str, Any]:
+        raw = body.get("input")
+        if isinstance(raw, str):
+            text = raw
+        elif isinstance(raw, list):
+            users = [m for m in raw if isinstance(m, Mapping) and m.get("role", "user") == "user"]
+            text = _text_of(users[-1].get("content")) if users else ""
+        else:
+            raise _BadRequest("input must be a string or a list of messages", "input")
+        fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), Mapping) else None
+        content, _ = self._reply(
+            text, {"response_format": fmt, **{k: body[k] for k in body if k == "max_output_tokens"}}
+        )
+        it, ot = count_tokens(text), count_tokens(content)
+        rid = _digest(model, text).hex()[:24]
+        return {
+            "id": "resp_echo" + rid,
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "completed",
+            "model": model,
+            "output": [
+                {
+                    "type": "message",
+                    "id": "msg_echo" + rid,
+                    "status": "completed",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": content, "annotations": []}],
+                }
+            ],
+            "usage": {"input_tokens": it, "output_tokens": ot, "total_tokens": it + ot},
+        }
+
+    def _moderations(self, body: Mapping[str, Any], model: str) -> dict[str, Any]:
+        raw = body.get("input")
+        inputs = raw if isinstance(raw, list) else [raw]
+        return {
+            "id": "modr-echo-" + _digest(model, orjson.dumps(raw).decode()).hex()[:24],
+            "model": model,
+            "results": [{"flagged": False, "categories": {}, "category_scores": {}} for _ in inputs],
+        }
+
+    def _embeddings(self, body: Mapping[str, Any], model: str) -> dict[str, Any]:
+        raw = body.get("input")
+        if isinstance(raw, str):
+            inputs: list[str] = [raw]
+        elif isinstance(raw, list) and raw and all(isinstance(x, int) for x in raw):
+            inputs = [" ".join(map(str, raw))]
+        elif isinstance(raw, list) and raw:
+            inputs = [x if isinstance(x, str) else orjson.dumps(x).decode() for x in raw]
+        else:
+            raise _BadRequest("input must be a non-empty string or list", "input")
+        dim = body.get("dimensions") or self.embedding_dim
+        if not isinstance(dim, int) or not 1 <= dim <= 8192:
+            raise _BadRequest("dimensions must be an integer between 1 and 8192", "dimensions")
+        as_base64 = body.get("encoding_format") == "base64"
+        data = []
+        tokens = 0
+        for index, text in enumerate(inputs):
+            vector = embed(text, dim)
+            tokens += count_tokens(text)
+            value: Any = base64.b64encode(struct.pack(f"<{dim}f", *vector)).decode() if as_base64 else vector
+            data.append({"object": "embedding", "index": index, "embedding": value})
+        return {
+            "object": "list",
+            "data": data,
+            "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
+    # ---- content ------------------------------------------------------------------
+    def _reply(self, text: str, body: Mapping[str, Any]) -> tuple[str, str]:
+        fmt = body.get("response_format")
+        if isinstance(fmt, Mapping) and fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema") if "json_schema" in fmt else fmt
+            schema = spec.get("schema") if isinstance(spec, Mapping) else None
+            value = schema_value(schema if isinstance(schema, Mapping) else {}, text, "", schema)
+            return orjson.dumps(value).decode(), "stop"
+        if isinstance(fmt, Mapping) and fmt.get("type") == "json_object":
+            return orjson.dumps({"echo": text}).decode(), "stop"
+        content = f"echo: {text}"
+        limit = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
+        if isinstance(limit, int) and limit > 0:
+            words = content.split()
+            if len(words) > limit:
+                return " ".join(words[:limit]), "length"
+        return content, "stop"
+
+
+class _BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def embed(text: str, dim: int) -> list[float]:
+    """A deterministic unit vector for ``text`` (same text, same vector, on every machine)."""
+    out: list[float] = []
+    counter = 0
+    while len(out) < dim:
+        block = hashlib.sha256(f"{counter}\x1f{text}".encode()).digest()
+        out.extend((b - 127.5) / 127.5 for b in block)
+        counter += 1
+    out = out[:dim]
+    norm = sum(x * x for x in out) ** 0.5 or 1.0
+    return [round(x / norm, 6) for x in out]
+
+
+def schema_value(schema: Mapping[str, Any], text: str, path: str, root: Any, depth: int = 0) -> Any:
+    """A deterministic value satisfying the common JSON Schema keywords of ``schema``.
+
+    Objects get their required properties (all of them when none are listed); enums pick a
+    member chosen by a hash of the input; strings, numbers and booleans are derived from
+    the input text, so the same request always gets the same structured answer.
+    """
+    if depth > 12:
+        return None
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/") and isinstance(root, Mapping):
+        target: Any = root
+        for part in ref[2:].split("/"):
+            target = target.get(part, {}) if isinstance(target, Mapping) else {}
+        return schema_value(target, text, path, root, depth + 1)
+    seed = int.from_bytes(_digest(text, path)[:4], "big")
+    if "const" in schema:
+        return schema["const"]
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum:
+        return enum[seed % len(enum)]
+    for key in ("anyOf", "oneOf", "allOf"):
+        options = schema.get(key)
+        if isinstance(options, list) and options:
+            non_null = [o for o in options if isinstance(o, Mapping) and o.get("type") != "null"]
+            return schema_value((non_null or options)[0], text, path, root, depth + 1)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind is None:
+        kind = "object" if "properties" in schema else "string"
+    if kind == "object":
+        props = schema.get("properties") or {}
+        required = schema.get("required")
+        names = [n for n in (required if isinstance(required, list) else list(props)) if isinstance(n, str)]
+        return {
+            name: schema_value(props.get(name) or {}, text, f"{path}/{name}", root, depth + 1)
+            for name in names
+        }
+    if kind == "array":
+        raw_items = schema.get("items")
+        items: Mapping[str, Any] = raw_items if isinstance(raw_items, Mapping) else {}
+        count = max(int(schema.get("minItems") or 1), 1)
+        return [schema_value(items, text, f"{path}/{i}", root, depth + 1) for i in range(count)]
+    if kind == "integer":
+        first = int(schema.get("minimum", 0))
+        last = int(schema.get("maximum", first + 100))
+        return first + seed % (max(last - first, 0) + 1)
+    if kind == "number":
+        low = float(schema.get("minimum", 0.0))
+        high = float(schema.get("maximum", low + 1.0))
+        return round(low + (seed % 1000) / 999 * (high - low), 3)
+    if kind == "boolean":
+        return bool(seed % 2)
+    if kind == "null":
+        return None
+    value = f"echo {text}".strip()[:200] if not path else f"echo{path.replace('/', ' ')}: {text}"[:200]
+    min_len = int(schema.get("minLength") or 0)
+    max_len = schema.get("maxLength")
+    if len(value) < min_len:
+        value = value.ljust(min_len, ".")
+    if isinstance(max_len, int):
+        value = value[:max_len]
+    return value
+
+
+class UpstreamBackend:
+    """Forwards each line to an OpenAI-compatible endpoint, retrying 429/5xx per line.
+
+    :param base_url: the upstream API root including ``/v1``.
+    :param api_key: sent as a bearer token (read from the environment by the caller).
+    :param concurrency: most calls in flight at once.
+    :param max_retries: retries of one call on 408/409/429/5xx and transport errors.
+    :param timeout: seconds per call.
+    :param max_backoff: cap on one wait between retries, in seconds.
+    """
+
+    name = "upstream"
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        concurrency: int = 8,
+        max_retries: int = 3,
+        timeout: float = 60.0,
+        max_backoff: float = 5.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(
+            timeout=timeout,
+            headers=headers,
+            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+        )
+        self._semaphore = asyncio.Semaphore(concurrency)
+        self.max_retries = max_retries
+        self.max_backoff = max_backoff
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> UpstreamBackend:
+        key = os.environ.get(config.upstream_api_key_env) if config.upstream_api_key_env else None
+        assert config.upstream_url is not None
+        return cls(
+            config.upstream_url,
+            api_key=key,
+            concurrency=config.upstream_concurrency,
+            max_retries=config.upstream_max_retries,
+            timeout=config.upstream_timeout,
+            max_backoff=config.upstream_max_backoff,
+        )
+
+    def _target(self, url: str) -> str:
+        # Lines name "/v1/chat/completions"; the base URL already ends in the version.
+        path = url[3:] if url.startswith("/v1/") and self.base_url.endswith("/v1") else url
+        return self.base_url + path
+
+    async def call(self, url: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        target = self._target(url)
+        payload = orjson.dumps(body)
+        attempt = 0
+        async with self._semaphore:
+            while True:
+                response: httpx.Response | None = None
+                try:
+                    response = await self._client.post(
+                        target, content=payload, headers={"Content-Type": "application/json"}
+                    )
+                except httpx.TransportError as exc:
+                    if attempt >= self.max_retries:
+                        return 502, error_body(
+                            f"upstream unreachable after {attempt + 1} attempts: {type(exc).__name__}",
+                            type_="server_error",
+                            code="upstream_unreachable",
+                        )
+                else:
+                    if response.status_code not in _RETRY_STATUSES or attempt >= self.max_retries:
+                        return response.status_code, _json_or_error(response)
+                await asyncio.sleep(self._backoff(attempt, response))
+                attempt += 1
+
+    def _backoff(self, attempt: int, response: httpx.Response | None) -> float:
+        if response is not None:
+            header = response.headers.get("retry-after-ms")
+            if header:
+                try:
+                    return min(float(header) / 1000, self.max_backoff)
+                except ValueError:
+                    pass
+            header = response.headers.get("retry-after")
+            if header:
+                try:
+                    return min(float(header), self.max_backoff)
+                except ValueError:
+                    pass
+        return min(0.05 * 2**attempt, self.max_backoff)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _json_or_error(response: httpx.Response) -> dict[str, Any]:
+    try:
+        data = response.json()
+    except ValueError:
+        return error_body(
+            f"upstream answered {response.status_code} with a non-JSON body",
+            type_="server_error",
+            code="bad_upstream",
+        )
+    if isinstance(data, dict):
+        return data
+    return {"data": data}
+
+
+def make_backend(config: ServerConfig) -> EchoBackend | UpstreamBackend:
+    if config.backend == "upstream":
+        return UpstreamBackend.from_config(config)
+    return EchoBackend(config.embedding_dim)

@@ -1,0 +1,130 @@
+"""Settings of the local batch server (one pydantic model, filled from the CLI or from tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from airflow_batch_provider.dialects import DIALECTS, get_dialect
+from airflow_batch_provider.dialects.base import Limits
+
+# Fault kinds a request can ask for with the X-Batch-Fault header.
+REQUEST_FAULTS = ("429", "500", "503", "slow", "drop")
+# Fault kinds that change a batch when sent on POST /v1/batches.
+BATCH_FAULTS = ("fail_validation", "expire", "stall")
+
+
+class FaultConfig(BaseModel):
+    """Faults the server injects; every rate is a fraction in [0, 1] applied deterministically.
+
+    A rate ``r`` fires on exactly ``ceil(n * r)`` of the first ``n`` eligible calls (the
+    first one included), so a test asking for 0.5 gets every other call, never a streak.
+
+    :param rate_429: fraction of API calls answering 429 with Retry-After.
+    :param rate_500: fraction of API calls answering 500.
+    :param rate_503: fraction of API calls answering 503.
+    :param retry_after: seconds sent in Retry-After on an injected 429/503.
+    :param slow_rate: fraction of API calls delayed by ``slow_seconds``.
+    :param slow_seconds: delay of a slow call (real seconds, not scaled).
+    :param drop_rate: fraction of file downloads whose connection drops half way.
+    :param line_failure_rate: fraction of batch lines that fail with a 500 answer.
+    :param fail_validation: every new batch fails validation.
+    :param expire_batches: every new batch expires as soon as it starts running.
+    :param stall_batches: every new batch stalls (stays in progress) until resumed.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    rate_429: float = Field(0.0, ge=0, le=1)
+    rate_500: float = Field(0.0, ge=0, le=1)
+    rate_503: float = Field(0.0, ge=0, le=1)
+    retry_after: float = Field(1.0, ge=0)
+    slow_rate: float = Field(0.0, ge=0, le=1)
+    slow_seconds: float = Field(0.5, ge=0)
+    drop_rate: float = Field(0.0, ge=0, le=1)
+    line_failure_rate: float = Field(0.0, ge=0, le=1)
+    fail_validation: bool = False
+    expire_batches: bool = False
+    stall_batches: bool = False
+
+
+class ServerConfig(BaseModel):
+    """Everything the local batch server needs to start.
+
+    Durations named ``*_seconds`` are simulated seconds: the server waits
+    ``seconds * time_scale`` real seconds, and the completion window (24h) is scaled
+    the same way, so ``time_scale=0.001`` runs a day-long window in 86 seconds.
+
+    :param host: interface to bind.
+    :param port: port to bind (0 picks a free one).
+    :param data_dir: directory holding the SQLite metadata and the files.
+    :param backend: what answers each line: ``echo`` (offline, deterministic) or ``upstream``.
+    :param dialect: vendor wire shape to speak (openai, doubleword, zerogpu, xai).
+    :param api_key: when set, every /v1 call must present it (in the dialect's auth header).
+    :param time_scale: real seconds per simulated second of the lifecycle.
+    :param validate_seconds: simulated time a batch spends validating.
+    :param finalize_seconds: simulated time a batch spends finalizing.
+    :param line_seconds: simulated time each line takes (echo answers instantly otherwise).
+    :param chunk_size: lines processed between progress checkpoints.
+    :param max_lines: limit on lines per file (default: the dialect's).
+    :param max_file_bytes: limit on file size (default: the dialect's).
+    :param max_line_bytes: limit on one line (default: the dialect's).
+    :param max_reported_errors: most validation problems listed on a failed batch.
+    :param embedding_dim: dimension of echo embeddings when the request names none.
+    :param upstream_url: base URL (with /v1) of the OpenAI-compatible endpoint for ``upstream``.
+    :param upstream_api_key_env: environment variable holding the upstream's API key.
+    :param upstream_concurrency: most lines in flight to the upstream at once.
+    :param upstream_max_retries: retries of one line on 429/5xx/transport errors.
+    :param upstream_timeout: timeout of one upstream call in seconds.
+    :param upstream_max_backoff: cap on one retry wait in real seconds.
+    :param faults: faults injected from the start.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path
+    backend: Literal["echo", "upstream"] = "echo"
+    dialect: str = "openai"
+    api_key: str | None = None
+    time_scale: float = Field(1.0, gt=0)
+    validate_seconds: float = Field(2.0, ge=0)
+    finalize_seconds: float = Field(2.0, ge=0)
+    line_seconds: float = Field(0.0, ge=0)
+    chunk_size: int = Field(256, ge=1)
+    max_lines: int | None = Field(None, ge=1)
+    max_file_bytes: int | None = Field(None, ge=1)
+    max_line_bytes: int | None = Field(None, ge=1)
+    max_reported_errors: int = Field(1000, ge=1)
+    embedding_dim: int = Field(16, ge=1, le=8192)
+    upstream_url: str | None = None
+    upstream_api_key_env: str | None = None
+    upstream_concurrency: int = Field(8, ge=1)
+    upstream_max_retries: int = Field(3, ge=0)
+    upstream_timeout: float = Field(60.0, gt=0)
+    upstream_max_backoff: float = Field(5.0, ge=0)
+    faults: FaultConfig = Field(default_factory=FaultConfig)
+
+    def model_post_init(self, __context: object) -> None:
+        if self.dialect not in DIALECTS:
+            raise ValueError(f"unknown dialect {self.dialect!r}; choose one of {', '.join(sorted(DIALECTS))}")
+        if self.backend == "upstream" and not self.upstream_url:
+            raise ValueError(
+                "backend 'upstream' needs upstream_url (the OpenAI-compatible base URL with /v1)"
+            )
+
+    def limits(self) -> Limits:
+        """The dialect's limits with this server's overrides (which may be looser or tighter)."""
+        base = get_dialect(self.dialect).limits
+        return Limits(
+            max_lines=self.max_lines or base.max_lines,
+            max_file_bytes=self.max_file_bytes or base.max_file_bytes,
+            max_line_bytes=self.max_line_bytes or base.max_line_bytes,
+        )
+
+    def scaled(self, seconds: float) -> float:
+        """Real seconds for ``seconds`` of simulated time."""
+        return seconds * self.time_scale

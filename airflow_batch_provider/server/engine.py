@@ -1,0 +1,483 @@
+"""The batch lifecycle runner: one asyncio task per live batch, resumable after a restart.
+
+validating -> in_progress -> finalizing -> completed, or failed (validation), expired
+(window passed), cancelling -> cancelled. Progress (input offset, output/error bytes,
+counts) is checkpointed after every chunk, so a restarted server truncates the work
+files to the checkpoint and carries on from the next unanswered line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+from airflow_batch_provider.dialects.base import ValidationRules
+from airflow_batch_provider.jsonl import LineValidator, Problem, iter_raw_lines
+from airflow_batch_provider.server.backends import EchoBackend, UpstreamBackend, error_body
+from airflow_batch_provider.server.config import ServerConfig
+from airflow_batch_provider.server.faults import Faults
+from airflow_batch_provider.server.store import Store, now
+from airflow_batch_provider.server.wire import Wire
+
+log = logging.getLogger(__name__)
+
+TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+_POLL = 0.05  # real seconds between checks of a stalled batch
+
+
+def validate_file(
+    path: Path, rules: ValidationRules, expected_url: str | None, max_errors: int
+) -> tuple[int, list[dict[str, Any]]]:
+    """Run the shared validator over a stored file: (line count, first ``max_errors`` problems)."""
+    validator = LineValidator(rules, expected_url)
+    problems: list[dict[str, Any]] = []
+
+    def keep(found: list[Problem]) -> None:
+        for problem in found:
+            if len(problems) < max_errors:
+                problems.append(problem.as_error())
+
+    with open(path, "rb") as stream:
+        for raw in iter_raw_lines(stream, rules.limits.max_line_bytes):
+            keep(validator.check_raw(raw)[1])
+    keep(validator.finish())
+    return validator.lines, problems
+
+
+def new_batch_record(
+    batch_id: str,
+    created: dict[str, Any],
+    window_seconds: float,
+    config: ServerConfig,
+    flags: dict[str, bool],
+) -> dict[str, Any]:
+    t = now()
+    return {
+        "id": batch_id,
+        "endpoint": created["endpoint"],
+        "input_file_id": created["input_file_id"],
+        "completion_window": created["completion_window"],
+        "metadata": created["metadata"],
+        "name": created["name"],
+        "status": "validating",
+        "errors": None,
+        "cancel_message": None,
+        "output_file_id": None,
+        "error_file_id": None,
+        "created_at": t,
+        "in_progress_at": None,
+        "expires_at": t + config.scaled(window_seconds),
+        "finalizing_at": None,
+        "completed_at": None,
+        "failed_at": None,
+        "expired_at": None,
+        "cancelling_at": None,
+        "cancelled_at": None,
+        "request_counts": {"total": 0, "completed": 0, "failed": 0},
+        "progress": {"offset": 0, "line": 0, "out": 0, "err": 0, "expired": 0, "cancelled": 0, "stop": None},
+        "flags": {"fail": False, "stall": False, "expire": False, "complete": False, **flags},
+    }
+
+
+class Engine:
+    """Runs every live batch of a server.
+
+    :param store: durable state.
+    :param config: server settings (time scale, chunk size, limits).
+    :param faults: live fault settings (line failures).
+    :param backend: what answers each line.
+    :param wire: the vendor's result line shapes.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        config: ServerConfig,
+        faults: Faults,
+        backend: EchoBackend | UpstreamBackend,
+        wire: Wire,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.faults = faults
+        self.backend = backend
+        self.wire = wire
+        self.rules = wire.dialect.validation_rules(config.limits())
+        self.active: dict[str, dict[str, Any]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._wake: dict[str, asyncio.Event] = {}
+
+    # ---- control ------------------------------------------------------------------
+    def resume_all(self) -> int:
+        """Restart the task of every batch left live by a previous run."""
+        count = 0
+        for rec in self.store.active_batches():
+            self._spawn(rec)
+            count += 1
+        return count
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def submit(self, rec: dict[str, Any]) -> None:
+        self.store.add_batch(rec)
+        self._spawn(rec)
+
+    def get(self, batch_id: str) -> dict[str, Any] | None:
+        return self.active.get(batch_id) or self.store.get_batch(batch_id)
+
+    def save(self, rec: dict[str, Any]) -> None:
+        self.store.save_batch(rec)
+
+    def cancel(self, rec: dict[str, Any]) -> dict[str, Any]:
+        if rec["status"] in ("validating", "in_progress", "finalizing"):
+            rec["status"] = "cancelling"
+            rec["cancelling_at"] = now()
+            self.save(rec)
+            self._poke(rec["id"])
+        return rec
+
+    def force(self, rec: dict[str, Any], action: str) -> dict[str, Any]:
+        """Admin override: expire | fail | stall | resume | complete."""
+        flags = rec["flags"]
+        if action == "expire":
+            flags["expire"] = True
+        elif action == "fail":
+            flags["fail"] = True
+        elif action == "stall":
+            flags["stall"] = True
+        elif action == "resume":
+            flags["stall"] = False
+        elif action == "complete":
+            flags["complete"] = True
+            flags["stall"] = False
+        else:
+            raise ValueError(f"unknown action {action!r}; use expire, fail, stall, resume or complete")
+        if action == "fail" and rec["status"] not in TERMINAL and rec["status"] != "validating":
+            self._fail(
+                rec,
+                [
+                    {
+                        "code": "forced_failure",
+                        "line": None,
+                        "message": "batch failed (forced by admin)",
+                        "param": None,
+                    }
+                ],
+            )
+        self.save(rec)
+        self._poke(rec["id"])
+        return rec
+
+    def _poke(self, batch_id: str) -> None:
+        event = self._wake.get(batch_id)
+        if event is not None:
+            event.set()
+
+    def _spawn(self, rec: dict[str, Any]) -> None:
+        self.active[rec["id"]] = rec
+        self._wake[rec["id"]] = asyncio.Event()
+        self._tasks[rec["id"]] = asyncio.get_running_loop().create_task(
+            self._run(rec), name=f"batch-{rec['id']}"
+        )
+
+    async def _sleep(self, rec: dict[str, Any], seconds: float) -> None:
+        """Wait, but wake early when the batch is cancelled or forced."""
+        if seconds <= 0 or rec["flags"]["complete"]:
+            await asyncio.sleep(0)
+            return
+        event = self._wake[rec["id"]]
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), seconds)
+        event.clear()
+
+    # ---- lifecycle ------------------------------------------------------------------
+    async def _run(self, rec: dict[str, Any]) -> None:
+        batch_id = rec["id"]
+        try:
+            while rec["status"] not in TERMINAL:
+                status = rec["status"]
+                if status == "validating":
+                    await self._validate(rec)
+                elif status in ("in_progress", "cancelling") and rec["progress"]["stop"] is None:
+                    await self._process(rec)
+                else:
+                    await self._finalize(rec)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug must fail the batch visibly, not leave it hanging
+            log.exception("batch %s crashed", batch_id)
+            self._fail(
+                rec,
+                [
+                    {
+                        "code": "server_error",
+                        "line": None,
+                        "message": f"internal error: {type(exc).__name__}",
+                        "param": None,
+                    }
+                ],
+            )
+        finally:
+            if rec["status"] in TERMINAL:
+                self.active.pop(batch_id, None)
+                self._tasks.pop(batch_id, None)
+                self._wake.pop(batch_id, None)
+
+    def _fail(self, rec: dict[str, Any], errors: list[dict[str, Any]]) -> None:
+        rec["status"] = "failed"
+        rec["failed_at"] = now()
+        rec["errors"] = errors
+        # xAI cancels a batch whose file does not validate, and says why.
+        first = errors[0] if errors else {}
+        where = f"line {first['line']}: " if first.get("line") else ""
+        rec["cancel_message"] = f"{where}{first.get('message', 'invalid input file')}"
+        self.save(rec)
+
+    async def _validate(self, rec: dict[str, Any]) -> None:
+        await self._sleep(rec, self.config.scaled(self.config.validate_seconds))
+        if rec["status"] == "cancelling":
+            self._finish(rec, "cancelled")
+            return
+        if rec["flags"]["fail"]:
+            self._fail(
+                rec,
+                [
+                    {
+                        "code": "forced_failure",
+                        "line": None,
+                        "message": "validation failed (fault injection)",
+                        "param": None,
+                    }
+                ],
+            )
+            return
+        path = self.store.file_path(rec["input_file_id"])
+        if not path.exists():
+            self._fail(
+                rec,
+                [
+                    {
+                        "code": "file_not_found",
+                        "line": None,
+                        "message": f"input file {rec['input_file_id']} no longer exists",
+                        "param": "input_file_id",
+                    }
+                ],
+            )
+            return
+        lines, problems = await asyncio.to_thread(
+            validate_file, path, self.rules, rec["endpoint"], self.config.max_reported_errors
+        )
+        if rec["status"] == "cancelling":
+            self._finish(rec, "cancelled")
+            return
+        if problems:
+            self._fail(rec, problems)
+            return
+        rec["request_counts"]["total"] = lines
+        rec["status"] = "in_progress"
+        rec["in_progress_at"] = now()
+        self.save(rec)
+
+    async def _process(self, rec: dict[str, Any]) -> None:
+        progress = rec["progress"]
+        counts = rec["request_counts"]
+        batch_id = rec["id"]
+        out_path = self.store.work_path(batch_id, "output")
+        err_path = self.store.work_path(batch_id, "error")
+        tag = hashlib.sha256(batch_id.encode()).hexdigest()[:10]
+        with (
+            _open_at(out_path, progress["out"]) as out,
+            _open_at(err_path, progress["err"]) as err,
+            # Local-disk line reads are short; a thread hop per chunk would cost more.
+            open(self.store.file_path(rec["input_file_id"]), "rb") as src,  # noqa: ASYNC230
+        ):
+            src.seek(progress["offset"])
+            stop: str | None = None
+            while stop is None:
+                stop = self._stop_reason(rec)
+                if stop is not None:
+                    break
+                if rec["flags"]["stall"]:
+                    await self._sleep(rec, _POLL)
+                    continue
+                chunk = _read_chunk(src, progress, self.config.chunk_size)
+                if not chunk:
+                    stop = "done"
+                    break
+                answered = await self._answer(batch_id, chunk)
+                for line_no, custom_id, status, body in answered:
+                    line_id = f"batch_req_{tag}_{line_no:08d}"
+                    ok, result = self.wire.response_line(
+                        line_id, custom_id, status, body, f"req_{tag}{line_no:08d}"
+                    )
+                    data = orjson.dumps(result) + b"\n"
+                    if ok:
+                        out.write(data)
+                        counts["completed"] += 1
+                    else:
+                        err.write(data)
+                        counts["failed"] += 1
+                out.flush()
+                err.flush()
+                progress["out"], progress["err"] = out.tell(), err.tell()
+                self.save(rec)
+                delay = self.config.scaled(self.config.line_seconds) * len(chunk)
+                await self._sleep(rec, delay) if delay > 0 else await asyncio.sleep(0)
+            if stop in ("expired", "cancelled"):
+                code = "batch_expired" if stop == "expired" else "batch_cancelled"
+                while chunk := _read_chunk(src, progress, 4096):
+                    for line_no, raw in chunk:
+                        custom_id = _custom_id(raw)
+                        line_id = f"batch_req_{tag}_{line_no:08d}"
+                        err.write(orjson.dumps(self.wire.system_line(line_id, custom_id, code)) + b"\n")
+                        counts["failed"] += 1
+                        progress[stop] += 1
+                err.flush()
+                progress["err"] = err.tell()
+        progress["stop"] = stop
+        if stop == "failed":
+            self.save(rec)
+            return
+        if stop == "expired":
+            rec["expires_at"] = min(rec["expires_at"], now())
+        rec["status"] = "cancelling" if stop == "cancelled" else "finalizing"
+        if stop != "cancelled":
+            rec["finalizing_at"] = now()
+        self.save(rec)
+
+    def _stop_reason(self, rec: dict[str, Any]) -> str | None:
+        if rec["status"] == "failed":
+            return "failed"
+        if rec["status"] == "cancelling":
+            return "cancelled"
+        if rec["flags"]["expire"] or now() >= rec["expires_at"]:
+            return "expired"
+        return None
+
+    async def _answer(self, batch_id: str, chunk: list[tuple[int, bytes]]) -> list[tuple[int, str, int, Any]]:
+        parsed = []
+        for line_no, raw in chunk:
+            obj = orjson.loads(raw)
+            parsed.append((line_no, obj["custom_id"], obj["url"], obj["body"]))
+        results: list[tuple[int, str, int, Any]] = []
+        if isinstance(self.backend, EchoBackend):
+            # The echo model is pure CPU: calling it directly keeps 50k lines well under seconds.
+            for line_no, custom_id, url, body in parsed:
+                if self.faults.line_fails(batch_id, line_no):
+                    self.faults.count("line_failures")
+                    results.append((line_no, custom_id, 500, _injected_line_error()))
+                    continue
+                status, answer = self.backend.answer(url, body)
+                results.append((line_no, custom_id, status, answer))
+            return results
+
+        async def one(line_no: int, custom_id: str, url: str, body: Any) -> tuple[int, str, int, Any]:
+            if self.faults.line_fails(batch_id, line_no):
+                self.faults.count("line_failures")
+                return line_no, custom_id, 500, _injected_line_error()
+            status, answer = await self.backend.call(url, body)
+            return line_no, custom_id, status, answer
+
+        return list(await asyncio.gather(*(one(*p) for p in parsed)))
+
+    async def _finalize(self, rec: dict[str, Any]) -> None:
+        stop = rec["progress"]["stop"]
+        if rec["status"] == "finalizing":
+            await self._sleep(rec, self.config.scaled(self.config.finalize_seconds))
+        self._publish(rec)
+        self._finish(
+            rec,
+            {"done": "completed", "expired": "expired", "cancelled": "cancelled"}.get(
+                stop or "", "completed"
+            ),
+        )
+
+    def _publish(self, rec: dict[str, Any]) -> None:
+        """Turn the work files into output/error files (only the non-empty ones, as OpenAI does)."""
+        for kind, field in (("output", "output_file_id"), ("error", "error_file_id")):
+            if rec.get(field):
+                continue
+            path = self.store.work_path(rec["id"], kind)
+            size = rec["progress"]["out" if kind == "output" else "err"]
+            if size <= 0:
+                path.unlink(missing_ok=True)
+                continue
+            with open(path, "r+b") as fh:
+                fh.truncate(size)
+            file_id = self.store.new_id("file-", self.wire.id_style)
+            os.replace(path, self.store.file_path(file_id))
+            self.store.add_file(
+                {
+                    "id": file_id,
+                    "bytes": size,
+                    "created_at": now(),
+                    "filename": f"{rec['id']}_{kind}.jsonl",
+                    "purpose": "batch_output",
+                }
+            )
+            rec[field] = file_id
+            self.save(rec)
+
+    def _finish(self, rec: dict[str, Any], status: str) -> None:
+        rec["status"] = status
+        rec[{"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[status]] = (
+            now()
+        )
+        self.save(rec)
+
+
+def _injected_line_error() -> dict[str, Any]:
+    return error_body(
+        "Injected line failure from the local batch server.", type_="server_error", code="server_error"
+    )
+
+
+def _custom_id(raw: bytes) -> str:
+    try:
+        value = orjson.loads(raw).get("custom_id")
+    except (orjson.JSONDecodeError, AttributeError):
+        return ""
+    return value if isinstance(value, str) else ""
+
+
+def _read_chunk(src: IO[bytes], progress: dict[str, Any], size: int) -> list[tuple[int, bytes]]:
+    """Up to ``size`` non-blank lines with their physical line numbers; advances the checkpoint."""
+    chunk: list[tuple[int, bytes]] = []
+    while len(chunk) < size:
+        raw = src.readline()
+        if not raw:
+            break
+        progress["line"] += 1
+        progress["offset"] += len(raw)
+        if raw.strip():
+            chunk.append((progress["line"], raw))
+    return chunk
+
+
+@contextlib.contextmanager
+def _open_at(path: Path, size: int) -> Any:
+    """Open a work file for appending after truncating it to the last checkpoint."""
+    mode = "r+b" if path.exists() else "w+b"
+    with open(path, mode) as fh:
+        fh.truncate(size)
+        fh.seek(size)
+        yield fh
+
+
+def describe(rec: Mapping[str, Any]) -> str:
+    return f"{rec['id']} {rec['status']} {rec['request_counts']}"

@@ -1,0 +1,157 @@
+"""Durable state of the local batch server: SQLite for metadata, a directory for file bytes.
+
+Records are JSON documents keyed by id with an insertion sequence for stable listing
+order. Everything written here survives a restart; the engine resumes from it.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS batches (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    active INTEGER NOT NULL DEFAULT 1,
+    data TEXT NOT NULL
+);
+"""
+
+
+class Store:
+    """SQLite metadata plus a files directory under ``data_dir``.
+
+    :param data_dir: where ``server.db``, ``files/`` and ``work/`` live (created if missing).
+    """
+
+    def __init__(self, data_dir: str | os.PathLike[str]) -> None:
+        self.root = Path(data_dir)
+        self.files_dir = self.root / "files"
+        self.work_dir = self.root / "work"
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        # One connection shared by the event loop and worker threads, serialised by a lock:
+        # every statement is tiny, so contention is negligible.
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.root / "server.db", check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # ---- ids and paths ------------------------------------------------------------
+    @staticmethod
+    def new_id(prefix: str, style: str = "openai") -> str:
+        """A new id: ``prefix`` + 24 hex characters, or a UUID for vendors that use them."""
+        if style == "uuid":
+            return str(uuid.uuid4())
+        return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+    def file_path(self, file_id: str) -> Path:
+        return self.files_dir / file_id
+
+    def temp_path(self, name: str) -> Path:
+        return self.work_dir / f"{name}.{uuid.uuid4().hex}.part"
+
+    def work_path(self, batch_id: str, kind: str) -> Path:
+        return self.work_dir / f"{batch_id}.{kind}.jsonl"
+
+    # ---- files ------------------------------------------------------------------------
+    def add_file(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO files (id, data) VALUES (?, ?)", (record["id"], orjson.dumps(record))
+            )
+
+    def get_file(self, file_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute("SELECT data FROM files WHERE id = ?", (file_id,)).fetchone()
+        return orjson.loads(row[0]) if row else None
+
+    def list_files(
+        self, *, after: str | None, limit: int, purpose: str | None = None
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """Newest first; ``after`` is the id of the last file of the previous page."""
+        return self._page("files", after=after, limit=limit, purpose=purpose)
+
+    def delete_file(self, file_id: str) -> bool:
+        with self._lock:
+            cur = self._db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+        self.file_path(file_id).unlink(missing_ok=True)
+        return cur.rowcount > 0
+
+    # ---- batches --------------------------------------------------------------------
+    def add_batch(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO batches (id, active, data) VALUES (?, ?, ?)",
+                (record["id"], int(not _terminal(record)), orjson.dumps(record)),
+            )
+
+    def save_batch(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE batches SET data = ?, active = ? WHERE id = ?",
+                (orjson.dumps(record), int(not _terminal(record)), record["id"]),
+            )
+
+    def get_batch(self, batch_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute("SELECT data FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return orjson.loads(row[0]) if row else None
+
+    def list_batches(self, *, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        return self._page("batches", after=after, limit=limit)
+
+    def active_batches(self) -> Iterator[dict[str, Any]]:
+        """Batches not yet terminal, oldest first (the ones to resume after a restart)."""
+        with self._lock:
+            rows = self._db.execute("SELECT data FROM batches WHERE active = 1 ORDER BY seq").fetchall()
+        for (data,) in rows:
+            yield orjson.loads(data)
+
+    def _page(
+        self, table: str, *, after: str | None, limit: int, purpose: str | None = None
+    ) -> tuple[list[dict[str, Any]], bool]:
+        sql = f"SELECT data FROM {table}"
+        where: list[str] = []
+        params: list[Any] = []
+        if after:
+            where.append(f"seq < (SELECT seq FROM {table} WHERE id = ?)")
+            params.append(after)
+        if purpose:
+            where.append("json_extract(data, '$.purpose') = ?")
+            params.append(purpose)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY seq DESC LIMIT ?"
+        params.append(limit + 1)
+        with self._lock:
+            rows = self._db.execute(sql, params).fetchall()
+        items = [orjson.loads(r[0]) for r in rows[:limit]]
+        return items, len(rows) > limit
+
+
+def _terminal(record: dict[str, Any]) -> bool:
+    return record.get("status") in ("completed", "failed", "expired", "cancelled")
+
+
+def now() -> float:
+    return time.time()

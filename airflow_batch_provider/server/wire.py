@@ -1,0 +1,471 @@
+"""Server-side wire shapes per vendor: auth, create body, batch objects, listings, result lines.
+
+This is an independent implementation of what each vendor sends, written from the
+vendors' documentation (see shared/seeds/README.md), so the provider's client-side
+dialects are tested against shapes they did not produce themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+from airflow_batch_provider.dialects import get_dialect
+from airflow_batch_provider.dialects.base import Dialect
+
+# OpenAI's metadata limits.
+_MAX_METADATA_PAIRS = 16
+_MAX_METADATA_KEY = 64
+_MAX_METADATA_VALUE = 512
+
+# Messages of the lines the server writes itself when a batch stops early.
+SYSTEM_MESSAGES = {
+    "batch_expired": "This request could not be executed before the completion window expired.",
+    "batch_cancelled": "This request was not executed because the batch was cancelled.",
+}
+
+
+class ApiError(Exception):
+    """An error answer: HTTP status, vendor-shaped body and optional headers."""
+
+    def __init__(self, status: int, body: dict[str, Any], headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(str(body))
+        self.status = status
+        self.body = body
+        self.headers = dict(headers or {})
+
+
+def _ts(value: float | None) -> int | None:
+    return int(value) if value is not None else None
+
+
+def _iso(value: float | None) -> str | None:
+    if value is None:
+        return None
+    return datetime.fromtimestamp(value, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class Wire:
+    """OpenAI's shapes; the baseline the other vendors' classes adjust.
+
+    :param dialect: the client-side dialect of the same vendor, used only for its declared
+        facts (endpoints, windows, validation rules), never for its parsing code.
+    """
+
+    name = "openai"
+    id_style = "openai"
+    upload_requires_purpose = True
+    sync_validation = False
+    # Whether lines the upstream answered non-2xx keep their response (OpenAI) or become
+    # ``response: null`` error lines (ZeroGPU's documented error schema).
+    error_lines_keep_response = True
+    results_endpoint = False
+
+    def __init__(self, dialect: Dialect) -> None:
+        self.dialect = dialect
+
+    # ---- errors and auth ----------------------------------------------------------
+    def error(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> ApiError:
+        return ApiError(
+            status,
+            {"error": {"message": message, "type": type_, "param": param, "code": code, **extra}},
+            headers,
+        )
+
+    def presented_key(self, headers: Mapping[str, str]) -> str | None:
+        auth = headers.get("authorization") or ""
+        scheme, _, token = auth.partition(" ")
+        return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+    def check_auth(self, headers: Mapping[str, str], api_key: str | None) -> None:
+        if api_key is None:
+            return
+        presented = self.presented_key(headers)
+        if presented is None:
+            raise self.error(401, "No API key provided.", code="missing_api_key")
+        if presented != api_key:
+            # Never echo the key back: only say that it did not match.
+            raise self.error(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    def not_found(self, what: str, ident: str) -> ApiError:
+        return self.error(404, f"No {what} found with id '{ident}'.", code="not_found")
+
+    def rate_limited(self, retry_after: float) -> ApiError:
+        return self.error(
+            429,
+            "Rate limit reached (injected by the local batch server).",
+            type_="requests",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": f"{retry_after:g}", "retry-after-ms": str(int(retry_after * 1000))},
+        )
+
+    def server_error(self, status: int, retry_after: float) -> ApiError:
+        headers = {"Retry-After": f"{retry_after:g}"} if status == 503 else {}
+        return self.error(
+            status,
+            f"Injected {status} from the local batch server.",
+            type_="server_error",
+            code=None,
+            headers=headers,
+        )
+
+    # ---- files ----------------------------------------------------------------------
+    def render_file(self, rec: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "id": rec["id"],
+            "object": "file",
+            "bytes": rec["bytes"],
+            "created_at": _ts(rec["created_at"]),
+            "expires_at": None,
+            "filename": rec["filename"],
+            "purpose": rec.get("purpose"),
+            "status": "processed",
+            "status_details": None,
+        }
+
+    def render_file_list(self, items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+        data = [self.render_file(r) for r in items]
+        return {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": has_more,
+        }
+
+    # ---- batch creation -------------------------------------------------------------
+    def parse_create(self, body: Any) -> dict[str, Any]:
+        """Read and check a create body; answer what the engine needs."""
+        if not isinstance(body, Mapping):
+            raise self.error(400, "Request body must be a JSON object.")
+        input_file_id = body.get("input_file_id")
+        if not isinstance(input_file_id, str) or not input_file_id:
+            raise self.error(400, "Missing required parameter: 'input_file_id'.", param="input_file_id")
+        endpoint = body.get("endpoint")
+        if not isinstance(endpoint, str) or not endpoint:
+            raise self.error(400, "Missing required parameter: 'endpoint'.", param="endpoint")
+        if endpoint not in self.dialect.endpoints:
+            raise self.error(
+                400,
+                f"Invalid value for 'endpoint': {endpoint!r}. "
+                f"Supported: {', '.join(sorted(self.dialect.endpoints))}.",
+                param="endpoint",
+                code="invalid_value",
+            )
+        window = body.get("completion_window")
+        if window not in self.dialect.completion_windows:
+            raise self.error(
+                400,
+                f"Invalid value for 'completion_window': {window!r}. "
+                f"Supported: {', '.join(self.dialect.completion_windows)}.",
+                param="completion_window",
+                code="invalid_value",
+            )
+        metadata = body.get("metadata")
+        if metadata is not None:
+            self._check_metadata(metadata)
+        return {
+            "input_file_id": input_file_id,
+            "endpoint": endpoint,
+            "completion_window": window,
+            "metadata": dict(metadata) if metadata else None,
+            "name": None,
+        }
+
+    def _check_metadata(self, metadata: Any) -> None:
+        if not isinstance(metadata, Mapping):
+            raise self.error(400, "metadata must be an object of string pairs.", param="metadata")
+        if len(metadata) > _MAX_METADATA_PAIRS:
+            raise self.error(
+                400,
+                f"metadata has {len(metadata)} pairs; the limit is {_MAX_METADATA_PAIRS}.",
+                param="metadata",
+            )
+        for key, value in metadata.items():
+            if not isinstance(value, str):
+                raise self.error(400, f"metadata value of {key!r} must be a string.", param=f"metadata.{key}")
+            if len(key) > _MAX_METADATA_KEY:
+                raise self.error(
+                    400, f"metadata key {key[:20]!r}... is longer than {_MAX_METADATA_KEY}.", param="metadata"
+                )
+            if len(value) > _MAX_METADATA_VALUE:
+                raise self.error(
+                    400,
+                    f"metadata value of {key!r} is longer than {_MAX_METADATA_VALUE}.",
+                    param=f"metadata.{key}",
+                )
+
+    def window_seconds(self, window: str | None) -> float:
+        text = (window or "24h").strip()
+        unit = text[-1]
+        return float(text[:-1]) * {"h": 3600, "m": 60, "s": 1, "d": 86400}.get(unit, 3600)
+
+    def validation_error(self, problem: Mapping[str, Any]) -> ApiError:
+        """400 answer of a vendor that validates at create time (ZeroGPU)."""
+        raise NotImplementedError
+
+    # ---- batch objects --------------------------------------------------------------
+    def status_of(self, rec: Mapping[str, Any]) -> str:
+        return str(rec["status"])
+
+    def render_batch(self, rec: Mapping[str, Any]) -> dict[str, Any]:
+        counts = rec["request_counts"]
+        errors = rec.get("errors")
+        return {
+            "id": rec["id"],
+            "object": "batch",
+            "endpoint": rec["endpoint"],
+            "errors": {"object": "list", "data": errors} if errors else None,
+            "input_file_id": rec["input_file_id"],
+            "completion_window": rec["completion_window"],
+            "status": self.status_of(rec),
+            "output_file_id": rec.get("output_file_id"),
+            "error_file_id": rec.get("error_file_id"),
+            "created_at": _ts(rec["created_at"]),
+            "in_progress_at": _ts(rec.get("in_progress_at")),
+            "expires_at": _ts(rec.get("expires_at")),
+            "finalizing_at": _ts(rec.get("finalizing_at")),
+            "completed_at": _ts(rec.get("completed_at")),
+            "failed_at": _ts(rec.get("failed_at")),
+            "expired_at": _ts(rec.get("expired_at")),
+            "cancelling_at": _ts(rec.get("cancelling_at")),
+            "cancelled_at": _ts(rec.get("cancelled_at")),
+            "request_counts": {
+                "total": counts["total"],
+                "completed": counts["completed"],
+                "failed": counts["failed"],
+            },
+            "metadata": rec.get("metadata"),
+        }
+
+    def list_page_args(self, params: Mapping[str, str]) -> tuple[str | None, int]:
+        """(after id, limit) from the listing query."""
+        limit = _int_param(params.get("limit"), 20, "limit", self)
+        if not 1 <= limit <= 100:
+            raise self.error(400, "limit must be between 1 and 100.", param="limit")
+        return params.get("after") or None, limit
+
+    def render_batch_list(self, items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+        data = [self.render_batch(r) for r in items]
+        return {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": has_more,
+        }
+
+    def is_cancel_path(self, tail: str) -> bool:
+        return tail == "cancel"
+
+    # ---- result lines -----------------------------------------------------------------
+    def response_line(
+        self, line_id: str, custom_id: str, status: int, body: Any, request_id: str
+    ) -> tuple[bool, dict[str, Any]]:
+        """The result line of an answered request and whether it belongs to the output file."""
+        ok = 200 <= status < 300
+        if ok or self.error_lines_keep_response:
+            return ok, {
+                "id": line_id,
+                "custom_id": custom_id,
+                "response": {"status_code": status, "request_id": request_id, "body": body},
+                "error": None,
+            }
+        inner = body.get("error") if isinstance(body, Mapping) else None
+        inner = inner if isinstance(inner, Mapping) else {}
+        return False, self.system_line(
+            line_id,
+            custom_id,
+            self.line_error_code(status, inner.get("code")),
+            f"[legacy:http_{status}] {inner.get('message') or 'request failed'}",
+            param=inner.get("param"),
+        )
+
+    def line_error_code(self, status: int, code: Any) -> str:
+        return str(code or f"http_{status}")
+
+    def system_line(
+        self, line_id: str, custom_id: str, code: str, message: str | None = None, param: Any = None
+    ) -> dict[str, Any]:
+        """An error line the server writes itself (expired, cancelled...)."""
+        return {
+            "id": line_id,
+            "custom_id": custom_id,
+            "response": None,
+            "error": {"code": code, "message": message or SYSTEM_MESSAGES.get(code, code), "param": param},
+        }
+
+
+def _int_param(value: str | None, default: int, name: str, wire: Wire) -> int:
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise wire.error(400, f"{name} must be an integer, got {value!r}.", param=name) from None
+
+
+class DoublewordWire(Wire):
+    """Doubleword: OpenAI shapes with UUID ids, a ``1h`` window and a paged results endpoint."""
+
+    name = "doubleword"
+    id_style = "uuid"
+    results_endpoint = True
+
+    def status_of(self, rec: Mapping[str, Any]) -> str:
+        # Doubleword derives status from its request counts and never says "expired":
+        # a batch whose window ran out is complete, its unfinished lines failed.
+        status = str(rec["status"])
+        return "completed" if status == "expired" else status
+
+    def render_batch(self, rec: Mapping[str, Any]) -> dict[str, Any]:
+        out = super().render_batch(rec)
+        out["expired_at"] = None
+        return out
+
+
+class ZeroGPUWire(Wire):
+    """ZeroGPU: ``x-api-key`` auth, validation answered synchronously at create, null-response error lines."""
+
+    name = "zerogpu"
+    sync_validation = True
+    error_lines_keep_response = False
+
+    _CODES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "authentication_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        402: "insufficient_quota",
+        429: "rate_limit_exceeded",
+    }
+
+    def error(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> ApiError:
+        zcode = self._CODES.get(status, "internal_error" if status >= 500 else "invalid_request_error")
+        body = {"error": {"type": zcode, "code": code or zcode, "message": message, "param": param, **extra}}
+        return ApiError(status, body, headers)
+
+    def presented_key(self, headers: Mapping[str, str]) -> str | None:
+        return (headers.get("x-api-key") or "").strip() or None
+
+    def validation_error(self, problem: Mapping[str, Any]) -> ApiError:
+        return self.error(
+            400,
+            f"line {problem['line']}: {problem['message']}"
+            if problem.get("line")
+            else str(problem["message"]),
+            code=problem["code"],
+            param=problem.get("param"),
+            line=problem.get("line"),
+        )
+
+    def line_error_code(self, status: int, code: Any) -> str:
+        if status >= 500:
+            return "internal_error"
+        return self._CODES.get(status, "invalid_request_error")
+
+
+class XAIWire(Wire):
+    """xAI: ``batch_id`` + ``state`` counters, ``{name, input_file_id}`` create, ``:cancel``, results."""
+
+    name = "xai"
+    id_style = "uuid"
+    upload_requires_purpose = False
+    results_endpoint = True
+
+    def render_file(self, rec: Mapping[str, Any]) -> dict[str, Any]:
+        out = super().render_file(rec)
+        out["file_id"] = rec["id"]
+        return out
+
+    def parse_create(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, Mapping):
+            raise self.error(400, "Request body must be a JSON object.")
+        input_file_id = body.get("input_file_id")
+        if not isinstance(input_file_id, str) or not input_file_id:
+            raise self.error(
+                400, "input_file_id is required to create a batch from a file.", param="input_file_id"
+            )
+        name = body.get("name")
+        if name is not None and not isinstance(name, str):
+            raise self.error(400, "name must be a string.", param="name")
+        return {
+            "input_file_id": input_file_id,
+            "endpoint": None,
+            "completion_window": "24h",
+            "metadata": None,
+            "name": name or "batch",
+        }
+
+    def render_batch(self, rec: Mapping[str, Any]) -> dict[str, Any]:
+        counts = rec["request_counts"]
+        progress = rec.get("progress") or {}
+        expired = int(progress.get("expired", 0))
+        cancelled = int(progress.get("cancelled", 0))
+        errored = counts["failed"] - expired - cancelled
+        total = counts["total"]
+        status = rec["status"]
+        # Expired lines were never run: xAI leaves them pending past the expire time.
+        pending = total - counts["completed"] - errored - cancelled
+        if status in ("validating", "failed"):
+            total = pending = 0
+        return {
+            "batch_id": rec["id"],
+            "name": rec.get("name"),
+            "create_time": _iso(rec["created_at"]),
+            "expire_time": _iso(rec.get("expires_at")),
+            "cancel_time": _iso(rec.get("cancelled_at") or rec.get("cancelling_at") or rec.get("failed_at")),
+            "cancel_by_xai_message": rec.get("cancel_message"),
+            "state": {
+                "num_requests": total,
+                "num_pending": pending,
+                "num_success": counts["completed"],
+                "num_error": errored,
+                "num_cancelled": cancelled,
+            },
+        }
+
+    def list_page_args(self, params: Mapping[str, str]) -> tuple[str | None, int]:
+        limit = _int_param(params.get("limit"), 100, "limit", self)
+        if not 1 <= limit <= 1000:
+            raise self.error(400, "limit must be between 1 and 1000.", param="limit")
+        return params.get("pagination_token") or None, limit
+
+    def render_batch_list(self, items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+        return {
+            "batches": [self.render_batch(r) for r in items],
+            "pagination_token": items[-1]["id"] if has_more and items else None,
+        }
+
+    def is_cancel_path(self, tail: str) -> bool:
+        return False
+
+
+WIRES: dict[str, type[Wire]] = {cls.name: cls for cls in (Wire, DoublewordWire, ZeroGPUWire, XAIWire)}
+
+
+def get_wire(dialect_name: str) -> Wire:
+    dialect = get_dialect(dialect_name)
+    return WIRES[dialect.name](dialect)
