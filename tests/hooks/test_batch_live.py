@@ -1,0 +1,248 @@
+"""BatchApiHook against the live local batch server, in every dialect, sync and async."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from airflow_batch_provider.exceptions import BatchApiAuthError, BatchApiNotFoundError, BatchApiRateLimitError
+from airflow_batch_provider.hooks.batch import BatchApiHook
+from airflow_batch_provider.hooks.retry import RetryPolicy
+from airflow_batch_provider.models import Batch, BatchState
+
+DIALECTS = ["openai", "doubleword", "zerogpu", "xai"]
+KEY = "sk-live-secret-0987654321"
+ENDPOINT = "/v1/chat/completions"
+FAST = RetryPolicy(max_retries=4, backoff_initial=0.005, backoff_max=0.02, retry_after_max=0.05)
+POLLS = 2000  # generous bound on polls; the fast server finishes a small batch in a few
+
+
+def write_input(path: Path, n: int = 5, prefix: str = "row") -> list[str]:
+    ids = [f"{prefix}-{i}" for i in range(n)]
+    with path.open("wb") as fh:
+        for cid in ids:
+            line = {
+                "custom_id": cid,
+                "method": "POST",
+                "url": ENDPOINT,
+                "body": {"model": "echo-1", "messages": [{"role": "user", "content": f"say {cid}"}]},
+            }
+            fh.write(orjson.dumps(line) + b"\n")
+    return ids
+
+
+def wait_terminal(hook: BatchApiHook, batch_id: str) -> Batch:
+    for _ in range(POLLS):
+        batch = hook.get_batch(batch_id)
+        if batch.is_terminal:
+            return batch
+        time.sleep(0.01)
+    raise AssertionError(f"batch {batch_id} did not finish; last state {batch.state}")
+
+
+async def await_terminal(hook: BatchApiHook, batch_id: str) -> Batch:
+    for _ in range(POLLS):
+        batch = await hook.aget_batch(batch_id)
+        if batch.is_terminal:
+            return batch
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"batch {batch_id} did not finish; last state {batch.state}")
+
+
+@pytest.fixture
+def live(batch_server, monkeypatch: pytest.MonkeyPatch):
+    """Start a server in a dialect and point connection ``batch_live`` at it."""
+
+    def start(dialect: str, **config: Any):
+        server = batch_server(dialect=dialect, api_key=KEY, **config)
+        monkeypatch.setenv("AIRFLOW_CONN_BATCH_LIVE", server.connection_json())
+        return server, BatchApiHook("batch_live", retry_policy=FAST)
+
+    return start
+
+
+def metadata_for(dialect: str, run: str) -> dict[str, str]:
+    # xAI has no metadata; the run key becomes the batch name (see XAIDialect).
+    return {"airflow_batch_key": run} if dialect == "xai" else {"airflow_batch_key": run, "shard": "0"}
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_round_trip(live, tmp_path: Path, dialect: str) -> None:
+    server, hook = live(dialect)
+    ids = write_input(tmp_path / "in.jsonl")
+    with hook:
+        ok, message = hook.test_connection()
+        assert ok, message
+        file_id = hook.upload_file(tmp_path / "in.jsonl")
+        info = hook.get_file(file_id)
+        assert info.get("id", info.get("file_id")) == file_id
+        metadata = metadata_for(dialect, f"run-{dialect}")
+        created = hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT, metadata=metadata)
+        assert not created.is_terminal or created.state is BatchState.COMPLETED
+        batch = wait_terminal(hook, created.id)
+        assert batch.state is BatchState.COMPLETED
+        assert batch.request_counts.total == 5
+        assert batch.request_counts.completed == 5
+
+        results = list(hook.iter_results(batch))
+        assert sorted(r.custom_id for r in results) == ids
+        assert all(r.ok and r.body for r in results)
+
+        listed = [b.id for b in hook.list_batches()]
+        assert batch.id in listed
+        assert [b.id for b in hook.find_batches(metadata)] == [batch.id]
+        assert hook.find_batches({"airflow_batch_key": "another-run"}) == []
+
+        if batch.output_file_id:
+            dest = tmp_path / "out" / "output.jsonl"
+            size = hook.download_file(batch.output_file_id, dest)
+            assert size == dest.stat().st_size > 0
+            assert sorted(orjson.loads(line)["custom_id"] for line in dest.read_bytes().splitlines()) == ids
+            assert len(list(hook.iter_file_lines(batch.output_file_id))) == 5
+
+        hook.delete_file(file_id)
+        with pytest.raises(BatchApiNotFoundError, match=f"file '{file_id}'"):
+            hook.get_file(file_id)
+        with pytest.raises(BatchApiNotFoundError, match="batch 'batch_missing'"):
+            hook.get_batch("batch_missing")
+
+
+def test_doubleword_results_endpoint_matches_files(live, tmp_path: Path) -> None:
+    server, hook = live("doubleword")
+    write_input(tmp_path / "in.jsonl", n=7)
+    file_id = hook.upload_file(tmp_path / "in.jsonl")
+    batch = wait_terminal(hook, hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT).id)
+    from_files = {r.custom_id: r.body for r in hook.iter_results(batch, mode="files")}
+    from_endpoint = {r.custom_id: r.body for r in hook.iter_results(batch, mode="results_endpoint")}
+    assert from_files.keys() == from_endpoint.keys()
+    assert len(from_files) == 7
+    assert from_files == from_endpoint
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_failed_lines_come_back_as_errors(live, tmp_path: Path, dialect: str) -> None:
+    server, hook = live(dialect, faults={"line_failure_rate": 0.5})
+    ids = write_input(tmp_path / "in.jsonl", n=6)
+    file_id = hook.upload_file(tmp_path / "in.jsonl")
+    batch = wait_terminal(hook, hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT).id)
+    assert batch.state is BatchState.COMPLETED
+    results = list(hook.iter_results(batch))
+    assert sorted(r.custom_id for r in results) == ids
+    failed = [r for r in results if not r.ok]
+    assert len(failed) == 3 == batch.request_counts.failed
+    assert all(r.error is not None and r.error.code for r in failed)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_cancel(live, tmp_path: Path, dialect: str) -> None:
+    server, hook = live(dialect, faults={"stall_batches": True})
+    write_input(tmp_path / "in.jsonl")
+    file_id = hook.upload_file(tmp_path / "in.jsonl")
+    batch = hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT)
+    cancelled = hook.cancel_batch(batch.id)
+    assert cancelled.state in (BatchState.CANCELLING, BatchState.CANCELLED)
+    assert wait_terminal(hook, batch.id).state is BatchState.CANCELLED
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_list_pages_through_many_batches(live, tmp_path: Path, dialect: str) -> None:
+    server, hook = live(dialect)
+    write_input(tmp_path / "in.jsonl", n=1)
+    file_id = hook.upload_file(tmp_path / "in.jsonl")
+    created = {hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT).id for _ in range(5)}
+    assert {b.id for b in hook.list_batches(page_size=2)} == created
+    assert len(list(hook.list_batches(page_size=2, limit=3))) == 3
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_retries_through_injected_429_and_5xx(live, tmp_path: Path, dialect: str) -> None:
+    server, hook = live(dialect)
+    write_input(tmp_path / "in.jsonl")
+    file_id = hook.upload_file(tmp_path / "in.jsonl")
+    batch = hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT)
+    server.set_faults(rate_429=0.5, rate_503=0.2, retry_after=0.01)
+    done = wait_terminal(hook, batch.id)
+    assert done.state is BatchState.COMPLETED
+    assert len(list(hook.iter_results(done))) == 5
+    faults = server.stats()["counters"]
+    assert faults.get("status_429", 0) > 0
+
+
+def test_429_forever_exhausts_retries(live) -> None:
+    server, hook = live("openai")
+    server.set_faults(rate_429=1.0, retry_after=0.01)
+    with pytest.raises(BatchApiRateLimitError) as info:
+        hook.get_batch("batch_x")
+    assert info.value.status_code == 429
+    assert server.stats()["counters"]["status_429"] == FAST.max_retries + 1
+
+
+@pytest.mark.parametrize("dialect", ["openai", "doubleword", "zerogpu"])
+def test_download_survives_dropped_connections(live, tmp_path: Path, dialect: str) -> None:
+    server, hook = live(dialect)
+    ids = write_input(tmp_path / "in.jsonl", n=200)
+    file_id = hook.upload_file(tmp_path / "in.jsonl")
+    batch = wait_terminal(hook, hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT).id)
+    assert batch.output_file_id
+    server.set_faults(drop_rate=0.5)
+    dest = tmp_path / "out.jsonl"
+    hook.download_file(batch.output_file_id, dest)
+    assert sorted(orjson.loads(line)["custom_id"] for line in dest.read_bytes().splitlines()) == sorted(ids)
+    assert sorted(r.custom_id for r in hook.iter_results(batch)) == sorted(ids)
+    assert server.stats()["counters"].get("drop", 0) >= 1
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_wrong_key_is_rejected_without_leaking(live, batch_server, monkeypatch, dialect: str) -> None:
+    server, _ = live(dialect)
+    wrong = "sk-wrong-key-55555"
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_WRONG", server.connection_json(api_key=wrong))
+    hook = BatchApiHook("batch_wrong", retry_policy=FAST)
+    ok, message = hook.test_connection()
+    assert ok is False
+    assert "API key was rejected" in message
+    assert wrong not in message
+    with pytest.raises(BatchApiAuthError) as info:
+        hook.get_batch("batch_x")
+    assert wrong not in str(info.value) and wrong not in repr(info.value.body)
+
+
+def test_connection_to_nothing_fails_cleanly(batch_conn) -> None:
+    hook = BatchApiHook(batch_conn("batch_dead", host="http://127.0.0.1:9/v1"), max_retries=0)
+    ok, message = hook.test_connection()
+    assert ok is False
+    assert "connection failed" in message
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_async_round_trip(live, tmp_path: Path, dialect: str) -> None:
+    server, hook = live(dialect)
+    ids = write_input(tmp_path / "in.jsonl", n=4, prefix="async")
+    async with hook:
+        file_id = await hook.aupload_file(tmp_path / "in.jsonl")
+        assert (await hook.aget_file(file_id)) is not None
+        metadata = metadata_for(dialect, f"arun-{dialect}")
+        created = await hook.acreate_batch(input_file_id=file_id, endpoint=ENDPOINT, metadata=metadata)
+        batch = await await_terminal(hook, created.id)
+        assert batch.state is BatchState.COMPLETED
+        results = [r async for r in hook.aiter_results(batch.id)]
+        assert sorted(r.custom_id for r in results) == ids
+        assert all(r.ok for r in results)
+        assert [b.id async for b in hook.alist_batches()] == [batch.id]
+        assert [b.id for b in await hook.afind_batches(metadata)] == [batch.id]
+        if batch.output_file_id:
+            dest = tmp_path / "async-out.jsonl"
+            assert await hook.adownload_file(batch.output_file_id, dest) == dest.stat().st_size
+        server.set_faults(stall_batches=True)
+        other = await hook.acreate_batch(input_file_id=file_id, endpoint=ENDPOINT)
+        cancelled = await hook.acancel_batch(other.id)
+        assert cancelled.state in (BatchState.CANCELLING, BatchState.CANCELLED)
+        assert (await await_terminal(hook, other.id)).state is BatchState.CANCELLED
+        await hook.adelete_file(file_id)
+        with pytest.raises(BatchApiNotFoundError):
+            await hook.aget_file(file_id)
