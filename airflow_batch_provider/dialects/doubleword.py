@@ -55,7 +55,9 @@ class DoublewordDialect(Dialect):
         status = str(item.get("status") or "").lower()
         ok = error is None and isinstance(body, dict) and status in ("", "completed", "succeeded", "success")
         if not ok and error is None:
-            error = LineError(code=status or "unknown_error", message=f"request ended {status or 'without a body'}")
+            error = LineError(
+                code=status or "unknown_error", message=f"request ended {status or 'without a body'}"
+            )
         return ResultLine(
             custom_id=custom_id,
             ok=ok,
@@ -74,5 +76,8 @@ def _results_items(raw: Any) -> list[Mapping[str, Any]]:
     if isinstance(raw, list):
         return raw
     if isinstance(raw, Mapping):
+        if "custom_id" in raw:
+            # A one-line JSONL page parses as a single item, not as an envelope.
+            return [raw]
         return list(raw.get("data") or raw.get("results") or [])
     raise BatchApiResponseError("unreadable results page", body=repr(raw)[:500])
