@@ -106,6 +106,9 @@ class WarehouseDialect:
             f"ON CONFLICT ({key_list}) DO UPDATE SET {updates}"
         )
 
+    def analyze(self, conn: Any, table: str) -> None:
+        """Give the planner statistics of a freshly loaded temp table (where that matters)."""
+
     # ---- transactions ------------------------------------------------------------------------
     def cursor(self, conn: Any) -> Any:
         """A cursor that shares the connection's transaction and temp tables."""
@@ -181,6 +184,14 @@ class PostgresWarehouseDialect(WarehouseDialect):
 
     def drop_temp_table(self, name: str) -> str | None:
         return None  # ON COMMIT DROP
+
+    def analyze(self, conn: Any, table: str) -> None:
+        # Autovacuum never sees temp tables: without statistics the join plan is a guess.
+        cur = conn.cursor()
+        try:
+            cur.execute(f"ANALYZE {table}")
+        finally:
+            cur.close()
 
     def bulk_load(
         self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]

@@ -15,6 +15,7 @@ A failure anywhere rolls the whole merge back, leaving the table as it was.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,8 +81,9 @@ class MergeReport:
         }
 
 
-#: Called before commit with an iterator of ``(shard, custom_id)`` of retryable keys, ordered by shard.
-RetryCallback = Callable[[Iterator[tuple[int, str]]], Any]
+#: Called before commit with ``(shard, custom_id, key values)`` of every retryable key, in build
+#: order (by shard, then by line of keys.jsonl).
+RetryCallback = Callable[[Iterator[tuple[int, str, list[Any]]]], Any]
 
 
 class ResultsWriter:
@@ -268,6 +270,7 @@ class ResultsWriter:
         )
         self._create_temp(conn, t_keys, key_cols, created)
         d.bulk_load(conn, t_keys, key_cols, self._key_rows(keys))
+        d.analyze(conn, q(t_keys))
 
         rej_cols = self._staging_columns(
             ["custom_id", "seq", "code", "reason", *key_names],
@@ -280,7 +283,7 @@ class ResultsWriter:
         self._create_temp(conn, t_shards, shard_cols, created)
         d.bulk_load(conn, t_shards, shard_cols, ((i, s.batch_id, s.absent_status) for i, s in shards.items()))
 
-        ranked = self._ranked_results(t_results)
+        ranked = self._ranked_results(conn, t_results)
         status_expr = (
             f"CASE WHEN r.{q('custom_id')} IS NULL THEN COALESCE(s.{q('absent')}, 'missing') "
             f"ELSE r.{q('status')} END"
@@ -352,7 +355,8 @@ class ResultsWriter:
         if on_retry is not None:
             wanted = ", ".join(f"'{s}'" for s in sorted(RETRYABLE_STATUSES))
             sql = (
-                f"SELECT k.{q('shard')}, k.{q('custom_id')} {from_clause} WHERE {status_expr} IN ({wanted}) "
+                f"SELECT k.{q('shard')}, k.{q('custom_id')}, {', '.join('k.' + q(n) for n in key_names)} "
+                f"{from_clause} WHERE {status_expr} IN ({wanted}) "
                 f"ORDER BY k.{q('shard')}, k.{q('seq')}"
             )
             on_retry(self._stream(conn, sql))
@@ -388,7 +392,7 @@ class ResultsWriter:
             *[self._cast_json(f"r.{q(c.name)}", c) for c in self.mapper.columns],
         ]
         select_cols.append(d.cast(d.placeholder, "timestamp"))
-        ranked = self._ranked_results(t_results)
+        ranked = self._ranked_results(conn, t_results)
         select = f"SELECT {', '.join(select_cols)} FROM {ranked} r"
         self._execute(
             conn, d.upsert(self.qtable, target, ["custom_id"], select), [d.merged_at_value(merged_at)]
@@ -402,9 +406,20 @@ class ResultsWriter:
         report.duplicate_results = report.result_lines - report.rows_written
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _ranked_results(self, t_results: str) -> str:
-        """Results with one line per custom_id: a success wins over an error, then the later line."""
+    def _ranked_results(self, conn: Any, t_results: str) -> str:
+        """Results with one line per custom_id: a success wins over an error, then the later line.
+
+        The ranking sorts every staged line, so it is only used when a custom_id repeats.
+        """
         q = self.dialect.quote
+        self.dialect.analyze(conn, q(t_results))
+        repeated = self._fetchall(
+            conn,
+            f"SELECT COUNT(*) FROM (SELECT {q('custom_id')} FROM {q(t_results)} "
+            f"GROUP BY {q('custom_id')} HAVING COUNT(*) > 1) d",
+        )
+        if not int(repeated[0][0]):
+            return q(t_results)
         return (
             f"(SELECT * FROM (SELECT x.*, ROW_NUMBER() OVER (PARTITION BY x.{q('custom_id')} ORDER BY CASE WHEN "
             f"x.{q('status')} = 'succeeded' THEN 0 ELSE 1 END, x.{q('seq')} DESC) AS abp_rn "
@@ -475,6 +490,7 @@ class ResultsWriter:
 
     def _execute(self, conn: Any, sql: str, params: Sequence[Any] | None = None) -> None:
         cur = self.dialect.cursor(conn)
+        started = time.perf_counter()
         try:
             if params is None:
                 cur.execute(sql)
@@ -482,26 +498,33 @@ class ResultsWriter:
                 cur.execute(sql, tuple(params))
         finally:
             cur.close()
+        log.debug("%.2fs: %s", time.perf_counter() - started, sql[:120])
 
     def _fetchall(self, conn: Any, sql: str) -> list[tuple[Any, ...]]:
         """For aggregate queries whose answer is a handful of rows."""
         cur = self.dialect.cursor(conn)
+        started = time.perf_counter()
         try:
             cur.execute(sql)
             return [tuple(r) for r in cur.fetchall()]
         finally:
             cur.close()
+            log.debug("%.2fs: %s", time.perf_counter() - started, sql[:120])
 
-    def _stream(self, conn: Any, sql: str) -> Iterator[tuple[int, str]]:
+    def _stream(self, conn: Any, sql: str) -> Iterator[tuple[int, str, list[Any]]]:
         """Stream a large result in pages (a server-side cursor on PostgreSQL)."""
         if self.dialect.name == "postgres":
             cur = conn.cursor(name=f"abp_retry_{uuid.uuid4().hex[:8]}")
         else:
             cur = self.dialect.cursor(conn)
+        json_keys = [i for i, c in enumerate(self.key_columns) if c.type == "json"]
         try:
             cur.execute(sql)
             while page := cur.fetchmany(_FETCH):
-                for shard, custom_id in page:
-                    yield int(shard), str(custom_id)
+                for shard, custom_id, *key in page:
+                    for i in json_keys:
+                        if isinstance(key[i], str):
+                            key[i] = orjson.loads(key[i])
+                    yield int(shard), str(custom_id), key
         finally:
             cur.close()

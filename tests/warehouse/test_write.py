@@ -193,7 +193,7 @@ def test_crash_mid_write_rolls_back(warehouse: Any) -> None:
     ]
 
     # A failure after the upsert statement ran (before commit) is rolled back too.
-    def fail_in_retry(pairs: Iterator[tuple[int, str]]) -> None:
+    def fail_in_retry(pairs: Iterator[tuple[int, str, list[Any]]]) -> None:
         raise RuntimeError("could not write the resubmission shard")
 
     with pytest.raises(RuntimeError, match="resubmission"):
@@ -342,10 +342,10 @@ def test_shard_of_an_expired_batch_marks_absent_keys_expired(warehouse: Any) -> 
 def test_retry_callback_gets_retryable_keys_in_shard_order(warehouse: Any) -> None:
     writer = ResultsWriter(warehouse.hook, "results", key_columns=[Column("id", "integer")])
     keys = keys_for([("b", 2), ("a", 1)], shard=0) + keys_for([("c", 3), ("d", 4)], shard=1)
-    seen: list[tuple[int, str]] = []
+    seen: list[tuple[int, str, list[Any]]] = []
     writer.merge(
         with_batch([chat_line("a", "ok"), error_line("c", "server_error")]),
         keys=keys,
         on_retry=lambda pairs: seen.extend(pairs),
     )
-    assert seen == [(0, "b"), (1, "c"), (1, "d")]
+    assert seen == [(0, "b", [2]), (1, "c", [3]), (1, "d", [4])]

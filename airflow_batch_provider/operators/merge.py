@@ -1,0 +1,406 @@
+"""MergeBatchResultsOperator: batch results back into a warehouse table, one row per input key."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from airflow.sdk import BaseHook, BaseOperator
+
+from airflow_batch_provider.exceptions import ConfigurationError
+from airflow_batch_provider.jsonl import iter_objects
+from airflow_batch_provider.models import BatchState, Manifest, ResultLine
+from airflow_batch_provider.warehouse.rows import STATUSES, Column, OutputSchema, ResultMapper
+from airflow_batch_provider.warehouse.write import MergeReport, ResultsWriter, ShardOutcome
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context, ObjectStoragePath
+
+    from airflow_batch_provider.hooks.batch import BatchApiHook
+
+# A key of a shard whose batch ended this way, with no result line, gets this status.
+_ABSENT_STATUS = {
+    BatchState.EXPIRED: "expired",
+    BatchState.CANCELLED: "cancelled",
+    BatchState.FAILED: "failed",
+}
+
+
+def normalize_batches(value: Any) -> list[tuple[str, int | None]]:
+    """``(batch_id, shard or None)`` pairs from ids, a submit XCom, a terminal event, or a list of those."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [(value, None)] if value else []
+    if isinstance(value, Mapping):
+        entries = value.get("batches")
+        if isinstance(entries, list) and entries:
+            pairs: list[tuple[str, int | None]] = []
+            for entry in entries:
+                if isinstance(entry, Mapping):
+                    batch_id = entry.get("batch_id") or entry.get("id")
+                    shard = entry.get("shard")
+                    if batch_id:
+                        pairs.append((str(batch_id), shard if isinstance(shard, int) else None))
+                elif isinstance(entry, str):
+                    pairs.append((entry, None))
+            return _unique(pairs)
+        ids = value.get("batch_ids")
+        if ids is None and value.get("batch_id"):
+            ids = [value["batch_id"]]
+        return _unique([(str(i), None) for i in ids or []])
+    if isinstance(value, (list, tuple)):
+        out: list[tuple[str, int | None]] = []
+        for item in value:
+            out.extend(normalize_batches(item))
+        return _unique(out)
+    raise ConfigurationError(f"batches: cannot read batch ids from a {type(value).__name__}")
+
+
+def _unique(pairs: list[tuple[str, int | None]]) -> list[tuple[str, int | None]]:
+    seen: dict[str, int | None] = {}
+    for batch_id, shard in pairs:
+        if batch_id not in seen or seen[batch_id] is None:
+            seen[batch_id] = shard
+    return list(seen.items())
+
+
+class MergeBatchResultsOperator(BaseOperator):
+    """Merge batch results into ``target_table``: one row per input key, upserted in one transaction.
+
+    Every result line of every batch (output and error files, or the vendor's results
+    endpoint) is streamed through :class:`~airflow_batch_provider.hooks.batch.BatchApiHook`
+    and bulk-loaded; the build manifest's keys are joined to them in the database, so a key
+    without a result is ``missing`` and a rejected row is ``rejected``.
+
+    :param target_table: the results table (created if missing; never split on dots). (templated)
+    :param conn_id: connection of the warehouse (any common-sql ``DbApiHook``). (templated)
+    :param batches: batch ids, the submit task's XCom, or the trigger's terminal event;
+        default: the return value of the upstream task ``submit_task_id``. (templated)
+    :param manifest_path: the build's staging directory or manifest.json; default: the
+        ``manifest_path`` in the submit XCom; without one ``custom_id`` is the only key. (templated)
+    :param submit_task_id: task whose XCom is read when ``batches`` is not given.
+    :param batch_conn_id: the batch API connection.
+    :param dialect: override the connection's vendor dialect.
+    :param target_schema: schema / database of the table. (templated)
+    :param create_table: create the table when it does not exist.
+    :param extra_columns: ``{column: JSON path into the response body}``, e.g.
+        ``{"cached_tokens": "$.usage.prompt_tokens_details.cached_tokens"}``.
+    :param output_schema: pydantic model class, its dotted path, or a JSON schema dict; the
+        answer is parsed and its fields land in typed columns (else ``invalid_output``).
+    :param output_column_prefix: prefix for the structured-output columns.
+    :param input_price_per_1m: price of one million input (prompt) tokens, for the cost figure.
+    :param output_price_per_1m: price of one million output (completion) tokens.
+    :param resubmit_failed: write a new shard set (``attempt-N/`` beside the manifest) of the
+        lines whose status is failed, expired, cancelled or missing.
+    :param max_attempts: the attempt number after which nothing more is resubmitted.
+    :param results_mode: force ``files`` or ``results_endpoint`` when reading results.
+    """
+
+    template_fields: Sequence[str] = ("target_table", "conn_id", "batches", "manifest_path", "target_schema")
+    ui_color = "#d5e8d4"
+
+    def __init__(
+        self,
+        *,
+        target_table: str,
+        conn_id: str,
+        batches: Any = None,
+        manifest_path: str | None = None,
+        submit_task_id: str | None = None,
+        batch_conn_id: str = "batch_api_default",
+        dialect: str | None = None,
+        target_schema: str | None = None,
+        create_table: bool = True,
+        extra_columns: Mapping[str, str] | None = None,
+        output_schema: Any = None,
+        output_column_prefix: str = "",
+        input_price_per_1m: float | None = None,
+        output_price_per_1m: float | None = None,
+        resubmit_failed: bool = False,
+        max_attempts: int = 3,
+        results_mode: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.target_table = target_table
+        self.conn_id = conn_id
+        self.batches = batches
+        self.manifest_path = manifest_path
+        self.submit_task_id = submit_task_id
+        self.batch_conn_id = batch_conn_id
+        self.dialect = dialect
+        self.target_schema = target_schema
+        self.create_table = create_table
+        self.extra_columns = dict(extra_columns or {})
+        self.output_schema = output_schema
+        self.output_column_prefix = output_column_prefix
+        self.input_price_per_1m = input_price_per_1m
+        self.output_price_per_1m = output_price_per_1m
+        self.resubmit_failed = resubmit_failed
+        if max_attempts < 1:
+            raise ConfigurationError("max_attempts must be at least 1")
+        self.max_attempts = max_attempts
+        self.results_mode = results_mode
+
+    # ---- inputs -----------------------------------------------------------------------------
+    def _batch_input(self, context: Context) -> Any:
+        if self.batches is not None:
+            return self.batches
+        if self.submit_task_id:
+            return context["ti"].xcom_pull(task_ids=self.submit_task_id)
+        raise ConfigurationError("give batches (ids, submit XCom or terminal event) or submit_task_id")
+
+    def get_batch_hook(self) -> BatchApiHook:
+        from airflow_batch_provider.hooks.batch import BatchApiHook
+
+        return BatchApiHook(self.batch_conn_id, dialect=self.dialect)
+
+    def get_warehouse_hook(self) -> Any:
+        return BaseHook.get_connection(self.conn_id).get_hook()
+
+    # ---- execute ----------------------------------------------------------------------------
+    def execute(self, context: Context) -> dict[str, Any]:
+        from airflow_batch_provider import staging
+
+        raw = self._batch_input(context)
+        pairs = normalize_batches(raw)
+        if not pairs:
+            raise ConfigurationError(f"no batch ids found in batches={raw!r}")
+        manifest_ref = self.manifest_path
+        if manifest_ref is None and isinstance(raw, Mapping):
+            manifest_ref = raw.get("manifest_path")
+        manifest: Manifest | None = None
+        staging_dir: ObjectStoragePath | None = None
+        manifest_file: ObjectStoragePath | None = None
+        if manifest_ref:
+            manifest_file = staging.manifest_path(manifest_ref)
+            manifest = staging.read_manifest(manifest_file)
+            staging_dir = staging.staging_dir_of(manifest_file)
+        if self.resubmit_failed and manifest is None:
+            raise ConfigurationError("resubmit_failed needs the build manifest (manifest_path)")
+
+        hook = self.get_batch_hook()
+        batches = {batch_id: hook.get_batch(batch_id) for batch_id, _ in pairs}
+        shards = {
+            shard: ShardOutcome(batch_id, _ABSENT_STATUS.get(batches[batch_id].state, "missing"))
+            for batch_id, shard in pairs
+            if shard is not None
+        }
+        for batch in batches.values():
+            self.log.info("Batch %s is %s (%s)", batch.id, batch.state.value, batch.request_counts)
+
+        schema = OutputSchema(self.output_schema, self.output_column_prefix) if self.output_schema else None
+        mapper = ResultMapper(extra_columns=self.extra_columns, output_schema=schema)
+        key_columns: list[Column] = []
+        keys_file = rejects_file = None
+        if manifest is not None and staging_dir is not None and manifest.key_columns and manifest.keys_path:
+            types = list(manifest.key_types) or ["text"] * len(manifest.key_columns)
+            key_columns = [Column(n, t) for n, t in zip(manifest.key_columns, types, strict=True)]
+            keys_file = staging_dir / manifest.keys_path
+            rejects_file = staging_dir / manifest.rejects_path if manifest.rejects_path else None
+        elif manifest is not None:
+            self.log.warning("The manifest has no key columns or keys file; custom_id is the only key")
+
+        writer = ResultsWriter(
+            self.get_warehouse_hook(),
+            self.target_table,
+            schema=self.target_schema,
+            key_columns=key_columns,
+            mapper=mapper,
+            create_table=self.create_table,
+        )
+        resubmission: dict[str, Any] = {}
+
+        def on_retry(retryable: Iterator[tuple[int, str, list[Any]]]) -> None:
+            assert manifest is not None and staging_dir is not None and manifest_file is not None
+            resubmission.update(self._resubmit(retryable, manifest, staging_dir, manifest_file))
+
+        def results() -> Iterator[tuple[ResultLine, str]]:
+            for batch in batches.values():
+                count = 0
+                for line in hook.iter_results(batch, mode=self.results_mode):
+                    count += 1
+                    yield line, batch.id
+                self.log.info("Read %d result line(s) of batch %s", count, batch.id)
+
+        report = writer.merge(
+            results(),
+            keys=_records(keys_file) if keys_file is not None else None,
+            rejects=_records(rejects_file) if rejects_file is not None else None,
+            shards=shards,
+            on_retry=on_retry if self.resubmit_failed and key_columns else None,
+        )
+        return self._summarise(report, list(batches), resubmission, manifest)
+
+    # ---- resubmission -----------------------------------------------------------------------
+    def _resubmit(
+        self,
+        retryable: Iterator[tuple[int, str, list[Any]]],
+        manifest: Manifest,
+        staging_dir: ObjectStoragePath,
+        manifest_file: ObjectStoragePath,
+    ) -> dict[str, Any]:
+        from airflow_batch_provider import staging
+        from airflow_batch_provider.dialects import get_dialect
+
+        attempt = int(manifest.extra.get("attempt", 1))
+        next_attempt = attempt + 1
+        info: dict[str, Any] = {"attempt": attempt, "next_attempt": None, "resubmit_lines": 0}
+        first = next(retryable, None)
+        if first is None:
+            return info
+        if next_attempt > self.max_attempts:
+            # Count what is left so the XCom says how much stays unanswered.
+            info["unresubmitted"] = 1 + sum(1 for _ in retryable)
+            self.log.warning(
+                "%d line(s) still failed after attempt %d of %d; not resubmitting",
+                info["unresubmitted"],
+                attempt,
+                self.max_attempts,
+            )
+            return info
+        # Every attempt's directory sits beside the first manifest, never nested in the previous one.
+        root = staging.resolve_path(manifest.extra["root"]) if manifest.extra.get("root") else staging_dir
+        target = root / f"attempt-{next_attempt}"
+        staging.mkdirs(target)
+        limits = get_dialect(manifest.dialect).limits
+        written = 0
+        shard_paths = {s.index: s.path for s in manifest.shards}
+        with (
+            staging.ShardedJsonlWriter(target, limits, endpoint=manifest.endpoint) as writer,
+            staging.atomic_writer(target / staging.KEYS_NAME) as keys_out,
+        ):
+            for shard, wanted in _group_by_shard(first, retryable):
+                if shard not in shard_paths:
+                    raise ConfigurationError(
+                        f"keys.jsonl names shard {shard}, which the manifest does not list"
+                    )
+                with staging.open_read(staging_dir / shard_paths[shard]) as handle:
+                    for _, obj in iter_objects(handle):
+                        key = wanted.pop(obj.get("custom_id"), None) if isinstance(obj, dict) else None
+                        if key is None:
+                            continue
+                        new_shard = writer.add(orjson.dumps(obj))
+                        keys_out.write(
+                            orjson.dumps({"custom_id": obj["custom_id"], "key": key, "shard": new_shard})
+                        )
+                        keys_out.write(b"\n")
+                        written += 1
+                if wanted:
+                    raise ConfigurationError(
+                        f"shard {shard_paths[shard]} lacks {len(wanted)} line(s) listed in keys.jsonl, "
+                        f"e.g. custom_id {next(iter(wanted))!r}"
+                    )
+        shards = writer.shards
+        staging.remove_stale_shards(target, {s.path for s in shards})
+        new_manifest = manifest.model_copy(
+            update={
+                "shards": shards,
+                "rows_read": written,
+                "rows_written": written,
+                "rows_rejected": 0,
+                "rejects_path": None,
+                "keys_path": staging.KEYS_NAME,
+                "extra": {
+                    **manifest.extra,
+                    "attempt": next_attempt,
+                    "root": str(root),
+                    "parent_manifest": str(manifest_file),
+                },
+            }
+        )
+        new_manifest_file = staging.write_manifest(target, new_manifest)
+        self.log.info(
+            "Wrote %d line(s) to resubmit as attempt %d: %s", written, next_attempt, new_manifest_file
+        )
+        info.update(
+            {
+                "next_attempt": next_attempt,
+                "resubmit_lines": written,
+                "resubmit_manifest_path": str(new_manifest_file),
+            }
+        )
+        return info
+
+    # ---- report -----------------------------------------------------------------------------
+    def _summarise(
+        self,
+        report: MergeReport,
+        batch_ids: list[str],
+        resubmission: Mapping[str, Any],
+        manifest: Manifest | None,
+    ) -> dict[str, Any]:
+        cost = None
+        if self.input_price_per_1m is not None or self.output_price_per_1m is not None:
+            cost = round(
+                report.prompt_tokens * (self.input_price_per_1m or 0.0) / 1e6
+                + report.completion_tokens * (self.output_price_per_1m or 0.0) / 1e6,
+                6,
+            )
+        summary = {
+            "table": self.target_table,
+            "batch_ids": batch_ids,
+            **report.as_dict(),
+            "cost": cost,
+            "attempt": int(manifest.extra.get("attempt", 1)) if manifest else 1,
+            "max_attempts": self.max_attempts,
+            "resubmit": bool(resubmission.get("resubmit_lines")),
+            "resubmit_lines": int(resubmission.get("resubmit_lines", 0)),
+            "resubmit_manifest_path": resubmission.get("resubmit_manifest_path"),
+            "unresubmitted": int(resubmission.get("unresubmitted", 0)),
+        }
+        counts = ", ".join(f"{s}={report.counts.get(s, 0)}" for s in STATUSES)
+        self.log.info(
+            "Merged %d row(s) into %s from %d result line(s): %s; tokens prompt=%d completion=%d total=%d%s",
+            report.rows_written,
+            self.target_table,
+            report.result_lines,
+            counts,
+            report.prompt_tokens,
+            report.completion_tokens,
+            report.total_tokens,
+            f"; cost={cost}" if cost is not None else "",
+        )
+        if report.orphan_results:
+            self.log.warning(
+                "%d result line(s) matched no key of the manifest and were not written (e.g. %s)",
+                report.orphan_results,
+                ", ".join(report.orphan_samples),
+            )
+        if report.unkeyed_rejects:
+            self.log.warning(
+                "%d rejected row(s) have no key and cannot be written to the table; see the rejects file",
+                report.unkeyed_rejects,
+            )
+        if report.duplicate_results:
+            self.log.warning(
+                "%d result line(s) repeated a custom_id; the success (else the last line) was kept",
+                report.duplicate_results,
+            )
+        return summary
+
+
+def _records(path: ObjectStoragePath) -> Iterator[dict[str, Any]]:
+    """The objects of a staged JSONL file, streamed; a non-object line is an error naming it."""
+    from airflow_batch_provider import staging
+
+    with staging.open_read(path) as handle:
+        for number, obj in iter_objects(handle):
+            if not isinstance(obj, dict):
+                raise ConfigurationError(f"{path}: line {number} is not a JSON object")
+            yield obj
+
+
+def _group_by_shard(
+    first: tuple[int, str, list[Any]], rest: Iterator[tuple[int, str, list[Any]]]
+) -> Iterator[tuple[int, dict[str, list[Any]]]]:
+    """Group the (ordered) retryable keys per shard; one shard's worth is bounded by the shard limits."""
+    shard, group = first[0], {first[1]: first[2]}
+    for item in rest:
+        if item[0] != shard:
+            yield shard, group
+            shard, group = item[0], {}
+        group[item[1]] = item[2]
+    yield shard, group

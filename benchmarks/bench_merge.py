@@ -1,0 +1,305 @@
+"""Benchmark the merge write path: result files -> committed results table.
+
+Generates an output file and an error file (90% / 10% of ``--lines``) plus a keys.jsonl,
+then, each in a fresh subprocess so peak memory is per measurement:
+
+* ``merge``: the provider's path (parse lines with the dialect, stage keys + results,
+  one keyed upsert, commit) -- what MergeBatchResultsOperator does after download;
+* ``insert_rows``: the same parsed rows through common-sql ``DbApiHook.insert_rows``
+  (on DuckDB, measured on ``--baseline-lines`` rows and reported as a rate);
+* ``copy``: a bare COPY (PostgreSQL) / read_json (DuckDB) of rows parsed beforehand
+  into memory: the ceiling of the write alone, parsing excluded.
+
+Usage: python benchmarks/bench_merge.py [--lines 1000000] [--db postgres,duckdb]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+PG = {"host": "127.0.0.1", "port": 5432, "user": "postgres", "dbname": "test"}
+
+
+def generate(directory: Path, lines: int) -> None:
+    """Typical chat-completion results: 90% answers, 10% errors, and the keys of every line."""
+    errors_every = 10
+    with (
+        open(directory / "output.jsonl", "wb") as out,
+        open(directory / "errors.jsonl", "wb") as err,
+        open(directory / "keys.jsonl", "wb") as keys,
+    ):
+        for i in range(lines):
+            cid = f"row-{i:09d}"
+            keys.write(orjson.dumps({"custom_id": cid, "key": [i], "shard": i // 50_000}) + b"\n")
+            if i % errors_every == errors_every - 1:
+                line = {
+                    "id": f"batch_req_{i}",
+                    "custom_id": cid,
+                    "response": None,
+                    "error": {"code": "server_error", "message": "The upstream model failed."},
+                }
+                err.write(orjson.dumps(line) + b"\n")
+                continue
+            line = {
+                "id": f"batch_req_{i}",
+                "custom_id": cid,
+                "response": {
+                    "status_code": 200,
+                    "request_id": f"req_{i:09d}",
+                    "body": {
+                        "id": f"chatcmpl-{i}",
+                        "object": "chat.completion",
+                        "created": 1_760_000_000,
+                        "model": "gpt-4o-mini-2024-07-18",
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {
+                                    "role": "assistant",
+                                    "content": f"Category: billing. Ticket {i} asks about an invoice.",
+                                    "refusal": None,
+                                },
+                                "logprobs": None,
+                                "finish_reason": "stop",
+                            }
+                        ],
+                        "usage": {"prompt_tokens": 112, "completion_tokens": 14, "total_tokens": 126},
+                        "system_fingerprint": "fp_bench",
+                    },
+                },
+                "error": None,
+            }
+            out.write(orjson.dumps(line) + b"\n")
+
+
+def result_lines(directory: Path) -> Iterator[tuple[Any, str]]:
+    from airflow_batch_provider.dialects import get_dialect
+
+    dialect = get_dialect("openai")
+    for name, source in (("output.jsonl", "output"), ("errors.jsonl", "error")):
+        with open(directory / name, "rb", buffering=1 << 20) as handle:
+            for raw in handle:
+                yield dialect.parse_result_line(orjson.loads(raw), source), "batch_bench"
+
+
+def keys(directory: Path) -> Iterator[dict[str, Any]]:
+    with open(directory / "keys.jsonl", "rb", buffering=1 << 20) as handle:
+        for raw in handle:
+            yield orjson.loads(raw)
+
+
+def hook_for(db: str, target: str) -> Any:
+    if db == "postgres":
+        from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+        os.environ["AIRFLOW_CONN_BENCH_PG"] = json.dumps(
+            {
+                "conn_type": "postgres",
+                "host": PG["host"],
+                "port": PG["port"],
+                "login": PG["user"],
+                "schema": PG["dbname"],
+                "extra": {"options": f"-c search_path={target}"},
+            }
+        )
+        return PostgresHook(postgres_conn_id="bench_pg")
+    from duckdb_provider.hooks.duckdb_hook import DuckDBHook
+
+    os.environ["AIRFLOW_CONN_BENCH_DUCKDB"] = json.dumps({"conn_type": "duckdb", "host": target})
+    return DuckDBHook(duckdb_conn_id="bench_duckdb")
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def child(mode: str, db: str, directory: Path, target: str, baseline_lines: int) -> dict[str, Any]:
+    from airflow_batch_provider.warehouse.rows import Column, ResultMapper
+    from airflow_batch_provider.warehouse.write import ResultsWriter
+
+    hook = hook_for(db, target)
+    table = f"results_{mode}"
+    writer = ResultsWriter(hook, table, key_columns=[Column("id", "integer")])
+    start_rss = rss_mb()
+    rows = 0
+    t0 = time.perf_counter()
+    if mode == "merge":
+        report = writer.merge(result_lines(directory), keys=keys(directory))
+        rows = report.rows_written
+    else:
+        # Same target table, same row content: keys joined up front in Python for the baselines.
+        mapper = ResultMapper()
+        columns = [c.name for c in writer.target_columns]
+        conn = hook.get_conn()
+        conn.cursor().execute(writer._create_sql())
+        conn.commit()
+        conn.close()
+        now = time.time()
+
+        def mapped() -> Iterator[tuple[Any, ...]]:
+            for line, batch_id in result_lines(directory):
+                row = mapper.row(line, batch_id)
+                yield (int(row[0][4:]), row[0], *row[2:], now)
+
+        if mode == "insert_rows":
+            import itertools
+
+            limit = baseline_lines if db == "duckdb" else None
+            source = itertools.islice(mapped(), limit) if limit else mapped()
+            stamp_rows = ((*r[:-1], _ts(db)) for r in source)
+            t0 = time.perf_counter()
+            hook.insert_rows(
+                table,
+                stamp_rows,
+                target_fields=[writer.dialect.quote(c) for c in columns],
+                commit_every=10_000,
+            )
+            rows = limit or 0
+            if not limit:
+                rows = _count(hook, writer.dialect.quote(table))
+        else:  # copy ceiling: rows parsed into memory first, only the write is timed
+            parsed = [(*r[:-1], _ts(db)) for r in mapped()]
+            conn = hook.get_conn()
+            t0 = time.perf_counter()
+            # JSON travels as text, as in the merge's staging; the column casts it.
+            cols = [Column(c.name, "text" if c.type == "json" else c.type) for c in writer.target_columns]
+            writer.dialect.bulk_load(conn, table, cols, parsed)
+            conn.commit()
+            conn.close()
+            rows = len(parsed)
+    elapsed = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {
+        "mode": mode,
+        "db": db,
+        "rows": rows,
+        "seconds": round(elapsed, 2),
+        "rows_per_s": round(rows / elapsed),
+        "peak_rss_mb": round(peak),
+        "start_rss_mb": round(start_rss),
+        "growth_mb": round(peak - start_rss),
+    }
+
+
+def _ts(db: str) -> Any:
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc)
+
+
+def _count(hook: Any, qtable: str) -> int:
+    conn = hook.get_conn()
+    cur = conn.cursor()
+    cur.execute(f"SELECT COUNT(*) FROM {qtable}")
+    n = int(cur.fetchone()[0])
+    conn.close()
+    return n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--lines", type=int, default=1_000_000)
+    parser.add_argument("--db", default="postgres,duckdb")
+    parser.add_argument("--modes", default="merge,insert_rows,copy")
+    parser.add_argument(
+        "--baseline-lines", type=int, default=50_000, help="insert_rows rows on DuckDB (slow)"
+    )
+    parser.add_argument("--child", nargs=4, metavar=("MODE", "DB", "DIR", "TARGET"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        mode, db, directory, target = args.child
+        print(json.dumps(child(mode, db, Path(directory), target, args.baseline_lines)))
+        return
+
+    os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="abp-bench-home-"))
+    work = Path(tempfile.mkdtemp(prefix="abp-bench-merge-"))
+    t0 = time.perf_counter()
+    generate(work, args.lines)
+    print(
+        f"generated {args.lines:,} result lines in {time.perf_counter() - t0:.1f}s under {work}", flush=True
+    )
+    results: list[dict[str, Any]] = []
+    for db in args.db.split(","):
+        if db == "postgres":
+            import psycopg
+
+            target = f"abp_bench_{uuid.uuid4().hex[:8]}"
+            with psycopg.connect(**PG, autocommit=True) as admin:
+                admin.execute(f'CREATE SCHEMA "{target}"')
+        else:
+            target = str(work / "bench.duckdb")
+        try:
+            for mode in args.modes.split(","):
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--baseline-lines",
+                        str(args.baseline_lines),
+                        "--child",
+                        mode,
+                        db,
+                        str(work),
+                        target,
+                    ],
+                    check=False,
+                    capture_output=True,
+                    text=True,
+                    env={
+                        **os.environ,
+                        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                    },
+                )
+                if out.returncode:
+                    sys.exit(f"{db}/{mode} failed:\n{out.stderr[-3000:]}")
+                res = json.loads(out.stdout.strip().splitlines()[-1])
+                results.append(res)
+                print(json.dumps(res), flush=True)
+        finally:
+            if db == "postgres":
+                with psycopg.connect(**PG, autocommit=True) as admin:
+                    admin.execute(f'DROP SCHEMA IF EXISTS "{target}" CASCADE')
+    print()
+    print(f"{'db':9} {'mode':12} {'rows':>10} {'s':>7} {'rows/s':>9} {'peak MB':>8} {'growth MB':>9}")
+    for r in results:
+        print(
+            f"{r['db']:9} {r['mode']:12} {r['rows']:>10,} {r['seconds']:>7} {r['rows_per_s']:>9,} "
+            f"{r['peak_rss_mb']:>8} {r['growth_mb']:>9}"
+        )
+    for db in args.db.split(","):
+        by = {r["mode"]: r for r in results if r["db"] == db}
+        if "merge" in by:
+            parts = [f"{db}: merge {by['merge']['rows_per_s']:,} rows/s"]
+            if "insert_rows" in by:
+                parts.append(
+                    f"{by['merge']['rows_per_s'] / by['insert_rows']['rows_per_s']:.2f}x insert_rows"
+                )
+            if "copy" in by:
+                parts.append(
+                    f"{by['merge']['rows_per_s'] / by['copy']['rows_per_s']:.2f}x of the COPY ceiling"
+                )
+            print("; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
