@@ -116,7 +116,8 @@ def decide(
 
     Rules, in order: any batch failed, expired or cancelled ends the wait with that status
     (failed > expired > cancelled); all completed is ``success``, or ``partial`` when some
-    lines failed; past the deadline with work outstanding is ``timeout``; else ``running``.
+    lines failed, or ``failed`` when every line failed; past the deadline with work
+    outstanding is ``timeout``; else ``running``.
 
     :param batches: the latest normalised state of every watched batch (at least one).
     :param deadline: when to give up waiting (aware datetime), or None for no deadline.
@@ -133,6 +134,14 @@ def decide(
             message = "; ".join(_describe(b) for b in bad + others)
             return Outcome(status, message, f"batch_{status}", ordered, counts)
     if all(b.state is BatchState.COMPLETED for b in ordered):
+        if counts.failed and not counts.completed:
+            # Nothing succeeded: no policy should turn that into a green task. (Vendors that never
+            # report "expired", such as Doubleword, end an expired batch this way.)
+            message = (
+                f"{len(ordered)} batch(es) completed but all {counts.failed} line(s) failed: "
+                + "; ".join(_describe(b) for b in ordered)
+            )
+            return Outcome("failed", message, "all_lines_failed", ordered, counts)
         if counts.failed:
             partial = [b for b in ordered if b.request_counts.failed]
             message = (

@@ -45,6 +45,15 @@ def test_completed_with_failed_lines_is_partial() -> None:
     assert "b2" not in out.message.split(":", 1)[1]
 
 
+def test_completed_with_every_line_failed_is_failed() -> None:
+    out = decide(
+        [batch("b1", "completed", completed=0, failed=10), batch("b2", "completed", failed=5, total=5)]
+    )
+    assert out.status == "failed"
+    assert out.termination_reason == "all_lines_failed"
+    assert "all 15 line(s) failed" in out.message
+
+
 @pytest.mark.parametrize("state", ["failed", "expired", "cancelled"])
 def test_any_bad_batch_ends_the_wait_even_if_others_run(state: str) -> None:
     out = decide([batch("ok", "in_progress"), batch("bad", state)], now=NOW)

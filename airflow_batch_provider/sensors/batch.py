@@ -13,9 +13,9 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
-from airflow.exceptions import AirflowSensorTimeout
 from airflow.sdk import BaseSensorOperator, Context
 from airflow.sdk.bases.sensor import PokeReturnValue
+from airflow.sdk.exceptions import AirflowSensorTimeout
 
 from airflow_batch_provider.exceptions import (
     BatchApiError,

@@ -1,0 +1,584 @@
+"""SubmitBatchOperator: upload batch input files and create one batch per shard, idempotently.
+
+The input is a build manifest (its XCom, or a path to ``manifest.json`` or its directory),
+one shard of it (``shard=``), or any JSONL file a user made by hand (validated with the
+dialect's rules first). Each shard is uploaded and turned into a batch whose metadata
+carries the run identity, the shard fingerprint and an idempotency key; a state file
+beside the input records the intent before the create and the batch id after it, so a
+retried task re-attaches instead of paying twice (see :mod:`airflow_batch_provider.submission`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import IO, TYPE_CHECKING, Any, Literal
+
+import orjson
+from airflow.sdk import BaseOperator, Context
+from airflow.sdk.configuration import conf
+
+from airflow_batch_provider.exceptions import (
+    BatchApiNotFoundError,
+    ConfigurationError,
+    JsonlValidationError,
+    StaleSubmissionStateError,
+)
+from airflow_batch_provider.jsonl import LineValidator, Problem, dumps_line, iter_raw_lines
+from airflow_batch_provider.models import Batch, BatchState, Manifest, to_utc
+from airflow_batch_provider.sensors.batch import (
+    PARTIAL_POLICIES,
+    PartialPolicy,
+    apply_outcome_policy,
+    cancel_batches_sync,
+    wait_sync,
+)
+from airflow_batch_provider.staging import (
+    manifest_path,
+    open_read,
+    read_manifest,
+    resolve_path,
+    staging_dir_of,
+)
+from airflow_batch_provider.submission import (
+    FINGERPRINT_NAME,
+    KEY_NAME,
+    STATE_DIR,
+    RunIdentity,
+    StateStore,
+    SubmitState,
+    batch_metadata,
+    effective_fingerprint,
+    now_utc,
+)
+from airflow_batch_provider.triggers.batch import BatchTrigger, deadline_from
+
+if TYPE_CHECKING:
+    from airflow.sdk import ObjectStoragePath
+
+    from airflow_batch_provider.dialects.base import Dialect
+    from airflow_batch_provider.hooks.batch import BatchApiHook
+
+StalePolicy = Literal["cancel_and_resubmit", "fail"]
+STALE_POLICIES = ("cancel_and_resubmit", "fail")
+_BAD_END = frozenset({BatchState.FAILED, BatchState.EXPIRED, BatchState.CANCELLED})
+_PROBLEMS_SHOWN = 20
+
+
+@dataclass(frozen=True)
+class ShardInput:
+    """One file to submit: where it is, what it holds and how to recognise it again."""
+
+    index: int
+    path: ObjectStoragePath
+    fingerprint: str
+    endpoint: str
+    lines: int | None = None
+
+
+class SubmitBatchOperator(BaseOperator):
+    """Upload batch input files and create one batch per shard; optionally wait for them.
+
+    Returns (XCom) ``{"batch_ids", "batches": [{shard, batch_id, input_file_id, fingerprint,
+    endpoint}], "submitted_at", "manifest_path"}``; with ``wait_for_completion`` the wait's
+    outcome is added under ``"outcome"``.
+
+    :param source: what to submit (templated): a build manifest's XCom (a mapping holding
+        ``manifest_path`` or ``staging_path``), a ``Manifest``, a path to ``manifest.json`` or
+        its staging directory, or a path to any batch JSONL file.
+    :param batch_conn_id: the ``batch_api`` connection (templated).
+    :param dialect: dialect name overriding the connection's.
+    :param shard: submit only this shard index of the manifest (for mapped tasks).
+    :param endpoint: the batch endpoint (templated); default: the manifest's, else the file's url.
+    :param completion_window: the vendor completion window.
+    :param metadata: extra metadata pairs for every batch (templated).
+    :param model: replace ``body.model`` on every line while uploading (templated).
+    :param state_path: where ``submit-state/`` lives (templated); default: beside the input.
+    :param on_stale_state: a shard changed since an earlier try submitted it:
+        ``cancel_and_resubmit`` (cancel the old batch, submit the new file) or ``fail``.
+    :param validate: check files with the dialect's rules before upload; default: hand-made
+        JSONL only (build shards were validated when written).
+    :param resubmit_failed: an earlier try's batch that ended failed, expired or cancelled is
+        replaced by a new one instead of re-attached.
+    :param wait_for_completion: also wait until the batches finish.
+    :param deferrable: wait in the triggerer; default ``[operators] default_deferrable``.
+    :param timeout: seconds after submission to stop waiting with a ``timeout`` outcome.
+    :param poll_interval: seconds between status reads while waiting.
+    :param max_poll_interval: longest wait between reads once nothing changes.
+    :param max_consecutive_errors: transient API errors tolerated in a row while waiting.
+    :param on_partial_failure: ``succeed`` or ``fail`` when lines failed in completed batches.
+    :param cancel_on_timeout: cancel unfinished batches when the wait times out.
+    :param cancel_on_kill: cancel the batches when the task is killed.
+    """
+
+    template_fields: Sequence[str] = (
+        "source",
+        "batch_conn_id",
+        "endpoint",
+        "metadata",
+        "model",
+        "state_path",
+    )
+    template_fields_renderers = {"metadata": "json"}
+    ui_color = "#dbe9f6"
+
+    def __init__(
+        self,
+        *,
+        source: Any,
+        batch_conn_id: str = "batch_api_default",
+        dialect: str | None = None,
+        shard: int | None = None,
+        endpoint: str | None = None,
+        completion_window: str = "24h",
+        metadata: Mapping[str, str] | None = None,
+        model: str | None = None,
+        state_path: str | None = None,
+        on_stale_state: StalePolicy = "cancel_and_resubmit",
+        validate: bool | None = None,
+        resubmit_failed: bool = True,
+        wait_for_completion: bool = False,
+        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
+        timeout: float | timedelta | None = None,
+        poll_interval: float = 60.0,
+        max_poll_interval: float = 600.0,
+        max_consecutive_errors: int = 5,
+        on_partial_failure: PartialPolicy = "succeed",
+        cancel_on_timeout: bool = False,
+        cancel_on_kill: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if on_stale_state not in STALE_POLICIES:
+            raise ConfigurationError(
+                f"on_stale_state must be one of {STALE_POLICIES}, got {on_stale_state!r}"
+            )
+        if on_partial_failure not in PARTIAL_POLICIES:
+            raise ConfigurationError(
+                f"on_partial_failure must be one of {PARTIAL_POLICIES}, got {on_partial_failure!r}"
+            )
+        self.source = source
+        self.batch_conn_id = batch_conn_id
+        self.dialect = dialect
+        self.shard = shard
+        self.endpoint = endpoint
+        self.completion_window = completion_window
+        self.metadata = metadata
+        self.model = model
+        self.state_path = state_path
+        self.on_stale_state = on_stale_state
+        self.validate = validate
+        self.resubmit_failed = resubmit_failed
+        self.wait_for_completion = wait_for_completion
+        self.deferrable = deferrable
+        self.wait_timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        self.poll_interval = poll_interval
+        self.max_poll_interval = max_poll_interval
+        self.max_consecutive_errors = max_consecutive_errors
+        self.on_partial_failure = on_partial_failure
+        self.cancel_on_timeout = cancel_on_timeout
+        self.cancel_on_kill = cancel_on_kill
+        self._batch_ids: list[str] = []
+
+    def hook(self) -> BatchApiHook:
+        from airflow_batch_provider.hooks.batch import BatchApiHook
+
+        return BatchApiHook(self.batch_conn_id, dialect=self.dialect)
+
+    # ---- execution ---------------------------------------------------------------------
+    def execute(self, context: Context) -> dict[str, Any]:
+        hook = self.hook()
+        dialect = hook.dialect
+        dialect.check_completion_window(self.completion_window)
+        shards, state_dir, manifest_file = self._plan(dialect)
+        identity = RunIdentity.from_context(context)
+        store = StateStore(state_dir)
+        records: list[dict[str, Any]] = []
+        submitted: list[datetime] = []
+        for shard in shards:
+            state = self.submit_shard(hook, dialect, store, identity, shard)
+            records.append(
+                {
+                    "shard": shard.index,
+                    "batch_id": state.batch_id,
+                    "input_file_id": state.input_file_id,
+                    "fingerprint": state.fingerprint,
+                    "endpoint": state.endpoint,
+                }
+            )
+            submitted.append(state.created_at or state.intent_at or now_utc())
+            self._batch_ids.append(str(state.batch_id))
+        submission: dict[str, Any] = {
+            "batch_ids": list(self._batch_ids),
+            "batches": records,
+            # The earliest create: a retry keeps the clock its first try started.
+            "submitted_at": min(submitted).isoformat(),
+            "manifest_path": str(manifest_file) if manifest_file is not None else None,
+        }
+        self.log.info("Submitted %d batch(es): %s", len(records), ", ".join(self._batch_ids))
+        if not self.wait_for_completion:
+            return submission
+        # The ids reach XCom before the wait, so a killed or deferred task never loses them.
+        context["ti"].xcom_push(key="return_value", value=submission)
+        if self.deferrable:
+            self.defer(
+                trigger=BatchTrigger(
+                    batch_ids=self._batch_ids,
+                    batch_conn_id=self.batch_conn_id,
+                    dialect=self.dialect,
+                    submitted_at=submission["submitted_at"],
+                    timeout=self.wait_timeout,
+                    poll_interval=self.poll_interval,
+                    max_poll_interval=self.max_poll_interval,
+                    max_consecutive_errors=self.max_consecutive_errors,
+                    cancel_on_kill=self.cancel_on_kill,
+                ),
+                method_name="execute_complete",
+                kwargs={"submission": submission},
+            )
+        event = wait_sync(
+            hook,
+            self._batch_ids,
+            deadline=deadline_from(submission["submitted_at"], self.wait_timeout),
+            submitted_at=to_utc(submission["submitted_at"]),
+            poll_interval=self.poll_interval,
+            max_poll_interval=self.max_poll_interval,
+            max_consecutive_errors=self.max_consecutive_errors,
+            log=self.log,
+        )
+        return self.execute_complete(context, event, submission=submission)
+
+    def execute_complete(
+        self, context: Context, event: Any = None, submission: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Resume after the wait: apply the outcome policy and return the submission with its outcome."""
+        outcome = apply_outcome_policy(
+            event,
+            on_partial_failure=self.on_partial_failure,
+            cancel_on_timeout=self.cancel_on_timeout,
+            hook_factory=self.hook,
+            log=self.log,
+            context=context,
+        )
+        return {**dict(submission or {}), "outcome": outcome}
+
+    def on_kill(self) -> None:
+        if self.cancel_on_kill and self._batch_ids:
+            cancel_batches_sync(self.hook(), self._batch_ids, log=self.log)
+
+    # ---- one shard ---------------------------------------------------------------------
+    def submit_shard(
+        self,
+        hook: BatchApiHook,
+        dialect: Dialect,
+        store: StateStore,
+        identity: RunIdentity,
+        shard: ShardInput,
+    ) -> SubmitState:
+        """Submit one shard, or re-attach to the batch an earlier try made for it."""
+        key = identity.key(shard.index)
+        fingerprint = effective_fingerprint(shard.fingerprint, self.model)
+        state = store.read(key)
+        replaced: list[str] = []
+        if state is not None and state.fingerprint != fingerprint:
+            self._handle_stale(hook, state, fingerprint, shard)
+            replaced = [*state.replaced_batch_ids, *([state.batch_id] if state.batch_id else [])]
+            state = None
+        if state is not None and state.batch_id:
+            attached = self._reattach(hook, state)
+            if attached is not None:
+                return attached
+            replaced = [*state.replaced_batch_ids, state.batch_id]
+            state = None
+        if state is not None:
+            # Intent without an id: the create may have happened before a crash. Look first.
+            found = self._find_orphan(hook, key, fingerprint)
+            if found is not None:
+                self.log.info(
+                    "Shard %d: found batch %s created by an earlier try; re-attaching", shard.index, found.id
+                )
+                state.batch_id = found.id
+                state.created_at = found.created_at or now_utc()
+                store.write(state)
+                return state
+            replaced = state.replaced_batch_ids
+        file_id = (
+            state.input_file_id
+            if state is not None and self._file_exists(hook, state.input_file_id)
+            else None
+        )
+        if file_id is None:
+            file_id = self._upload(hook, shard)
+        state = SubmitState(
+            key=key,
+            shard=shard.index,
+            fingerprint=fingerprint,
+            dag_id=identity.dag_id,
+            task_id=identity.task_id,
+            run_id=identity.run_id,
+            map_index=identity.map_index,
+            endpoint=shard.endpoint,
+            input_file_id=file_id,
+            intent_at=now_utc(),
+            replaced_batch_ids=replaced,
+        )
+        store.write(state)
+        batch = hook.create_batch(
+            input_file_id=file_id,
+            endpoint=shard.endpoint,
+            completion_window=self.completion_window,
+            metadata=batch_metadata(
+                identity, shard=shard.index, fingerprint=fingerprint, dialect=dialect, extra=self.metadata
+            ),
+        )
+        state.batch_id = batch.id
+        state.created_at = batch.created_at or now_utc()
+        store.write(state)
+        self.log.info("Shard %d: created batch %s from file %s", shard.index, batch.id, file_id)
+        return state
+
+    def _reattach(self, hook: BatchApiHook, state: SubmitState) -> SubmitState | None:
+        assert state.batch_id is not None
+        try:
+            batch = hook.get_batch(state.batch_id)
+        except BatchApiNotFoundError:
+            self.log.warning(
+                "Shard %d: recorded batch %s no longer exists; submitting again", state.shard, state.batch_id
+            )
+            return None
+        if batch.state in _BAD_END and self.resubmit_failed:
+            self.log.warning(
+                "Shard %d: recorded batch %s ended %s; submitting a new one (resubmit_failed=True)",
+                state.shard,
+                batch.id,
+                batch.state.value,
+            )
+            return None
+        self.log.info("Shard %d: re-attaching to batch %s (%s)", state.shard, batch.id, batch.state.value)
+        return state
+
+    def _find_orphan(self, hook: BatchApiHook, key: str, fingerprint: str) -> Batch | None:
+        candidates = [
+            b
+            for b in hook.find_batches({KEY_NAME: key})
+            if hook.dialect.metadata_of(b).get(FINGERPRINT_NAME, fingerprint) == fingerprint
+        ]
+        if self.resubmit_failed:
+            candidates = [b for b in candidates if b.state not in _BAD_END]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda b: (b.created_at is not None, b.created_at))
+
+    def _handle_stale(
+        self, hook: BatchApiHook, state: SubmitState, fingerprint: str, shard: ShardInput
+    ) -> None:
+        what = (
+            f"shard {shard.index} ({shard.path}) changed since an earlier try submitted it "
+            f"(fingerprint {state.fingerprint[:12]}... -> {fingerprint[:12]}...; "
+            f"batch {state.batch_id or 'unknown'})"
+        )
+        if self.on_stale_state == "fail":
+            raise StaleSubmissionStateError(f"{what}; on_stale_state='fail'")
+        old_ids = (
+            [state.batch_id] if state.batch_id else [b.id for b in hook.find_batches({KEY_NAME: state.key})]
+        )
+        cancelled = cancel_batches_sync(hook, old_ids, log=self.log)
+        self.log.warning(
+            "%s; cancelled %s and submitting the new file", what, ", ".join(cancelled) or "nothing"
+        )
+
+    @staticmethod
+    def _file_exists(hook: BatchApiHook, file_id: str | None) -> bool:
+        if not file_id:
+            return False
+        try:
+            hook.get_file(file_id)
+        except BatchApiNotFoundError:
+            return False
+        return True
+
+    def _upload(self, hook: BatchApiHook, shard: ShardInput) -> str:
+        if not self.model:
+            return hook.upload_file(shard.path, filename=shard.path.name)
+        # Rewrite body.model line by line into a local temp file, then stream that up.
+        fd, tmp = tempfile.mkstemp(prefix="abp-submit-", suffix=".jsonl")
+        try:
+            with os.fdopen(fd, "wb", buffering=1 << 20) as out, open_read(shard.path) as src:
+                for line in _with_model(src, self.model):
+                    out.write(line)
+            return hook.upload_file(tmp, filename=shard.path.name)
+        finally:
+            os.unlink(tmp)
+
+    # ---- input -------------------------------------------------------------------------
+    def _plan(self, dialect: Dialect) -> tuple[list[ShardInput], ObjectStoragePath, ObjectStoragePath | None]:
+        """Resolve ``source`` into shards, the state directory and the manifest file (if any)."""
+        manifest: Manifest | None = None
+        manifest_file: ObjectStoragePath | None = None
+        jsonl_file: ObjectStoragePath | None = None
+        source = self.source
+        if isinstance(source, Manifest):
+            raise ConfigurationError(
+                "pass the manifest's path (or the build XCom), not a bare Manifest object"
+            )
+        if isinstance(source, Mapping):
+            where = source.get("manifest_path") or source.get("staging_path")
+            if not where:
+                raise ConfigurationError(
+                    "source mapping must hold 'manifest_path' or 'staging_path' "
+                    "(shard paths are relative to it); "
+                    f"got keys {sorted(source)}"
+                )
+            manifest_file = manifest_path(where)
+        elif source is None or source == "":
+            raise ConfigurationError("source is empty: give a manifest path, a build XCom or a JSONL path")
+        else:
+            path = resolve_path(source)
+            if str(path).endswith((".jsonl", ".jsonl.gz", ".ndjson")) or (
+                path.is_file() and path.suffix != ".json"
+            ):
+                jsonl_file = path
+            else:
+                manifest_file = manifest_path(path)
+        state_root = resolve_path(self.state_path) if self.state_path else None
+        if jsonl_file is not None:
+            shard = self._hand_made(dialect, jsonl_file)
+            return [shard], (state_root or jsonl_file.parent) / STATE_DIR, None
+        assert manifest_file is not None
+        if not manifest_file.exists():
+            raise ConfigurationError(f"manifest {manifest_file} does not exist")
+        manifest = read_manifest(manifest_file)
+        staging = staging_dir_of(manifest_file)
+        if manifest.dialect and manifest.dialect != dialect.name:
+            self.log.warning(
+                "Manifest was built for dialect %r but the connection speaks %r",
+                manifest.dialect,
+                dialect.name,
+            )
+        chosen = manifest.shards
+        if self.shard is not None:
+            chosen = [s for s in manifest.shards if s.index == int(self.shard)]
+            if not chosen:
+                raise ConfigurationError(
+                    f"manifest {manifest_file} has no shard {self.shard}; "
+                    f"shards: {[s.index for s in manifest.shards]}"
+                )
+        if not chosen:
+            raise ConfigurationError(f"manifest {manifest_file} lists no shards (nothing to submit)")
+        shards = []
+        for s in chosen:
+            endpoint = self.endpoint or s.endpoint or manifest.endpoint
+            dialect.check_endpoint(endpoint)
+            path = staging / s.path
+            if self.validate:
+                checked = self._validated(dialect, path, endpoint)
+                if checked.fingerprint != s.fingerprint:
+                    raise ConfigurationError(
+                        f"shard {s.index} ({path}) does not match the manifest's fingerprint; "
+                        "rebuild the staging"
+                    )
+            shards.append(ShardInput(s.index, path, s.fingerprint, endpoint, s.lines))
+        return shards, (state_root or staging) / STATE_DIR, manifest_file
+
+    def _hand_made(self, dialect: Dialect, path: ObjectStoragePath) -> ShardInput:
+        if not path.exists():
+            raise ConfigurationError(f"batch input file {path} does not exist")
+        if self.shard not in (None, 0):
+            raise ConfigurationError(f"shard={self.shard} given but {path} is a single JSONL file")
+        if self.validate is False:
+            fingerprint, first_url, lines = _scan(path)
+            endpoint = self.endpoint or first_url
+            if not endpoint:
+                raise ConfigurationError(f"{path}: no endpoint given and the first line has no url")
+            dialect.check_endpoint(endpoint)
+            return ShardInput(0, path, fingerprint, endpoint, lines)
+        checked = self._validated(dialect, path, self.endpoint)
+        return checked
+
+    def _validated(self, dialect: Dialect, path: ObjectStoragePath, endpoint: str | None) -> ShardInput:
+        """Validate a file with the dialect's rules while hashing it; a bad file fails naming its lines."""
+        rules = dialect.validation_rules()
+        validator = LineValidator(rules, endpoint)
+        problems: list[Problem] = []
+        count = 0
+        first_url: str | None = None
+        digest = hashlib.sha256()
+        with open_read(path) as raw_stream:
+            stream = _HashingReader(raw_stream, digest)
+            for raw in iter_raw_lines(stream, rules.limits.max_line_bytes):  # type: ignore[arg-type]
+                obj, found = validator.check_raw(raw)
+                if first_url is None and obj is not None and isinstance(obj.get("url"), str):
+                    first_url = obj["url"]
+                count += len(found)
+                if len(problems) < _PROBLEMS_SHOWN:
+                    problems.extend(found[: _PROBLEMS_SHOWN - len(problems)])
+        tail = validator.finish()
+        count += len(tail)
+        problems.extend(tail)
+        if count:
+            shown = "; ".join(str(p) for p in problems)
+            more = f" (+{count - len(problems)} more)" if count > len(problems) else ""
+            raise JsonlValidationError(
+                f"{path} is not a valid {dialect.name} batch file: {count} problem(s): {shown}{more}"
+            )
+        chosen = endpoint or first_url
+        if not chosen:
+            raise ConfigurationError(f"{path}: no endpoint given and the first line has no url")
+        dialect.check_endpoint(chosen)
+        return ShardInput(0, path, digest.hexdigest(), chosen, validator.lines)
+
+
+class _HashingReader:
+    """A binary reader that hashes every byte read through ``readline``/``read``."""
+
+    def __init__(self, stream: IO[bytes], digest: Any) -> None:
+        self._stream = stream
+        self._digest = digest
+
+    def readline(self, size: int = -1) -> bytes:
+        data = self._stream.readline(size)
+        self._digest.update(data)
+        return data
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(size)
+        self._digest.update(data)
+        return data
+
+
+def _scan(path: ObjectStoragePath) -> tuple[str, str | None, int]:
+    """Hash a file and read the url of its first line, without validating it."""
+    digest = hashlib.sha256()
+    first_url: str | None = None
+    lines = 0
+    with open_read(path) as stream:
+        for raw in iter_raw_lines(_HashingReader(stream, digest), 1 << 30):  # type: ignore[arg-type]
+            if not raw.data.strip():
+                continue
+            lines += 1
+            if first_url is None:
+                try:
+                    url = orjson.loads(raw.data).get("url")
+                except (orjson.JSONDecodeError, AttributeError):
+                    url = None
+                first_url = url if isinstance(url, str) else None
+    return digest.hexdigest(), first_url, lines
+
+
+def _with_model(stream: IO[bytes], model: str) -> Iterator[bytes]:
+    """Yield the lines of a batch file with ``body.model`` replaced, one line in memory at a time."""
+    for raw in iter_raw_lines(stream, 1 << 30):
+        if not raw.data.strip():
+            continue
+        try:
+            obj = orjson.loads(raw.data)
+        except orjson.JSONDecodeError as exc:
+            raise JsonlValidationError(f"line {raw.number}: not valid JSON: {exc}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("body"), dict):
+            raise JsonlValidationError(f"line {raw.number}: no body object to set the model on")
+        obj["body"]["model"] = model
+        yield dumps_line(obj) + b"\n"

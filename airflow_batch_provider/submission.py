@@ -1,0 +1,181 @@
+"""Submission state: who submitted which shard, and the batch it became.
+
+A retried, cleared or restarted submit task must re-attach to the batch its earlier try
+created instead of paying for a second one. Each shard of a run gets an idempotency key
+derived from the run identity (dag_id, task_id, run_id, map_index) and the shard index;
+the key goes into the batch's metadata (``airflow_batch_key``) and names a small state
+file ``submit-state/<key>.json`` beside the manifest. The file records the intent (with
+the uploaded file id) before the batch is created and the batch id right after, so a
+crash in between is repaired by looking the batch up by its metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from airflow_batch_provider.exceptions import ConfigurationError
+from airflow_batch_provider.staging import atomic_writer, open_read
+
+if TYPE_CHECKING:
+    from airflow.sdk import ObjectStoragePath
+
+    from airflow_batch_provider.dialects.base import Dialect
+
+STATE_DIR = "submit-state"
+#: The metadata key carrying the idempotency key (xAI's dialect moves it into the batch name).
+KEY_NAME = "airflow_batch_key"
+FINGERPRINT_NAME = "airflow_fingerprint"
+# OpenAI's metadata limits, the strictest documented: keys <= 64 chars, values <= 512 chars.
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """The task instance a submission belongs to.
+
+    :param dag_id: the DAG.
+    :param task_id: the submit task.
+    :param run_id: the DAG run.
+    :param map_index: the mapped index, -1 when the task is not mapped.
+    """
+
+    dag_id: str
+    task_id: str
+    run_id: str
+    map_index: int = -1
+
+    @classmethod
+    def from_context(cls, context: Mapping[str, Any]) -> RunIdentity:
+        ti = context["ti"]
+        map_index = getattr(ti, "map_index", -1)
+        return cls(
+            dag_id=str(ti.dag_id),
+            task_id=str(ti.task_id),
+            run_id=str(ti.run_id),
+            map_index=int(map_index if map_index is not None else -1),
+        )
+
+    def key(self, shard: int) -> str:
+        """The shard's idempotency key: stable for a run, at most 64 characters, safe in a path."""
+        digest = hashlib.sha256(
+            "\x00".join((self.dag_id, self.task_id, self.run_id, str(self.map_index))).encode()
+        ).hexdigest()[:24]
+        return f"abp-{digest}-s{shard:05d}"
+
+
+def effective_fingerprint(fingerprint: str, model: str | None) -> str:
+    """The shard fingerprint, changed by a model override (a new model is new work)."""
+    if not model:
+        return fingerprint
+    return hashlib.sha256(f"{fingerprint}\x00model={model}".encode()).hexdigest()
+
+
+def batch_metadata(
+    identity: RunIdentity,
+    *,
+    shard: int,
+    fingerprint: str,
+    dialect: Dialect,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """The metadata of a shard's batch: idempotency key, fingerprint, run identity, user pairs.
+
+    Provider pairs come first in priority order; when the dialect allows fewer pairs, the
+    least important identity pairs are dropped (the key and fingerprint always stay). A
+    user pair that does not fit, or breaks the key/value length limits, is an error.
+    """
+    provider = [
+        (KEY_NAME, identity.key(shard)),
+        (FINGERPRINT_NAME, fingerprint),
+        ("airflow_dag_id", identity.dag_id),
+        ("airflow_task_id", identity.task_id),
+        ("airflow_run_id", identity.run_id),
+        ("airflow_map_index", str(identity.map_index)),
+        ("airflow_shard", str(shard)),
+    ]
+    user: list[tuple[str, str]] = []
+    for key, value in (extra or {}).items():
+        key_text, value_text = str(key), str(value)
+        if key_text in dict(provider):
+            raise ConfigurationError(f"metadata key {key_text!r} is reserved by the provider")
+        if not key_text or len(key_text) > MAX_METADATA_KEY:
+            raise ConfigurationError(f"metadata key {key_text!r} must be 1-{MAX_METADATA_KEY} characters")
+        if len(value_text) > MAX_METADATA_VALUE:
+            raise ConfigurationError(
+                f"metadata value of {key_text!r} is {len(value_text)} characters; "
+                f"the limit is {MAX_METADATA_VALUE}"
+            )
+        user.append((key_text, value_text))
+    room = dialect.max_metadata_pairs
+    if len(user) > room - 2:
+        raise ConfigurationError(
+            f"{len(user)} metadata pair(s) given but dialect {dialect.name!r} allows {room} per batch "
+            f"and the provider needs at least 2 ({KEY_NAME}, {FINGERPRINT_NAME})"
+        )
+    kept = provider[: max(room - len(user), 2)]
+    # Long run ids are cut rather than refused: the key, not these values, identifies the batch.
+    return {k: v[:MAX_METADATA_VALUE] for k, v in kept + user}
+
+
+class SubmitState(BaseModel):
+    """What the state file of one shard holds."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    key: str
+    shard: int
+    fingerprint: str
+    dag_id: str
+    task_id: str
+    run_id: str
+    map_index: int = -1
+    endpoint: str | None = None
+    input_file_id: str | None = None
+    batch_id: str | None = None
+    intent_at: datetime | None = None
+    created_at: datetime | None = None
+    replaced_batch_ids: list[str] = Field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        return "created" if self.batch_id else "intent"
+
+
+class StateStore:
+    """Reads and writes ``submit-state/<key>.json`` files atomically.
+
+    :param directory: the ``submit-state`` directory (usually beside the manifest).
+    """
+
+    def __init__(self, directory: ObjectStoragePath) -> None:
+        self.directory = directory
+
+    def path(self, key: str) -> ObjectStoragePath:
+        return self.directory / f"{key}.json"
+
+    def read(self, key: str) -> SubmitState | None:
+        path = self.path(key)
+        if not path.exists():
+            return None
+        with open_read(path) as handle:
+            data = handle.read()
+        try:
+            return SubmitState.model_validate_json(data)
+        except ValueError as exc:
+            raise ConfigurationError(f"submission state file {path} is unreadable: {exc}") from None
+
+    def write(self, state: SubmitState) -> None:
+        with atomic_writer(self.path(state.key)) as handle:
+            handle.write(orjson.dumps(state.model_dump(mode="json"), option=orjson.OPT_INDENT_2))
+
+
+def now_utc() -> datetime:
+    return datetime.now(timezone.utc)

@@ -1,0 +1,203 @@
+"""BatchTrigger: serialisation, deadline across restarts, transient errors, on_kill, every event."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from airflow_batch_provider.exceptions import BatchApiRateLimitError
+from airflow_batch_provider.hooks.batch import BatchApiHook
+from airflow_batch_provider.models import Batch
+from airflow_batch_provider.triggers.batch import BatchTrigger, retry_after_of
+from tests.fixtures.airflow import write_batch_jsonl
+
+SECRET = "sk-very-secret-key-123"
+
+
+@pytest.fixture
+def server_conn(batch_server: Any, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    """Start a server and point ``batch_api_default`` at it (optionally with connection extras)."""
+
+    def start(dialect: str = "openai", extra: dict[str, Any] | None = None, **config: Any) -> Any:
+        server = batch_server(dialect=dialect, **config)
+        conn = json.loads(server.connection_json(api_key=SECRET if config.get("api_key") else None))
+        conn["extra"].update(extra or {})
+        monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", json.dumps(conn))
+        return server
+
+    return start
+
+
+def create_batch(tmp_path: Path, lines: int = 3) -> Batch:
+    hook = BatchApiHook()
+    file_id = hook.upload_file(write_batch_jsonl(tmp_path / f"in-{lines}.jsonl", lines))
+    return hook.create_batch(input_file_id=file_id, endpoint="/v1/chat/completions", metadata={"t": "1"})
+
+
+async def events_of(trigger: BatchTrigger) -> list[dict[str, Any]]:
+    return [event.payload async for event in trigger.run()]
+
+
+def rebuild(trigger: BatchTrigger) -> BatchTrigger:
+    """What the triggerer does after a restart: import the class path, call it with the kwargs."""
+    classpath, kwargs = trigger.serialize()
+    module, name = classpath.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+    # The kwargs travel through the database as JSON.
+    rebuilt: BatchTrigger = cls(**json.loads(json.dumps(kwargs)))
+    return rebuilt
+
+
+def test_serialise_round_trip_primitives_only_and_no_secret(server_conn: Any) -> None:
+    server_conn(api_key=SECRET)
+    trigger = BatchTrigger(
+        batch_ids=["b1", "b2"],
+        submitted_at="2026-01-01T00:00:00Z",
+        timeout=3600,
+        poll_interval=5,
+        max_poll_interval=60,
+        max_consecutive_errors=3,
+        cancel_on_kill=False,
+        dialect="xai",
+    )
+    classpath, kwargs = trigger.serialize()
+    assert classpath == "airflow_batch_provider.triggers.batch.BatchTrigger"
+    json.dumps(kwargs)  # primitives only
+    assert all(isinstance(v, (str, int, float, bool, list, type(None))) for v in kwargs.values())
+    assert SECRET not in repr(kwargs)
+    again = rebuild(trigger)
+    assert again.serialize() == (classpath, kwargs)
+    assert kwargs["deadline"] == "2026-01-01T01:00:00+00:00"
+
+
+async def test_recreated_trigger_keeps_deadline_from_submit_time(server_conn: Any, tmp_path: Path) -> None:
+    server = server_conn()
+    server.set_faults(stall_batches=True)
+    batch = create_batch(tmp_path)
+    submitted = datetime.now(timezone.utc) - timedelta(minutes=10)
+    trigger = BatchTrigger(
+        batch_ids=[batch.id], submitted_at=submitted.isoformat(), timeout=300, poll_interval=0.05
+    )
+    restarted = rebuild(trigger)
+    assert restarted.deadline_at == trigger.deadline_at == submitted + timedelta(seconds=300)
+    # The deadline passed while the triggerer was down: the rebuilt trigger times out at once
+    # instead of granting itself another five minutes.
+    events = await events_of(restarted)
+    assert [e["status"] for e in events] == ["timeout"]
+    assert events[0]["batch_ids"] == [batch.id]
+    assert events[0]["batches"][0]["state"] == "in_progress"
+
+
+async def test_many_batches_one_event_each_outcome(server_conn: Any, tmp_path: Path) -> None:
+    server_conn()
+    ids = [create_batch(tmp_path, n).id for n in (2, 3, 4)]
+    events = await events_of(BatchTrigger(batch_ids=ids, poll_interval=0.05))
+    assert len(events) == 1
+    event = events[0]
+    assert event["status"] == "success"
+    assert event["batch_ids"] == ids
+    assert [b["id"] for b in event["batches"]] == ids
+    assert event["counts"] == {"total": 9, "completed": 9, "failed": 0}
+
+
+async def test_transient_errors_are_survived(server_conn: Any, tmp_path: Path) -> None:
+    # No retries in the hook: every injected 503 reaches the trigger's own error budget.
+    server = server_conn(extra={"max_retries": 0})
+    batch = create_batch(tmp_path)
+    server.set_faults(rate_503=0.5, retry_after=0)
+    events = await events_of(BatchTrigger(batch_ids=[batch.id], poll_interval=0.02, max_consecutive_errors=2))
+    assert [e["status"] for e in events] == ["success"]
+    assert server.stats()["counters"].get("status_503", 0) >= 1, server.stats()
+
+
+async def test_gives_up_after_too_many_consecutive_errors(server_conn: Any, tmp_path: Path) -> None:
+    server = server_conn(extra={"max_retries": 0})
+    batch = create_batch(tmp_path)
+    server.set_faults(rate_500=1.0)
+    events = await events_of(BatchTrigger(batch_ids=[batch.id], poll_interval=0.01, max_consecutive_errors=3))
+    assert [e["status"] for e in events] == ["error"]
+    assert "after 4 consecutive errors" in events[0]["message"]
+    assert events[0]["termination_reason"] == "polling_error"
+
+
+async def test_retry_after_is_honoured_while_polling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Edge case on a mock transport: a 429 whose Retry-After is longer than the poll interval."""
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_BATCH_API_DEFAULT",
+        json.dumps({"conn_type": "batch_api", "host": "http://mock/v1", "extra": {"max_retries": 1}}),
+    )
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if len(calls) == 1:
+            return httpx.Response(
+                429, headers={"retry-after": "0.3"}, json={"error": {"message": "slow down"}}
+            )
+        return httpx.Response(
+            200, json={"id": "b1", "status": "completed", "request_counts": {"total": 1, "completed": 1}}
+        )
+
+    class MockTrigger(BatchTrigger):
+        def _new_hook(self) -> BatchApiHook:
+            return BatchApiHook(self.batch_conn_id, async_transport=httpx.MockTransport(handler))
+
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def record_sleep(seconds: float) -> None:
+        slept.append(seconds)
+        await real_sleep(0)
+
+    # asyncio.sleep is patched for the hook's retry wait and the trigger's poll wait alike.
+    monkeypatch.setattr(asyncio, "sleep", record_sleep)
+    events = await events_of(MockTrigger(batch_ids=["b1"], poll_interval=0.01))
+    assert [e["status"] for e in events] == ["success"]
+    assert slept == [pytest.approx(0.3)]
+    assert len(calls) == 2
+
+
+def test_retry_after_carried_by_an_error_sets_the_next_wait() -> None:
+    error = BatchApiRateLimitError("slow down", status_code=429)
+    assert retry_after_of(error) is None
+    error.retry_after = 12.5  # type: ignore[attr-defined]
+    assert retry_after_of(error) == 12.5
+
+
+async def test_unknown_batch_is_an_error_event_at_once(server_conn: Any) -> None:
+    server_conn()
+    events = await events_of(BatchTrigger(batch_ids=["batch_does_not_exist"], poll_interval=0.01))
+    assert [e["status"] for e in events] == ["error"]
+    assert "batch_does_not_exist" in events[0]["message"]
+
+
+@pytest.mark.parametrize("cancel_on_kill", [True, False])
+async def test_on_kill_cancels_only_when_asked(
+    server_conn: Any, tmp_path: Path, cancel_on_kill: bool
+) -> None:
+    server = server_conn()
+    server.set_faults(stall_batches=True)
+    batch = create_batch(tmp_path)
+    trigger = BatchTrigger(batch_ids=[batch.id], poll_interval=0.02, cancel_on_kill=cancel_on_kill)
+
+    # As the triggerer does on a user action: cancel the running task, then call on_kill().
+    task = asyncio.create_task(events_of(trigger))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await trigger.on_kill()
+    await trigger.cleanup()
+    state = BatchApiHook().get_batch(batch.id).state.value
+    if cancel_on_kill:
+        assert state in ("cancelling", "cancelled")
+    else:
+        assert state == "in_progress"
