@@ -1,0 +1,217 @@
+"""MergeBatchResultsOperator end to end: real local batch server, real databases, real staging files."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from airflow_batch_provider import staging
+from airflow_batch_provider.hooks.batch import BatchApiHook
+from airflow_batch_provider.models import Manifest, Shard
+from airflow_batch_provider.operators.merge import MergeBatchResultsOperator, normalize_batches
+
+ENDPOINT = "/v1/chat/completions"
+
+
+def stage(
+    directory: Path,
+    rows: list[tuple[int, str]],
+    *,
+    lost: list[int] = (),
+    rejects: list[dict[str, Any]] = (),
+    json_format: bool = False,
+) -> Path:
+    """A build's staging directory: one shard, keys.jsonl (with keys lost from the shard), rejects.jsonl."""
+    directory.mkdir(parents=True, exist_ok=True)
+    shard = directory / "shard-00000.jsonl"
+    with open(shard, "wb") as out, open(directory / "keys.jsonl", "wb") as keys:
+        for key, text in rows:
+            cid = f"t-{key}"
+            keys.write(orjson.dumps({"custom_id": cid, "key": [key], "shard": 0}) + b"\n")
+            if key in lost:
+                continue  # in the manifest but never sent: must come back as missing
+            body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": text}]}
+            if json_format:
+                body["response_format"] = {"type": "json_object"}
+            out.write(
+                orjson.dumps({"custom_id": cid, "method": "POST", "url": ENDPOINT, "body": body}) + b"\n"
+            )
+    with open(directory / "rejects.jsonl", "wb") as rej:
+        for r in rejects:
+            rej.write(orjson.dumps(r) + b"\n")
+    data = shard.read_bytes()
+    import hashlib
+
+    manifest = Manifest(
+        endpoint=ENDPOINT,
+        dialect="openai",
+        key_columns=["ticket_id"],
+        key_types=["integer"],
+        shards=[
+            Shard(
+                index=0,
+                path=shard.name,
+                lines=data.count(b"\n"),
+                bytes=len(data),
+                fingerprint=hashlib.sha256(data).hexdigest(),
+                endpoint=ENDPOINT,
+            )
+        ],
+        rows_written=len(rows),
+        rows_rejected=len(rejects),
+        keys_path="keys.jsonl",
+        rejects_path="rejects.jsonl",
+    )
+    return Path(str(staging.write_manifest(str(directory), manifest).path))
+
+
+def submit_and_wait(manifest_file: Path) -> dict[str, Any]:
+    """Upload each shard, create its batch and wait for a terminal state; the submit XCom shape."""
+    manifest = staging.read_manifest(str(manifest_file))
+    hook = BatchApiHook()
+    batches = []
+    for shard in manifest.shards:
+        file_id = hook.upload_file(str(manifest_file.parent / shard.path))
+        batch = hook.create_batch(input_file_id=file_id, endpoint=manifest.endpoint)
+        deadline = time.monotonic() + 60
+        while not batch.is_terminal and time.monotonic() < deadline:
+            time.sleep(0.1)
+            batch = hook.get_batch(batch.id)
+        assert batch.is_terminal, f"batch {batch.id} did not finish"
+        batches.append({"shard": shard.index, "batch_id": batch.id, "input_file_id": file_id})
+    return {
+        "batch_ids": [b["batch_id"] for b in batches],
+        "batches": batches,
+        "manifest_path": str(manifest_file),
+    }
+
+
+@pytest.fixture
+def server(batch_server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    handle = batch_server(dialect="openai", backend="echo")
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", handle.connection_json())
+    return handle
+
+
+def merge(warehouse: Any, xcom: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    op = MergeBatchResultsOperator(
+        task_id="merge", target_table="ticket results", conn_id=warehouse.conn_id, batches=xcom, **kwargs
+    )
+    return op.execute(context={})  # type: ignore[arg-type]
+
+
+def test_merge_accounts_for_every_key(server: Any, warehouse: Any, tmp_path: Path) -> None:
+    rows = [(i, f"ticket number {i}") for i in range(1, 9)]
+    rejects = [
+        {
+            "row": 9,
+            "key": [9],
+            "custom_id": None,
+            "code": "line_too_large",
+            "reason": "over 1 MB",
+            "column": None,
+        }
+    ]
+    manifest = stage(tmp_path / "stage", rows, lost=[8], rejects=rejects)
+    xcom = submit_and_wait(manifest)
+    result = merge(warehouse, xcom, input_price_per_1m=1.0, output_price_per_1m=2.0)
+    assert (
+        result["counts"]["succeeded"] == 7
+        and result["counts"]["missing"] == 1
+        and result["counts"]["rejected"] == 1
+    )
+    assert result["rows_written"] == 9 and result["orphan_results"] == 0
+    assert result["prompt_tokens"] > 0 and result["cost"] == pytest.approx(
+        (result["prompt_tokens"] * 1.0 + result["completion_tokens"] * 2.0) / 1e6
+    )
+    q = warehouse.quote
+    got = warehouse.rows(
+        f"SELECT ticket_id, status, content, batch_id FROM {q('ticket results')} ORDER BY ticket_id"
+    )
+    assert [r[1] for r in got] == ["succeeded"] * 7 + ["missing", "rejected"]
+    assert "ticket number 3" in got[2][2] and got[2][3] == xcom["batch_ids"][0]
+    # Re-running the merge changes nothing and adds nothing.
+    again = merge(warehouse, xcom)
+    assert again["counts"] == result["counts"]
+    assert warehouse.rows(f"SELECT COUNT(*) FROM {q('ticket results')}") == [(9,)]
+
+
+def test_failed_lines_are_resubmitted_until_they_succeed(
+    server: Any, sqlite_warehouse: Any, tmp_path: Path
+) -> None:
+    rows = [(i, f"question {i}") for i in range(1, 11)]
+    manifest = stage(tmp_path / "stage", rows)
+    server.set_faults(line_failure_rate=0.5)
+    first = merge(sqlite_warehouse, submit_and_wait(manifest), resubmit_failed=True, max_attempts=2)
+    failed = first["counts"]["failed"]
+    assert failed > 0 and first["resubmit"] is True and first["resubmit_lines"] == failed
+    retry_manifest = Path(first["resubmit_manifest_path"].removeprefix("file://"))
+    assert retry_manifest.parent.name == "attempt-2"
+    second_manifest = staging.read_manifest(str(retry_manifest))
+    assert second_manifest.extra["attempt"] == 2 and second_manifest.shards[0].lines == failed
+    lines = [orjson.loads(x) for x in (retry_manifest.parent / "shard-00000.jsonl").read_bytes().splitlines()]
+    original = {
+        orjson.loads(x)["custom_id"]: orjson.loads(x)
+        for x in (tmp_path / "stage/shard-00000.jsonl").read_bytes().splitlines()
+    }
+    assert all(line == original[line["custom_id"]] for line in lines)  # unchanged lines and custom_ids
+
+    server.set_faults(line_failure_rate=0.0)
+    second = merge(sqlite_warehouse, submit_and_wait(retry_manifest), resubmit_failed=True, max_attempts=2)
+    assert second["counts"]["succeeded"] == failed and second["resubmit"] is False and second["attempt"] == 2
+    statuses = sqlite_warehouse.rows(
+        f"SELECT status, COUNT(*) FROM {sqlite_warehouse.quote('ticket results')} GROUP BY status"
+    )
+    assert statuses == [("succeeded", 10)]
+
+
+def test_expired_batch_marks_its_keys_expired(server: Any, duckdb_warehouse: Any, tmp_path: Path) -> None:
+    manifest = stage(tmp_path / "stage", [(1, "a"), (2, "b"), (3, "c")])
+    server.set_faults(expire_batches=True)
+    result = merge(duckdb_warehouse, submit_and_wait(manifest))
+    assert result["counts"]["expired"] == 3 and result["rows_written"] == 3
+
+
+def test_structured_output_through_the_server(server: Any, pg_warehouse: Any, tmp_path: Path) -> None:
+    manifest = stage(tmp_path / "stage", [(1, "alpha"), (2, "beta")], json_format=True)
+    schema = {"type": "object", "properties": {"echo": {"type": "string"}}, "required": ["echo"]}
+    result = merge(pg_warehouse, submit_and_wait(manifest), output_schema=schema)
+    assert result["counts"]["succeeded"] == 2
+    got = pg_warehouse.rows(f"SELECT ticket_id, echo FROM {pg_warehouse.quote('ticket results')} ORDER BY 1")
+    assert got[0][0] == 1 and "alpha" in got[0][1]
+    strict = {"type": "object", "properties": {"label": {"type": "integer"}}, "required": ["label"]}
+    bad = MergeBatchResultsOperator(
+        task_id="m2",
+        target_table="strict",
+        conn_id=pg_warehouse.conn_id,
+        batches=submit_and_wait(manifest),
+        output_schema=strict,
+    ).execute(context={})  # type: ignore[arg-type]
+    assert bad["counts"]["invalid_output"] == 2
+    reasons = pg_warehouse.rows("SELECT error_message FROM strict")
+    assert all("label" in r[0] for r in reasons)
+
+
+def test_without_manifest_custom_id_is_the_key(server: Any, sqlite_warehouse: Any, tmp_path: Path) -> None:
+    manifest = stage(tmp_path / "stage", [(1, "x"), (2, "y")])
+    xcom = submit_and_wait(manifest)
+    result = merge(sqlite_warehouse, xcom["batch_ids"])
+    assert result["counts"]["succeeded"] == 2
+    assert sqlite_warehouse.rows(
+        f"SELECT custom_id FROM {sqlite_warehouse.quote('ticket results')} ORDER BY 1"
+    ) == [("t-1",), ("t-2",)]
+
+
+def test_normalize_batches_reads_every_input_shape() -> None:
+    assert normalize_batches("b1") == [("b1", None)]
+    assert normalize_batches(["b1", "b2", "b1"]) == [("b1", None), ("b2", None)]
+    assert normalize_batches({"batches": [{"shard": 0, "batch_id": "b1"}], "batch_ids": ["b1"]}) == [
+        ("b1", 0)
+    ]
+    event = {"status": "success", "batch_ids": ["b1"], "batches": [{"id": "b1", "state": "completed"}]}
+    assert normalize_batches(event) == [("b1", None)]
+    assert normalize_batches([{"batch_ids": ["a"]}, {"batch_ids": ["b"]}]) == [("a", None), ("b", None)]
