@@ -811,7 +811,10 @@ class BatchApiHook(BaseHook):
             except _AmbiguousCreate as exc:
                 retry = self._ambiguous_create(exc, identity, retry)
                 time.sleep(settings.retry.delay(retry - 1, exc.response))
-                found = [b for b in self.find_batches(identity or {}) if self._matches(b, input_file_id)]
+                try:
+                    found = [b for b in self.find_batches(identity or {}) if self._matches(b, input_file_id)]
+                except BatchApiError as lookup:
+                    raise self._lookup_failed(exc, lookup) from lookup
                 if found:
                     return self._adopt(found, action)
                 continue
@@ -850,9 +853,12 @@ class BatchApiHook(BaseHook):
             except _AmbiguousCreate as exc:
                 retry = self._ambiguous_create(exc, identity, retry)
                 await asyncio.sleep(settings.retry.delay(retry - 1, exc.response))
-                found = [
-                    b for b in await self.afind_batches(identity or {}) if self._matches(b, input_file_id)
-                ]
+                try:
+                    found = [
+                        b for b in await self.afind_batches(identity or {}) if self._matches(b, input_file_id)
+                    ]
+                except BatchApiError as lookup:
+                    raise self._lookup_failed(exc, lookup) from lookup
                 if found:
                     return self._adopt(found, action)
                 continue
@@ -865,12 +871,10 @@ class BatchApiHook(BaseHook):
         assert settings is not None
         error = exc.error
         if identity is None:
-            raise type(error)(
-                f"{error.args[0] if error.args else error}; the batch may have been created, so the request "
-                "was not repeated (pass metadata so a lost create can be found and retried safely)",
-                status_code=error.status_code,
-                request_id=error.request_id,
-                body=error.body,
+            raise _with_note(
+                error,
+                "the batch may have been created, so the request was not repeated "
+                "(pass metadata so a lost create can be found and retried safely)",
             ) from exc
         if retry >= settings.retry.max_retries:
             raise error from exc
@@ -880,6 +884,15 @@ class BatchApiHook(BaseHook):
             sorted(identity),
         )
         return retry + 1
+
+    @staticmethod
+    def _lookup_failed(exc: _AmbiguousCreate, lookup: BatchApiError) -> BatchApiError:
+        # Whether the batch exists is unknown, so neither retry nor pretend: say both failures.
+        return _with_note(
+            exc.error,
+            f"the batch may have been created and looking for it failed too ({_message_of(lookup)}); "
+            "not retried to avoid a duplicate",
+        )
 
     def _adopt(self, found: list[Batch], action: str) -> Batch:
         # Newest first: if an earlier try also created one, the latest matches this call.
@@ -1090,6 +1103,21 @@ class BatchApiHook(BaseHook):
             secret = self._settings.api_key if self._settings else None
             return False, redact(f"{type(exc).__name__}: {exc}", secret)
         return True, f"Connected to {settings.base_url} as {dialect.label}: listing batches works"
+
+
+def _message_of(error: BatchApiError) -> str:
+    # BatchApiError appends " | status=... | body=..." to its message; keep the message alone.
+    return str(error).split(" | ", 1)[0]
+
+
+def _with_note(error: BatchApiError, note: str) -> BatchApiError:
+    """The same typed error with a note appended to its message."""
+    return type(error)(
+        f"{_message_of(error)}; {note}",
+        status_code=error.status_code,
+        request_id=error.request_id,
+        body=error.body,
+    )
 
 
 def _line_object(data: bytes, number: int, where: str) -> dict[str, Any] | None:

@@ -977,3 +977,82 @@ def test_connection_form_matches_airflow_schemas() -> None:
         files("airflow").joinpath("customized_form_field_behaviours.schema.json").read_text()
     )
     jsonschema.validate(BatchApiHook.get_ui_field_behaviour(), behaviour_schema)
+
+
+def test_create_lookup_failure_raises_both_reasons(mock_hook, sleeps) -> None:
+    creates = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal creates
+        if request.method == "POST":
+            creates += 1
+            return json_response(502, {"error": {"message": "bad gateway"}})
+        return json_response(503, {"error": {"message": "listing is down"}})
+
+    with pytest.raises(
+        BatchApiServerError, match="bad gateway; the batch may have been created and looking"
+    ) as info:
+        mock_hook(handler).create_batch(**CREATE, metadata=META)
+    assert "listing is down" in str(info.value)
+    assert info.value.status_code == 502
+    assert creates == 1
+
+
+def test_xai_create_lookup_uses_the_batch_name(mock_hook, sleeps) -> None:
+    batches: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return json_response(200, {"batches": batches, "pagination_token": None})
+        body = orjson.loads(request.content)
+        batches.append(xai_batch("xb-1", body["name"], num_pending=2, num_success=0))
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    batch = mock_hook(handler, dialect="xai").create_batch(**CREATE, metadata=META)
+    assert batch.id == "xb-1"
+    assert len(batches) == 1
+    # Without a chosen name there is nothing to find the batch by: no retry.
+    with pytest.raises(BatchApiConnectionError, match="may have been created"):
+        mock_hook(handler, dialect="xai").create_batch(**CREATE)
+    assert len(batches) == 2
+
+
+async def test_async_methods_never_touch_the_sync_path(mock_hook, monkeypatch, tmp_path: Path) -> None:
+    """Async twins read the connection asynchronously and only use the async client."""
+
+    def forbidden(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("sync call from an async method")
+
+    files = {"file-out": jsonl([out_line("a")]), "file-err": jsonl([err_line("b")])}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path.endswith("/content"):
+            return httpx.Response(200, content=files[path.split("/")[-2]])
+        if path == "/v1/files" and request.method == "POST":
+            return json_response(200, {"id": "file-in"})
+        if path.startswith("/v1/files/"):
+            return json_response(200, {"id": path.split("/")[-1], "deleted": True})
+        if path == "/v1/batches" and request.method == "GET":
+            return json_response(200, {"data": [openai_batch()], "has_more": False})
+        done = openai_batch(status="completed", output_file_id="file-out", error_file_id="file-err")
+        return json_response(200, done)
+
+    hook = mock_hook(handler)
+    hook._transport = httpx.MockTransport(forbidden)
+    monkeypatch.setattr(BatchApiHook, "get_connection", classmethod(forbidden))
+    monkeypatch.setattr(BatchApiHook, "get_settings", forbidden)
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b"{}\n")
+    async with hook:
+        assert await hook.aupload_file(source) == "file-in"
+        assert (await hook.aget_file("file-in"))["id"] == "file-in"
+        batch = await hook.acreate_batch(**CREATE)
+        assert (await hook.aget_batch(batch.id)).state is BatchState.COMPLETED
+        assert [r.custom_id async for r in hook.aiter_results(batch.id)] == ["a", "b"]
+        assert [b.id async for b in hook.alist_batches()] == ["batch_1"]
+        assert (await hook.acancel_batch(batch.id)).id == batch.id
+        assert await hook.adownload_file("file-out", tmp_path / "o.jsonl") > 0
+        await hook.adelete_file("file-in")
+    assert hook._aclient is None
+    assert hook._client is None
