@@ -217,7 +217,7 @@ class EchoBackend:
             inputs = [x if isinstance(x, str) else orjson.dumps(x).decode() for x in raw]
         else:
             raise _BadRequest("input must be a non-empty string or list", "input")
-        dim = body.get("dimensions") or self.embedding_dim
+        dim = body["dimensions"] if body.get("dimensions") is not None else self.embedding_dim
         if not isinstance(dim, int) or not 1 <= dim <= 8192:
             raise _BadRequest("dimensions must be an integer between 1 and 8192", "dimensions")
         as_base64 = body.get("encoding_format") == "base64"
