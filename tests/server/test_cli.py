@@ -20,7 +20,8 @@ def test_options_build_the_config(tmp_path, monkeypatch):
     monkeypatch.setenv("MY_SERVER_KEY", "sk-abc")
     args = parser.parse_args(
         [
-            "--dialect", "xai", "--data-dir", str(tmp_path), "--time-scale", "0.01", "--api-key-env", "MY_SERVER_KEY",
+            "--dialect", "xai", "--data-dir", str(tmp_path), "--time-scale", "0.01",
+            "--api-key-env", "MY_SERVER_KEY",
             "--fault-429", "0.25", "--fault-line-failure", "0.1", "--stall-batches", "--max-lines", "10",
         ]
     )  # fmt: skip
