@@ -246,3 +246,37 @@ async def test_async_round_trip(live, tmp_path: Path, dialect: str) -> None:
         await hook.adelete_file(file_id)
         with pytest.raises(BatchApiNotFoundError):
             await hook.aget_file(file_id)
+
+
+@pytest.mark.slow
+def test_transfers_keep_memory_flat(live, tmp_path: Path) -> None:
+    """A 24 MB file goes up, comes down and is iterated with a small fraction of it in memory."""
+    import tracemalloc
+
+    server, hook = live("openai")
+    source = tmp_path / "big.jsonl"
+    pad = "y" * 1000
+    with source.open("wb") as fh:
+        for i in range(22_000):
+            fh.write(
+                orjson.dumps({"custom_id": f"r{i}", "method": "POST", "url": ENDPOINT, "body": {"p": pad}})
+            )
+            fh.write(b"\n")
+    size = source.stat().st_size
+    hook.get_conn()
+    tracemalloc.start()
+    try:
+        file_id = hook.upload_file(source)
+        peak_upload = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        assert hook.download_file(file_id, tmp_path / "copy.jsonl") == size
+        peak_download = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        assert sum(1 for _ in hook.iter_file_lines(file_id)) == 22_000
+        peak_iter = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # The in-process server shares the traced heap, so these bounds cover client and server.
+    for peak in (peak_upload, peak_download, peak_iter):
+        assert peak < size / 3, f"peak {peak:,} bytes for a {size:,}-byte file"
+    assert (tmp_path / "copy.jsonl").read_bytes() == source.read_bytes()
