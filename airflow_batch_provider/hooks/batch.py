@@ -269,7 +269,10 @@ class BatchApiHook(BaseHook):
         }
 
     # ---- settings --------------------------------------------------------------------------
-    def _build_settings(self, conn: Any, extra: Mapping[str, Any]) -> BatchApiSettings:
+    def _build_settings(self, conn: Any, raw_extra: Mapping[str, Any]) -> BatchApiSettings:
+        # Older web servers saved form fields as "extra__<conn_type>__<field>"; accept both spellings.
+        prefix = f"extra__{self.conn_type}__"
+        extra = {str(k).removeprefix(prefix): v for k, v in raw_extra.items() if v not in (None, "")}
         dialect = self._dialect_override or get_dialect(extra.get("dialect"))
         headers = extra.get("headers") or {}
         if isinstance(headers, str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import email.parser
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,6 +108,15 @@ def test_arguments_override_connection(batch_conn) -> None:
     assert settings.dialect.name == "xai"
     assert settings.timeout == 3.0
     assert settings.retry.max_retries == 0
+
+
+def test_prefixed_and_empty_form_fields_are_read(monkeypatch) -> None:
+    extra = {"extra__batch_api__dialect": "xai", "extra__batch_api__timeout": "", "project": None}
+    conn = {"conn_type": "batch_api", "host": "http://h/v1", "password": "k", "extra": extra}
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_PREFIXED", json.dumps(conn))
+    settings = BatchApiHook("batch_prefixed").get_settings()
+    assert settings.dialect.name == "xai"
+    assert settings.timeout == 60.0
 
 
 def test_bad_extra_is_a_configuration_error(batch_conn) -> None:
