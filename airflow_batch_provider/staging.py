@@ -202,6 +202,9 @@ class ShardedJsonlWriter:
         self._buffer: list[bytes] = []
         self._buffered = 0
         self._hasher = hashlib.sha256()
+        self._max_lines = limits.max_lines
+        self._max_bytes = limits.max_file_bytes
+        self._max_line_size = min(limits.max_line_bytes + 1, limits.max_file_bytes)
 
     @property
     def index(self) -> int:
@@ -211,17 +214,11 @@ class ShardedJsonlWriter:
     def add(self, line: bytes) -> int:
         """Append one serialised line (without its newline); return the index of its shard."""
         size = len(line) + 1
-        limits = self.limits
-        if len(line) > limits.max_line_bytes or size > limits.max_file_bytes:
-            raise ValueError(f"a line of {len(line):,} bytes does not fit the limits {limits}")
-        if (
-            self._handle is None
-            or self._lines >= limits.max_lines
-            or self._bytes + size > limits.max_file_bytes
-        ):
+        if size > self._max_line_size:
+            raise ValueError(f"a line of {len(line):,} bytes does not fit the limits {self.limits}")
+        if self._handle is None or self._lines >= self._max_lines or self._bytes + size > self._max_bytes:
             self._next_shard()
         self._buffer.append(line)
-        self._buffer.append(b"\n")
         self._buffered += size
         self._lines += 1
         self._bytes += size
@@ -231,7 +228,7 @@ class ShardedJsonlWriter:
 
     def _flush(self) -> None:
         if self._buffer and self._handle is not None:
-            chunk = b"".join(self._buffer)
+            chunk = b"\n".join(self._buffer) + b"\n"
             self._hasher.update(chunk)
             self._handle.write(chunk)
         self._buffer.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from array import array
 from collections import Counter
@@ -39,6 +40,7 @@ RESPONSES_ENDPOINT = "/v1/responses"
 _TEMPLATE_GLOBALS = frozenset({"row"})
 _DUPLICATES_SHOWN = 10
 _LOG_EVERY = 100_000
+_PLAIN_KEY_TYPES = frozenset({int, str})
 
 
 class NullValueError(BatchProviderError):
@@ -94,7 +96,6 @@ class RowTemplate:
         index = {c: i for i, c in enumerate(columns)}
         self.column_indexes = sorted(index[n] for n in names if n in index)
         self.uses_row = "row" in names
-        self._columns = list(columns)
         # Fast path: text and bare names only (no filters, loops or attribute access); rendering
         # is then a string join, identical to Jinja's str() conversion of each value.
         parts: list[str | int] = []
@@ -113,32 +114,63 @@ class RowTemplate:
                     break
             if not simple:
                 break
-        self._parts = parts if simple else None
-        self._template = None if simple else env.from_string(source)
+        self._columns = list(columns)
+        self.render: Callable[[Sequence[Any]], str]
+        if simple and any(isinstance(p, int) for p in parts):
+            # "%s" % value is str(value), exactly what Jinja outputs for a bare name.
+            fmt = "".join(p.replace("%", "%%") if isinstance(p, str) else "%s" for p in parts)
+            idx = [p for p in parts if isinstance(p, int)]
+            if len(idx) == 1:
+                only = idx[0]
+                self.render = lambda row: fmt % (row[only],)
+            else:
+                getter = operator.itemgetter(*idx)
+                self.render = lambda row: fmt % getter(row)
+        else:
+            template = env.from_string(source)
+            names_ = self._columns
 
-    def render(self, row: Sequence[Any]) -> str:
-        if self._parts is not None:
-            return "".join(p if isinstance(p, str) else str(row[p]) for p in self._parts)
-        values = dict(zip(self._columns, row, strict=False))
-        assert self._template is not None
-        return str(self._template.render(values, row=values))
+            def render_jinja(row: Sequence[Any]) -> str:
+                values = dict(zip(names_, row, strict=False))
+                return str(template.render(values, row=values))
+
+            self.render = render_jinja
 
 
-def _compile_structure(value: Any, columns: Sequence[str], env: Any, templates: list[RowTemplate]) -> Any:
-    """Turn a JSON-like structure with template strings into a function ``row -> rendered structure``."""
+def _compile_structure(
+    value: Any, columns: Sequence[str], env: Any, templates: list[RowTemplate]
+) -> tuple[bool, Any]:
+    """Compile a JSON-like structure holding template strings.
+
+    Returns ``(True, value)`` for a constant subtree (shared by every line: it is only ever
+    serialised, never mutated) or ``(False, function row -> rendered subtree)``.
+    """
     if isinstance(value, str):
         if "{{" not in value and "{%" not in value:
-            return lambda row, v=value: v
+            return True, value
         tpl = RowTemplate(value, columns, env)
         templates.append(tpl)
-        return tpl.render
+        return False, tpl.render
     if isinstance(value, Mapping):
-        items = [(str(k), _compile_structure(v, columns, env, templates)) for k, v in value.items()]
-        return lambda row: {k: f(row) for k, f in items}
+        items = [(str(k), *_compile_structure(v, columns, env, templates)) for k, v in value.items()]
+        if all(const for _, const, _ in items):
+            return True, {k: v for k, _, v in items}
+        first_dynamic = next(i for i, (_, const, _) in enumerate(items) if not const)
+        if all(not const for _, const, _ in items[first_dynamic:]):
+            # Common shape {"role": "user", "content": "{{ ... }}"}: copy the constant head.
+            head = {k: v for k, _, v in items[:first_dynamic]}
+            tail = [(k, f) for k, _, f in items[first_dynamic:]]
+            if len(tail) == 1:
+                key, func = tail[0]
+                return False, lambda row: {**head, key: func(row)}
+            return False, lambda row: {**head, **{k: f(row) for k, f in tail}}
+        return False, lambda row: {k: (v if const else v(row)) for k, const, v in items}
     if isinstance(value, (list, tuple)):
-        funcs = [_compile_structure(v, columns, env, templates) for v in value]
-        return lambda row: [f(row) for f in funcs]
-    return lambda row, v=value: v
+        elems = [_compile_structure(v, columns, env, templates) for v in value]
+        if all(const for const, _ in elems):
+            return True, [v for _, v in elems]
+        return False, lambda row: [v if const else v(row) for const, v in elems]
+    return True, value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,7 +460,8 @@ class SqlToBatchJsonlOperator(BaseOperator):
 
                 builder = build_from_text
             else:
-                render = _compile_structure(list(self.messages or []), columns, env, templates)
+                const, compiled = _compile_structure(list(self.messages or []), columns, env, templates)
+                render = (lambda row: compiled) if const else compiled
 
                 def build_messages(row: Sequence[Any]) -> dict[str, Any]:
                     return {**defaults, field: render(row)}
@@ -629,6 +662,9 @@ class _Build:
                 }
                 rejects_out.write(dumps(record) + b"\n")
 
+            add_line = writer.add
+            write_key = keys_out.write
+            written = 0
             for batch in rows.batches():
                 for row in batch:
                     row_number += 1
@@ -661,6 +697,11 @@ class _Build:
                         for pos, value in enumerate(key_values):
                             if types[pos] is None:
                                 types[pos] = value_type(value)
+                    # ints and strs are written to keys.jsonl as they are; anything else is converted.
+                    if single_key is not None:
+                        plain_key = type(key_values[0]) in _PLAIN_KEY_TYPES
+                    else:
+                        plain_key = all(type(v) in _PLAIN_KEY_TYPES for v in key_values)
                     cid = custom_id(key_values)
                     h = hash(cid)
                     hashes[h & 255].append(h)
@@ -702,20 +743,19 @@ class _Build:
                     except RowRejected as err:
                         reject(row_number, keymod.jsonable_key(key_values), cid, err)
                         continue
-                    shard = writer.add(line)
-                    keys_out.write(
-                        dumps({"custom_id": cid, "key": keymod.jsonable_key(key_values), "shard": shard})
-                        + b"\n"
-                    )
-                    self.rows_written += 1
+                    shard = add_line(line)
+                    stored = key_values if plain_key else keymod.jsonable_key(key_values)
+                    write_key(dumps({"custom_id": cid, "key": stored, "shard": shard}) + b"\n")
+                    written += 1
                 if row_number and row_number % _LOG_EVERY < len(batch):
                     op.log.info(
                         "%d rows read, %d written, %d rejected",
                         row_number,
-                        self.rows_written,
+                        written,
                         self.rows_rejected,
                     )
             self.rows_read = row_number
+            self.rows_written = written
             self.shards = writer.close()
         self.key_types = [t or "text" for t in types]
         self._check_duplicates()

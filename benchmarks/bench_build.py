@@ -1,0 +1,309 @@
+"""Benchmark SqlToBatchJsonlOperator: rows/s and memory growth vs a naive build and PostgreSQL's own export.
+
+    /work/venv/bin/python benchmarks/bench_build.py                 # 1,000,000 rows
+    /work/venv/bin/python benchmarks/bench_build.py --rows 100000   # quick run
+
+Data: a table ``(id bigint, title text, body text)`` in a fresh PostgreSQL schema (db ``test``
+on 127.0.0.1) and in a DuckDB file, with the same rows. Every line uses a two-column chat
+template of about 200 characters. Each scenario runs in its own process so the peak memory
+(VmHWM minus the RSS after imports) belongs to that scenario alone:
+
+* ``operator-postgres`` / ``operator-duckdb``: the operator, 50,000-line shards.
+* ``naive-postgres`` / ``naive-duckdb``: fetchall, render each row with Jinja, ``json.dumps``, one file.
+* ``pg-copy``: PostgreSQL builds the same lines itself, ``COPY (SELECT json_build_object(...)) TO STDOUT``
+  into a file: the practical ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+PG = {"host": "127.0.0.1", "port": 5432, "user": "postgres", "dbname": "test"}
+SYSTEM = "You label customer support tickets. Answer with one word: billing, bug, account or other."
+USER = "Ticket title: {{ title }}\nTicket text: {{ body }}\nWhich label fits best?"
+BODY = {"max_tokens": 5, "temperature": 0}
+MODEL = "gpt-4o-mini"
+ENDPOINT = "/v1/chat/completions"
+SCENARIOS = ("operator-postgres", "operator-duckdb", "naive-postgres", "naive-duckdb", "pg-copy")
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    # Linux: writing 5 to clear_refs resets VmHWM, so the peak excludes import-time spikes.
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
+# ---- data ----------------------------------------------------------------------------------------
+
+
+def create_data(rows: int, schema: str, duck_path: Path) -> None:
+    import duckdb
+    import psycopg
+
+    title = "'Order #' || g || ' cannot be refunded'"
+    body = "'I was charged twice for order ' || g || ' and the refund button gives an error. Please help.'"
+    with psycopg.connect(**PG, autocommit=True) as conn:  # type: ignore[arg-type]
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+        conn.execute(
+            f'CREATE TABLE "{schema}".tickets AS SELECT g::bigint AS id, {title} AS title, {body} AS body '
+            f"FROM generate_series(1, {rows}) g"
+        )
+        conn.execute(f'ANALYZE "{schema}".tickets')
+    with duckdb.connect(str(duck_path)) as duck:
+        duck.execute(
+            f"CREATE TABLE tickets AS SELECT g::BIGINT AS id, {title} AS title, {body} AS body "
+            f"FROM range(1, {rows + 1}) t(g)"
+        )
+
+
+def drop_data(schema: str) -> None:
+    import psycopg
+
+    with psycopg.connect(**PG, autocommit=True) as conn:  # type: ignore[arg-type]
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+# ---- scenarios (each runs in a child process) ---------------------------------------------------
+
+
+def run_operator(kind: str, out: Path, shard_lines: int) -> int:
+    from airflow_batch_provider.operators.build import SqlToBatchJsonlOperator
+
+    op = SqlToBatchJsonlOperator(
+        task_id="bench",
+        conn_id=f"bench_{kind}",
+        sql="SELECT id, title, body FROM tickets",
+        key_columns="id",
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}],
+        body=BODY,
+        model=MODEL,
+        staging_path=str(out),
+        max_lines=shard_lines,
+    )
+    result = op.execute({})  # type: ignore[arg-type]
+    return int(result["rows_written"])
+
+
+def run_naive(kind: str, out: Path) -> int:
+    from jinja2 import Template
+
+    if kind == "postgres":
+        import psycopg
+
+        conn: Any = psycopg.connect(**PG, options=f"-c search_path={os.environ['BENCH_SCHEMA']}")  # type: ignore[arg-type]
+        rows = conn.execute("SELECT id, title, body FROM tickets").fetchall()
+    else:
+        import duckdb
+
+        conn = duckdb.connect(os.environ["BENCH_DUCKDB"])
+        rows = conn.execute("SELECT id, title, body FROM tickets").fetchall()
+    template = Template(USER)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "batch.jsonl", "w") as fh:
+        for row_id, title, body in rows:
+            line = {
+                "custom_id": str(row_id),
+                "method": "POST",
+                "url": ENDPOINT,
+                "body": {
+                    "model": MODEL,
+                    **BODY,
+                    "messages": [
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": template.render(title=title, body=body)},
+                    ],
+                },
+            }
+            fh.write(json.dumps(line) + "\n")
+    conn.close()
+    return len(rows)
+
+
+def run_pg_copy(out: Path) -> int:
+    import psycopg
+
+    user_sql = "'Ticket title: ' || title || E'\\nTicket text: ' || body || E'\\nWhich label fits best?'"
+    query = f"""
+        SELECT json_build_object(
+            'custom_id', id::text, 'method', 'POST', 'url', '{ENDPOINT}',
+            'body', json_build_object(
+                'model', '{MODEL}', 'max_tokens', 5, 'temperature', 0,
+                'messages', json_build_array(
+                    json_build_object('role', 'system', 'content', '{SYSTEM}'),
+                    json_build_object('role', 'user', 'content', {user_sql}))))
+        FROM tickets"""
+    out.mkdir(parents=True, exist_ok=True)
+    count = 0
+    # CSV with control characters as quote/delimiter: no escaping, the JSON comes out as is.
+    copy_sql = f"COPY ({query}) TO STDOUT WITH (FORMAT csv, QUOTE E'\\x01', DELIMITER E'\\x02')"
+    options = f"-c search_path={os.environ['BENCH_SCHEMA']}"
+    with (
+        psycopg.connect(**PG, options=options) as conn,  # type: ignore[arg-type]
+        conn.cursor() as cur,
+        cur.copy(copy_sql) as copy,
+        open(out / "batch.jsonl", "wb") as fh,
+    ):
+        for chunk in copy:
+            fh.write(chunk)
+            count += bytes(chunk).count(b"\n")
+    return count
+
+
+def child(scenario: str, out: Path, shard_lines: int) -> dict[str, Any]:
+    # Import everything first so the memory figure is growth during the build only.
+    import jinja2  # noqa: F401
+    import psycopg  # noqa: F401
+
+    import airflow_batch_provider.operators.build  # noqa: F401
+
+    if scenario.startswith("operator"):
+        from airflow.sdk import BaseHook
+
+        BaseHook.get_connection(f"bench_{scenario.split('-')[1]}").get_hook()
+    _reset_peak()
+    base = _rss_kb("VmRSS")
+    start = time.perf_counter()
+    if scenario == "operator-postgres":
+        rows = run_operator("postgres", out, shard_lines)
+    elif scenario == "operator-duckdb":
+        rows = run_operator("duckdb", out, shard_lines)
+    elif scenario == "naive-postgres":
+        rows = run_naive("postgres", out)
+    elif scenario == "naive-duckdb":
+        rows = run_naive("duckdb", out)
+    elif scenario == "pg-copy":
+        rows = run_pg_copy(out)
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    seconds = time.perf_counter() - start
+    peak = _rss_kb("VmHWM")
+    size = sum(p.stat().st_size for p in out.rglob("*.jsonl"))
+    return {
+        "scenario": scenario,
+        "rows": rows,
+        "seconds": round(seconds, 3),
+        "rows_per_s": round(rows / seconds),
+        "mem_growth_mb": round(max(peak - base, 0) / 1024, 1),
+        "output_mb": round(size / 1e6, 1),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--shard-lines", type=int, default=50_000)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run every scenario N times (interleaved); keep the best"
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON too")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, Path(args.out), args.shard_lines)))
+        return 0
+
+    work = Path(tempfile.mkdtemp(prefix="bench-build-"))
+    schema = f"bench_build_{uuid.uuid4().hex[:8]}"
+    duck = work / "bench.duckdb"
+    env = dict(os.environ)
+    env.update(
+        {
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
+            "BENCH_SCHEMA": schema,
+            "BENCH_DUCKDB": str(duck),
+            "AIRFLOW_HOME": env.get("AIRFLOW_HOME", str(work / "airflow-home")),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__UNIT_TEST_MODE": "True",
+            "AIRFLOW_CONN_BENCH_POSTGRES": json.dumps(
+                {
+                    "conn_type": "postgres",
+                    "host": PG["host"],
+                    "port": PG["port"],
+                    "login": PG["user"],
+                    "schema": PG["dbname"],
+                    "extra": {"options": f"-c search_path={schema}"},
+                }
+            ),
+            "AIRFLOW_CONN_BENCH_DUCKDB": json.dumps({"conn_type": "duckdb", "host": str(duck)}),
+        }
+    )
+    try:
+        t0 = time.perf_counter()
+        create_data(args.rows, schema, duck)
+        took = time.perf_counter() - t0
+        print(f"data: {args.rows:,} rows in PostgreSQL schema {schema} and {duck} ({took:.1f}s)")
+        results: dict[str, dict[str, Any]] = {}
+        scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+        # Interleaved repeats, best rows/s kept: other load on a shared machine only ever slows a run down.
+        for attempt in range(args.repeat):
+            for scenario in scenarios:
+                out = work / scenario
+                cmd = [sys.executable, __file__, "--child", scenario, "--out", str(out)]
+                proc = subprocess.run(
+                    [*cmd, "--shard-lines", str(args.shard_lines)], env=env, capture_output=True, text=True
+                )
+                shutil.rmtree(out, ignore_errors=True)
+                if proc.returncode != 0:
+                    print(f"{scenario}: FAILED\n{proc.stderr[-3000:]}")
+                    continue
+                r = json.loads(proc.stdout.strip().splitlines()[-1])
+                print(
+                    f"[{attempt + 1}] {scenario:<18} {r['rows']:>10,} rows {r['seconds']:>8.2f}s "
+                    f"{r['rows_per_s']:>9,} rows/s mem +{r['mem_growth_mb']:>7.1f} MB "
+                    f"output {r['output_mb']:>7.1f} MB"
+                )
+                best = results.get(scenario)
+                if best is None or r["rows_per_s"] > best["rows_per_s"]:
+                    r["mem_growth_mb"] = max(r["mem_growth_mb"], best["mem_growth_mb"] if best else 0)
+                    results[scenario] = r
+                elif r["mem_growth_mb"] > best["mem_growth_mb"]:
+                    best["mem_growth_mb"] = r["mem_growth_mb"]
+        print("\nbest of", args.repeat, "(memory: the worst run)")
+        for scenario, r in results.items():
+            print(f"{scenario:<18} {r['rows_per_s']:>9,} rows/s  mem +{r['mem_growth_mb']:>7.1f} MB")
+        print()
+        for kind in ("postgres", "duckdb"):
+            op, naive = results.get(f"operator-{kind}"), results.get(f"naive-{kind}")
+            if op and naive:
+                print(f"operator/naive ({kind}): {op['rows_per_s'] / naive['rows_per_s']:.2f}x rows/s")
+        op, copy = results.get("operator-postgres"), results.get("pg-copy")
+        if op and copy:
+            print(
+                f"pg-copy/operator (postgres): {copy['rows_per_s'] / op['rows_per_s']:.2f}x (target <= 1.5x)"
+            )
+        if args.json:
+            print(json.dumps(results, indent=2))
+    finally:
+        drop_data(schema)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
