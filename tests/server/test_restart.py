@@ -66,3 +66,18 @@ def test_a_resumed_batch_can_be_cancelled(batch_server):
         done = wait_for(client, batch["id"])
     assert done["status"] == "cancelled"
     assert done["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+
+
+def test_a_batch_still_validating_is_validated_again_after_restart(batch_server):
+    server = batch_server(
+        validate_seconds=1e6
+    )  # ~17 minutes at the test time scale: it will not finish alone
+    with httpx.Client(base_url=server.base_url, timeout=10) as client:
+        batch = create(client, upload(client, jsonl(chat_line(i) for i in range(3))))
+    server.restart()
+    with httpx.Client(base_url=server.base_url, timeout=10) as client:
+        assert client.get(f"/batches/{batch['id']}").json()["status"] == "validating"
+        server.force(batch["id"], "complete")
+        done = wait_for(client, batch["id"])
+    assert done["status"] == "completed"
+    assert done["request_counts"]["completed"] == 3
