@@ -83,6 +83,7 @@ class RowTemplate:
 
     def __init__(self, source: str, columns: Sequence[str], env: Any) -> None:
         from jinja2 import meta, nodes
+        from jinja2.exceptions import SecurityError, TemplateError
 
         self.source = source
         ast = env.parse(source)
@@ -132,7 +133,16 @@ class RowTemplate:
 
             def render_jinja(row: Sequence[Any]) -> str:
                 values = dict(zip(names_, row, strict=False))
-                return str(template.render(values, row=values))
+                try:
+                    return str(template.render(values, row=values))
+                except SecurityError:
+                    raise  # an unsafe template fails the task, whatever the row
+                except (TemplateError, TypeError, ValueError, ArithmeticError, LookupError) as exc:
+                    # Data-dependent failures (a filter given NULL, a missing key in a JSON
+                    # column) reject the row and say why.
+                    raise RowRejected(
+                        "template_error", f"template failed: {type(exc).__name__}: {exc}"
+                    ) from None
 
             self.render = render_jinja
 
@@ -558,7 +568,7 @@ def _one_line(sql: str, limit: int = 200) -> str:
 
 def default_staging_path(context: Context | Mapping[str, Any], task_id: str) -> str:
     """The default staging directory of a task instance: root / dag / run / task[-map_index]."""
-    from airflow.configuration import conf
+    from airflow.sdk import conf
 
     root = conf.get("batch_provider", "staging_root", fallback=None) or os.environ.get(
         "AIRFLOW_BATCH_STAGING_ROOT"

@@ -534,3 +534,39 @@ def test_template_fields_render_from_context(sqlite_warehouse: Any, tmp_path: Pa
     assert {"sql", "staging_path", "model", "endpoint"} <= set(op.template_fields)
     # Row templates are not Airflow template fields: Airflow must not render {{ title }} away.
     assert "messages" not in op.template_fields
+
+
+def test_data_dependent_template_errors_are_rejects(sqlite_warehouse: Any, tmp_path: Path) -> None:
+    seed(sqlite_warehouse, [(1, "a", "12"), (2, "b", "zero")])
+    _, out = build(
+        sqlite_warehouse, tmp_path, messages=[{"role": "user", "content": "{{ 100 // (body | int) }}"}]
+    )
+    rejects = read_jsonl(out / "rejects.jsonl")
+    assert [(r["key"], r["code"]) for r in rejects] == [([2], "template_error")]
+    assert "ZeroDivisionError" in rejects[0]["reason"]
+
+
+def test_object_storage_staging(sqlite_warehouse: Any) -> None:
+    """A non-local staging path (fsspec's in-memory store) goes through ObjectStoragePath end to end."""
+    from airflow.sdk.io import attach
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    attach("memory", fs=MemoryFileSystem())
+    seed(sqlite_warehouse, [(i, "t", "b") for i in range(1, 8)])
+    op = SqlToBatchJsonlOperator(
+        task_id="build",
+        conn_id=sqlite_warehouse.conn_id,
+        key_columns="id",
+        sql="SELECT * FROM tickets",
+        messages=MESSAGES,
+        staging_path="memory://staging-test/run-1",
+        max_lines=3,
+    )
+    result = op.execute({})  # type: ignore[arg-type]
+    assert [s["uri"] for s in result["shards"]] == [
+        f"memory://staging-test/run-1/shard-0000{i}.jsonl" for i in range(3)
+    ]
+    manifest = staging.read_manifest("memory://staging-test/run-1")
+    assert manifest.rows_written == 7
+    with staging.open_read(staging.resolve_path(result["shards"][2]["uri"])) as fh:
+        assert [orjson.loads(x)["custom_id"] for x in fh.read().splitlines()] == ["7"]
