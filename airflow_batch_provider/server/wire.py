@@ -370,13 +370,17 @@ class ZeroGPUWire(Wire):
     def presented_key(self, headers: Mapping[str, str]) -> str | None:
         return (headers.get("x-api-key") or "").strip() or None
 
+    _SIZE_RULES = frozenset({"line_too_large", "file_too_large", "too_many_lines"})
+
     def validation_error(self, problem: Mapping[str, Any]) -> ApiError:
+        # ZeroGPU answers with its OpenAI-semantic code; the precise rule travels in the
+        # message's "[legacy:...]" prefix, the way its error lines keep internal codes.
+        rule = str(problem["code"])
+        where = f"line {problem['line']}: " if problem.get("line") else ""
         return self.error(
             400,
-            f"line {problem['line']}: {problem['message']}"
-            if problem.get("line")
-            else str(problem["message"]),
-            code=problem["code"],
+            f"[legacy:{rule}] {where}{problem['message']}",
+            code="request_too_large" if rule in self._SIZE_RULES else "invalid_request_error",
             param=problem.get("param"),
             line=problem.get("line"),
         )

@@ -122,7 +122,9 @@ def test_zerogpu_validates_synchronously_with_the_line(batch_server):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["line"] == 2
-    assert error["code"] == "duplicate_custom_id"
+    assert error["code"] == "invalid_request_error"
+    assert error["param"] == "custom_id"
+    assert error["message"].startswith("[legacy:duplicate_custom_id] line 2:")
     assert error["type"] == "invalid_request_error"
     assert embeddings.status_code == 400  # chat completions only
     assert good["status"] == "in_progress"
@@ -273,3 +275,16 @@ def test_client_dialect_reads_every_batch_state_it_sees(batch_server, dialect):
     assert batch.state is BatchState.COMPLETED
     assert batch.request_counts.completed == 1
     assert [b.id for b in listed.batches] == [batch.id]
+
+
+def test_zerogpu_size_limits_answer_request_too_large(batch_server):
+    server = batch_server(dialect="zerogpu", max_lines=2)
+    with _client(server) as client:
+        file_id = upload(client, jsonl(chat_line(i) for i in range(3)))
+        body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        response = client.post("/batches", json=body)
+        forced = client.post("/batches", json=body, headers={"X-Batch-Fault": "fail_validation"})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "request_too_large"
+    assert response.json()["error"]["line"] is None
+    assert forced.status_code == 400
