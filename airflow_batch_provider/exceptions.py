@@ -49,7 +49,8 @@ class BatchApiError(BatchProviderError):
         request_id: str | None = None,
         body: Any = None,
     ) -> None:
-        self.status_code = status_code
+        # AirflowException declares status_code as an HTTPStatus for its REST API; ours is the vendor's.
+        self.status_code = status_code  # type: ignore[assignment]
         self.request_id = request_id
         self.body = body
         parts = [message]

@@ -49,6 +49,7 @@ from airflow_batch_provider.hooks._http import (
     status_error,
     transport_error,
 )
+from airflow_batch_provider.hooks.connection_form import CONN_FIELDS, DEFAULT_TIMEOUT, UI_FIELD_BEHAVIOUR
 from airflow_batch_provider.hooks.retry import (
     NOT_SENT_ERRORS,
     REFUSED_STATUS,
@@ -59,49 +60,10 @@ from airflow_batch_provider.models import Batch, ResultLine
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT = 60.0
 CONNECT_TIMEOUT = 10.0
 DOWNLOAD_CHUNK = 1 << 20
 # Result lines are far smaller than this; the cap only stops a broken server from filling memory.
 MAX_RESULT_LINE_BYTES = 256 * 1024 * 1024
-
-# Connection form, declared the Airflow >= 3.2 way (provider info ``conn-fields`` /
-# ``ui-field-behaviour``). get_provider_info.py should carry these same dicts.
-CONN_FIELDS: dict[str, dict[str, Any]] = {
-    "dialect": {
-        "label": "Dialect",
-        "description": "Which vendor's wire format the API speaks.",
-        "schema": {"type": ["string", "null"], "enum": sorted(DIALECTS), "default": "openai"},
-    },
-    "organization": {
-        "label": "Organization",
-        "description": "Optional organisation id sent with every request (OpenAI-style).",
-        "schema": {"type": ["string", "null"]},
-    },
-    "project": {
-        "label": "Project",
-        "description": "Optional project id sent with every request.",
-        "schema": {"type": ["string", "null"]},
-    },
-    "headers": {
-        "label": "Extra headers",
-        "description": "Optional JSON object of extra HTTP headers.",
-        "schema": {"type": ["object", "null"], "format": "json"},
-    },
-    "timeout": {
-        "label": "Timeout (seconds)",
-        "schema": {"type": ["number", "null"], "default": DEFAULT_TIMEOUT, "minimum": 0},
-    },
-    "max_retries": {
-        "label": "Max retries",
-        "schema": {"type": ["integer", "null"], "default": RetryPolicy().max_retries, "minimum": 0},
-    },
-}
-UI_FIELD_BEHAVIOUR: dict[str, Any] = {
-    "hidden-fields": ["port", "login", "schema"],
-    "relabeling": {"host": "Base URL", "password": "API key"},
-    "placeholders": {"host": "https://api.openai.com/v1", "password": "sk-..."},
-}
 
 
 def normalize_base_url(

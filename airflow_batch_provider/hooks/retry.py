@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from airflow_batch_provider.hooks.connection_form import DEFAULT_MAX_RETRIES
+
 # Statuses worth another try: the server asked us to come back (408, 429), a concurrent
 # change conflicted (409), or the server or a proxy in front of it broke (5xx).
 RETRYABLE_STATUS = frozenset({408, 409, 429})
@@ -49,7 +51,7 @@ class RetryPolicy:
         request is capped to this (the next attempt will be told again if it is too early).
     """
 
-    max_retries: int = 3
+    max_retries: int = DEFAULT_MAX_RETRIES
     backoff_initial: float = 0.5
     backoff_max: float = 8.0
     retry_after_max: float = 60.0

@@ -970,7 +970,7 @@ def test_connection_form_matches_airflow_schemas() -> None:
 
     import jsonschema
 
-    from airflow_batch_provider.hooks.batch import CONN_FIELDS, UI_FIELD_BEHAVIOUR
+    from airflow_batch_provider.hooks.connection_form import CONN_FIELDS, UI_FIELD_BEHAVIOUR
 
     schema = json.loads(files("airflow").joinpath("provider.yaml.schema.json").read_text())
     conn_schema = schema["properties"]["connection-types"]["items"]
