@@ -253,3 +253,24 @@ def test_bearer_key_is_checked(batch_server):
     assert wrong.status_code == 401
     assert "sk-wrong" not in wrong.text
     assert right.status_code == 200
+
+
+def test_upload_needs_a_multipart_file_part(client):
+    not_multipart = client.post("/files", content=b'{"a": 1}', headers={"Content-Type": "application/json"})
+    assert not_multipart.status_code == 400
+    no_file = client.post("/files", data={"purpose": "batch"}, files={"other": ("x.txt", b"abc")})
+    assert no_file.status_code == 400
+    assert no_file.json()["error"]["param"] == "file"
+
+
+def test_files_list_pages_with_after_and_limit(client):
+    ids = [upload(client, b'{"n": %d}\n' % i, name=f"f{i}.jsonl") for i in range(5)]
+    first = client.get("/files", params={"limit": 3}).json()
+    assert [f["id"] for f in first["data"]] == ids[::-1][:3]
+    assert first["has_more"] is True
+    rest = client.get("/files", params={"limit": 3, "after": first["last_id"]}).json()
+    assert [f["id"] for f in rest["data"]] == ids[::-1][3:]
+    assert rest["has_more"] is False
+    meta = client.get(f"/files/{ids[0]}").json()
+    assert meta["filename"] == "f0.jsonl"
+    assert meta["bytes"] == len(b'{"n": 0}\n')
