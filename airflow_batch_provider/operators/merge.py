@@ -227,7 +227,7 @@ class MergeBatchResultsOperator(BaseOperator):
 
         report = writer.merge(
             results(),
-            keys=_records(keys_file) if keys_file is not None else None,
+            keys=keys_file,
             rejects=_records(rejects_file) if rejects_file is not None else None,
             shards=shards,
             on_retry=on_retry if self.resubmit_failed and key_columns else None,

@@ -13,11 +13,12 @@ embedded quote, which is not enough for names taken from user input.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timezone
 from itertools import islice
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
@@ -95,6 +96,10 @@ class WarehouseDialect:
     def drop_temp_table(self, name: str) -> str | None:
         return f"DROP TABLE IF EXISTS {self.quote(name)}"
 
+    def insert(self, table: str, columns: Sequence[str], select: str) -> str:
+        """A plain ``INSERT INTO table (columns) <select>``."""
+        return f"INSERT INTO {table} ({', '.join(self.quote(c) for c in columns)}) {select}"
+
     def upsert(self, table: str, columns: Sequence[str], keys: Sequence[str], select: str) -> str:
         """``INSERT INTO table (columns) <select>`` that updates rows whose keys already exist."""
         cols = ", ".join(self.quote(c) for c in columns)
@@ -108,6 +113,18 @@ class WarehouseDialect:
 
     def analyze(self, conn: Any, table: str) -> None:
         """Give the planner statistics of a freshly loaded temp table (where that matters)."""
+
+    def load_keys_jsonl(self, conn: Any, table: str, handle: IO[bytes], key_types: Sequence[str]) -> bool:
+        """Load keys.jsonl into the keys staging table letting the database parse the JSON.
+
+        The table has columns ``custom_id, shard, seq, klen, k0..kN``; ``klen`` is the length
+        of the line's key array (checked by the caller). Returns False when this database has
+        no such path, and the caller parses the lines in Python instead.
+        """
+        return False
+
+    #: Statement that sets a savepoint, or None when a failed statement cannot be undone alone.
+    savepoint: str | None = None
 
     # ---- transactions ------------------------------------------------------------------------
     def cursor(self, conn: Any) -> Any:
@@ -185,6 +202,45 @@ class PostgresWarehouseDialect(WarehouseDialect):
     def drop_temp_table(self, name: str) -> str | None:
         return None  # ON COMMIT DROP
 
+    savepoint = "SAVEPOINT {}"
+
+    def load_keys_jsonl(self, conn: Any, table: str, handle: IO[bytes], key_types: Sequence[str]) -> bool:
+        raw = self.quote(f"{table}_raw")
+        cur = conn.cursor()
+        if not hasattr(cur, "copy"):  # psycopg2: parse in Python instead
+            cur.close()
+            return False
+        try:
+            cur.execute(
+                f"CREATE TEMP TABLE {raw} (seq BIGINT GENERATED ALWAYS AS IDENTITY, line TEXT) ON COMMIT DROP"
+            )
+            # CSV with delimiter and quote bytes that valid JSON never contains raw (control
+            # characters must be escaped inside JSON strings): each line arrives verbatim,
+            # backslashes included, and PostgreSQL parses the JSON on its own core.
+            with cur.copy(
+                f"COPY {raw} (line) FROM STDIN WITH (FORMAT csv, DELIMITER E'\\x01', QUOTE E'\\x02')"
+            ) as copy:
+                while chunk := handle.read(1 << 20):
+                    copy.write(chunk)
+            keys = ", ".join(self._key_expr(i, t) for i, t in enumerate(key_types))
+            cur.execute(
+                f"INSERT INTO {self.quote(table)} SELECT j->>'custom_id', CAST(j->>'shard' AS BIGINT), seq, "
+                f"CASE WHEN jsonb_typeof(j->'key') = 'array' THEN jsonb_array_length(j->'key') END"
+                f"{', ' + keys if keys else ''} "
+                f"FROM (SELECT seq, CAST(line AS JSONB) AS j FROM {raw} WHERE btrim(line) <> '') x"
+            )
+            cur.execute(f"DROP TABLE {raw}")
+        finally:
+            cur.close()
+        return True
+
+    def _key_expr(self, index: int, portable: str) -> str:
+        if portable == "json":
+            return f"CAST(j->'key'->{index} AS TEXT)"
+        if portable == "text":
+            return f"j->'key'->>{index}"
+        return f"CAST(j->'key'->>{index} AS {self.sql_type(portable)})"
+
     def analyze(self, conn: Any, table: str) -> None:
         # Autovacuum never sees temp tables: without statistics the join plan is a guess.
         cur = conn.cursor()
@@ -239,6 +295,32 @@ class DuckDBWarehouseDialect(WarehouseDialect):
             return f"CAST({expression} AS TIMESTAMP WITH TIME ZONE)"
         return super().cast(expression, portable)
 
+    def load_keys_jsonl(self, conn: Any, table: str, handle: IO[bytes], key_types: Sequence[str]) -> bool:
+        # The keys file may live on an object store: copy its bytes to a local temp file
+        # (no parsing in Python) and let read_json do the work.
+        fd, path = tempfile.mkstemp(prefix="abp-keys-", suffix=".jsonl")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                shutil.copyfileobj(handle, out, 1 << 20)
+            keys = ", ".join(self._key_expr(i, t) for i, t in enumerate(key_types))
+            conn.execute(
+                f"INSERT INTO {self.quote(table)} SELECT custom_id, shard, seq, json_array_length(key)"
+                f"{', ' + keys if keys else ''} FROM (SELECT custom_id, shard, key, ROW_NUMBER() OVER () AS seq "
+                f"FROM read_json(?, format='newline_delimited', "
+                f"columns={{'custom_id': 'VARCHAR', 'shard': 'BIGINT', 'key': 'JSON'}}))",
+                [path],
+            )
+        finally:
+            os.unlink(path)
+        return True
+
+    def _key_expr(self, index: int, portable: str) -> str:
+        if portable == "json":
+            return f"CAST(key->{index} AS VARCHAR)"
+        if portable == "text":
+            return f"key->>{index}"
+        return f"CAST(key->>{index} AS {self.sql_type(portable)})"
+
     def probe_columns(self, conn: Any, table: str) -> list[str] | None:
         try:
             cur = conn.execute(f"SELECT * FROM {table} WHERE 1=0")
@@ -290,7 +372,7 @@ class MySqlWarehouseDialect(WarehouseDialect):
         "json": "LONGTEXT",
         "timestamp": "DATETIME(6)",
     }
-    key_types = {"text": "VARCHAR(255)"}
+    key_types = {"text": "VARCHAR(255)", "json": "VARCHAR(255)"}
     merged_at_type = "DATETIME(6)"
 
     def begin(self, conn: Any) -> None:

@@ -252,16 +252,23 @@ class ResultMapper:
     def row(self, line: ResultLine, batch_id: str | None) -> tuple[Any, ...]:
         """The staged row of one result line."""
         self.lines += 1
-        body = line.body if isinstance(line.body, dict) else None
+        body = line.body
         content = embedding = finish_reason = model = None
         prompt = completion = total = None
-        if body is not None:
+        if type(body) is dict:
             content, embedding, finish_reason = extract_answer(body)
             model = body.get("model")
+            if type(model) is not str:
+                model = None
             prompt, completion, total = extract_usage(body)
-            self.prompt_tokens += prompt or 0
-            self.completion_tokens += completion or 0
-            self.total_tokens += total or 0
+            if prompt:
+                self.prompt_tokens += prompt
+            if completion:
+                self.completion_tokens += completion
+            if total:
+                self.total_tokens += total
+        else:
+            body = None
         error_code = error_message = None
         schema_values = self._empty_schema
         if line.ok:
@@ -277,11 +284,12 @@ class ResultMapper:
             status = _ERROR_CODE_STATUS.get(code or "", "failed")
             error_code = code
             error_message = line.error.message if line.error else None
-        extras = (
-            tuple(_scalar_or_json(follow(body, steps)) for _, steps in self.extra_paths)
-            if body
-            else ((None,) * len(self.extra_paths))
-        )
+        if not self.extra_paths:
+            extras: tuple[Any, ...] = ()
+        elif body is None:
+            extras = (None,) * len(self.extra_paths)
+        else:
+            extras = tuple(_scalar_or_json(follow(body, steps)) for _, steps in self.extra_paths)
         return (
             line.custom_id,
             self.lines,
@@ -289,7 +297,7 @@ class ResultMapper:
             content,
             None if embedding is None else orjson.dumps(embedding).decode(),
             finish_reason,
-            model if isinstance(model, str) else None,
+            model,
             prompt,
             completion,
             total,
@@ -301,64 +309,73 @@ class ResultMapper:
         )
 
 
-def extract_answer(body: Mapping[str, Any]) -> tuple[str | None, Any, str | None]:
+# The functions below run once per result line: they check ``dict``/``list`` exactly (bodies
+# come from JSON) instead of the much slower ``Mapping`` ABC, and read each field once.
+
+
+def extract_answer(body: dict[str, Any]) -> tuple[str | None, Any, str | None]:
     """``(content, embedding, finish_reason)`` from a chat, completions, responses or embeddings body."""
     choices = body.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], Mapping):
+    if type(choices) is list and choices and type(choices[0]) is dict:
         first = choices[0]
         message = first.get("message")
         content: Any = None
-        if isinstance(message, Mapping):
+        if type(message) is dict:
             content = message.get("content")
-            if content is None and message.get("tool_calls"):
-                # A tool-calling answer has no text; its calls are the answer.
-                content = orjson.dumps(message["tool_calls"]).decode()
-            elif content is None and message.get("refusal"):
-                content = message["refusal"]
-        elif "text" in first:
+            if content is None:
+                if message.get("tool_calls"):
+                    # A tool-calling answer has no text; its calls are the answer.
+                    content = orjson.dumps(message["tool_calls"]).decode()
+                elif message.get("refusal"):
+                    content = message["refusal"]
+            elif type(content) is list:
+                content = "".join(p.get("text", "") for p in content if type(p) is dict)
+        else:
             content = first.get("text")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
-        return _text(content), None, _text(first.get("finish_reason"))
+        reason = first.get("finish_reason")
+        return (
+            content if type(content) is str else None,
+            None,
+            reason if type(reason) is str else None,
+        )
     data = body.get("data")
-    if body.get("object") == "list" and isinstance(data, list):
-        vectors = [d.get("embedding") for d in data if isinstance(d, Mapping)]
-        embedding = vectors[0] if len(vectors) == 1 else vectors
-        return None, embedding, None
+    if type(data) is list and body.get("object") == "list":
+        vectors = [d.get("embedding") for d in data if type(d) is dict]
+        return None, vectors[0] if len(vectors) == 1 else vectors, None
     output = body.get("output")
-    if isinstance(output, list) or "output_text" in body:
+    if type(output) is list or "output_text" in body:
         text = body.get("output_text")
-        if not isinstance(text, str):
+        if type(text) is not str:
             parts = [
                 part.get("text", "")
                 for item in output or []
-                if isinstance(item, Mapping) and item.get("type") == "message"
+                if type(item) is dict and item.get("type") == "message"
                 for part in item.get("content") or []
-                if isinstance(part, Mapping) and part.get("type") == "output_text"
+                if type(part) is dict and part.get("type") == "output_text"
             ]
             text = "".join(parts) if parts else None
         details = body.get("incomplete_details")
-        reason = details.get("reason") if isinstance(details, Mapping) else None
-        return text, None, _text(reason or body.get("status"))
+        status = (details.get("reason") if type(details) is dict else None) or body.get("status")
+        return text, None, status if type(status) is str else None
     return None, None, None
 
 
-def extract_usage(body: Mapping[str, Any]) -> tuple[int | None, int | None, int | None]:
+def extract_usage(body: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
     """``(prompt, completion, total)`` tokens; the Responses API names them input/output."""
     usage = body.get("usage")
-    if not isinstance(usage, Mapping):
+    if type(usage) is not dict:
         return None, None, None
-    prompt = _int(usage.get("prompt_tokens", usage.get("input_tokens")))
-    completion = _int(usage.get("completion_tokens", usage.get("output_tokens")))
-    total = _int(usage.get("total_tokens"))
+    prompt = usage.get("prompt_tokens")
+    if prompt is None:
+        prompt = usage.get("input_tokens")
+    completion = usage.get("completion_tokens")
+    if completion is None:
+        completion = usage.get("output_tokens")
+    total = usage.get("total_tokens")
+    # ``type(...) is int`` also keeps booleans (an int subclass) out of the token counts.
+    prompt = prompt if type(prompt) is int else None
+    completion = completion if type(completion) is int else None
+    total = total if type(total) is int else None
     if total is None and (prompt is not None or completion is not None):
         total = (prompt or 0) + (completion or 0)
     return prompt, completion, total
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _text(value: Any) -> str | None:
-    return value if isinstance(value, str) else None

@@ -15,6 +15,7 @@ A failure anywhere rolls the whole merge back, leaving the table as it was.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -25,6 +26,7 @@ from typing import Any
 import orjson
 
 from airflow_batch_provider.exceptions import WarehouseSchemaError
+from airflow_batch_provider.jsonl import iter_objects
 from airflow_batch_provider.models import ResultLine
 from airflow_batch_provider.warehouse.dialect import WarehouseDialect, get_warehouse_dialect
 from airflow_batch_provider.warehouse.rows import RETRYABLE_STATUSES, STATUSES, Column, ResultMapper
@@ -169,7 +171,7 @@ class ResultsWriter:
         self,
         results: Iterable[tuple[ResultLine, str | None]],
         *,
-        keys: Iterable[Mapping[str, Any]] | None = None,
+        keys: KeysSource | None = None,
         rejects: Iterable[Mapping[str, Any]] | None = None,
         shards: Mapping[int, ShardOutcome] | None = None,
         on_retry: RetryCallback | None = None,
@@ -178,7 +180,8 @@ class ResultsWriter:
         """Write one row per key in one transaction and return what happened.
 
         :param results: ``(result line, batch id)`` pairs, streamed.
-        :param keys: keys.jsonl records ``{custom_id, key, shard}`` (manifest mode only).
+        :param keys: keys.jsonl (a path / ObjectStoragePath, loaded by the database where it
+            can) or its records ``{custom_id, key, shard}`` (manifest mode only).
         :param rejects: rejects.jsonl records (manifest mode only).
         :param shards: per shard, its batch and the status of keys it has no result for.
         :param on_retry: receives the retryable ``(shard, custom_id)`` pairs before commit; an
@@ -254,7 +257,7 @@ class ResultsWriter:
         t_rejects: str,
         t_shards: str,
         created: list[str],
-        keys: Iterable[Mapping[str, Any]],
+        keys: KeysSource,
         rejects: Iterable[Mapping[str, Any]],
         shards: Mapping[int, ShardOutcome],
         merged_at: datetime,
@@ -266,10 +269,11 @@ class ResultsWriter:
         key_names = [f"k{i}" for i in range(nkeys)]
         key_types = [self._staging_type(c.type) for c in self.key_columns]
         key_cols = self._staging_columns(
-            ["custom_id", "shard", "seq", *key_names], ["text", "integer", "integer", *key_types]
+            ["custom_id", "shard", "seq", "klen", *key_names],
+            ["text", "integer", "integer", "integer", *key_types],
         )
         self._create_temp(conn, t_keys, key_cols, created)
-        d.bulk_load(conn, t_keys, key_cols, self._key_rows(keys))
+        self._load_keys(conn, t_keys, key_cols, keys)
         d.analyze(conn, q(t_keys))
 
         rej_cols = self._staging_columns(
@@ -283,13 +287,14 @@ class ResultsWriter:
         self._create_temp(conn, t_shards, shard_cols, created)
         d.bulk_load(conn, t_shards, shard_cols, ((i, s.batch_id, s.absent_status) for i, s in shards.items()))
 
-        ranked = self._ranked_results(conn, t_results)
         status_expr = (
             f"CASE WHEN r.{q('custom_id')} IS NULL THEN COALESCE(s.{q('absent')}, 'missing') "
             f"ELSE r.{q('status')} END"
         )
         target = [c.name for c in self.key_columns]
-        select_cols = [f"k.{q(n)}" for n in key_names]
+        select_cols = [
+            self._cast_json(f"k.{q(n)}", c) for n, c in zip(key_names, self.key_columns, strict=True)
+        ]
         target.append("custom_id")
         select_cols.append(f"k.{q('custom_id')}")
         for col in self.mapper.columns:
@@ -302,19 +307,28 @@ class ResultsWriter:
                 select_cols.append(self._cast_json(f"r.{q(col.name)}", col))
         target.append("merged_at")
         select_cols.append(d.cast(d.placeholder, "timestamp"))
-        from_clause = (
-            f"FROM {q(t_keys)} k LEFT JOIN {ranked} r ON r.{q('custom_id')} = k.{q('custom_id')} "
-            f"LEFT JOIN {q(t_shards)} s ON s.{q('shard')} = k.{q('shard')}"
-        )
         stamp = [d.merged_at_value(merged_at)]
-        self._execute(
+
+        def from_clause_for(results_source: str) -> str:
+            return (
+                f"FROM {q(t_keys)} k LEFT JOIN {results_source} r ON r.{q('custom_id')} = k.{q('custom_id')} "
+                f"LEFT JOIN {q(t_shards)} s ON s.{q('shard')} = k.{q('shard')}"
+            )
+
+        from_clause = self._write_results(
             conn,
-            d.upsert(self.qtable, target, self.target_keys, f"SELECT {', '.join(select_cols)} {from_clause}"),
+            report,
+            t_results,
+            lambda source: f"SELECT {', '.join(select_cols)} {from_clause_for(source)}",
+            target,
             stamp,
+            from_clause_for,
         )
 
         # Rejects: one row per rejected key, unless the build also wrote that key.
-        rej_exprs = [f"j.{q(n)}" for n in key_names]
+        rej_exprs = [
+            self._cast_json(f"j.{q(n)}", c) for n, c in zip(key_names, self.key_columns, strict=True)
+        ]
         rej_exprs.append(f"j.{q('custom_id')}")
         for col in self.mapper.columns:
             if col.name == "status":
@@ -392,10 +406,14 @@ class ResultsWriter:
             *[self._cast_json(f"r.{q(c.name)}", c) for c in self.mapper.columns],
         ]
         select_cols.append(d.cast(d.placeholder, "timestamp"))
-        ranked = self._ranked_results(conn, t_results)
-        select = f"SELECT {', '.join(select_cols)} FROM {ranked} r"
-        self._execute(
-            conn, d.upsert(self.qtable, target, ["custom_id"], select), [d.merged_at_value(merged_at)]
+        ranked = self._write_results(
+            conn,
+            report,
+            t_results,
+            lambda source: f"SELECT {', '.join(select_cols)} FROM {source} r",
+            target,
+            [d.merged_at_value(merged_at)],
+            lambda source: source,
         )
         counts = self._fetchall(
             conn, f"SELECT r.{q('status')}, COUNT(*) FROM {ranked} r GROUP BY r.{q('status')}"
@@ -406,13 +424,59 @@ class ResultsWriter:
         report.duplicate_results = report.result_lines - report.rows_written
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _write_results(
+        self,
+        conn: Any,
+        report: MergeReport,
+        t_results: str,
+        select_for: Callable[[str], str],
+        target: list[str],
+        params: list[Any],
+        source_for: Callable[[str], str],
+    ) -> str:
+        """Run the one upsert; return what the later queries should read results from.
+
+        A custom_id normally has one result line, and then the staged table joins directly.
+        Where a failed statement can be undone alone (a savepoint), the direct statement is
+        tried first and a repeated custom_id (two rows for one key) falls back to a ranked
+        source; elsewhere repeats are looked for before choosing.
+        """
+        d = self.dialect
+        q = d.quote
+
+        def statement(source: str) -> str:
+            select = select_for(source)
+            if report.created_table:
+                # The table was created by this transaction, so it is empty: nothing to update.
+                return d.insert(self.qtable, target, select)
+            return d.upsert(self.qtable, target, self.target_keys, select)
+
+        d.analyze(conn, q(t_results))
+        if d.savepoint:
+            self._execute(conn, d.savepoint.format("abp_merge"))
+            try:
+                self._execute(conn, statement(q(t_results)), params)
+            except Exception as exc:
+                # 23505 unique_violation (plain insert), 21000 cardinality_violation (upsert).
+                if _sqlstate(exc) not in ("23505", "21000"):
+                    raise
+                log.info("A custom_id has more than one result line; keeping one per key")
+                self._execute(conn, "ROLLBACK TO SAVEPOINT abp_merge")
+            else:
+                self._execute(conn, "RELEASE SAVEPOINT abp_merge")
+                return source_for(q(t_results))
+            ranked = self._ranked_sql(t_results)
+        else:
+            ranked = self._ranked_results(conn, t_results)
+        self._execute(conn, statement(ranked), params)
+        return source_for(ranked)
+
     def _ranked_results(self, conn: Any, t_results: str) -> str:
         """Results with one line per custom_id: a success wins over an error, then the later line.
 
         The ranking sorts every staged line, so it is only used when a custom_id repeats.
         """
         q = self.dialect.quote
-        self.dialect.analyze(conn, q(t_results))
         repeated = self._fetchall(
             conn,
             f"SELECT COUNT(*) FROM (SELECT {q('custom_id')} FROM {q(t_results)} "
@@ -420,6 +484,10 @@ class ResultsWriter:
         )
         if not int(repeated[0][0]):
             return q(t_results)
+        return self._ranked_sql(t_results)
+
+    def _ranked_sql(self, t_results: str) -> str:
+        q = self.dialect.quote
         return (
             f"(SELECT * FROM (SELECT x.*, ROW_NUMBER() OVER (PARTITION BY x.{q('custom_id')} ORDER BY CASE WHEN "
             f"x.{q('status')} = 'succeeded' THEN 0 ELSE 1 END, x.{q('seq')} DESC) AS abp_rn "
@@ -442,6 +510,39 @@ class ResultsWriter:
         self._execute(conn, self.dialect.create_temp_table(name, spec))
         created.append(name)
 
+    def _load_keys(self, conn: Any, table: str, columns: Sequence[Column], keys: KeysSource) -> None:
+        """Stage keys.jsonl (raw, parsed by the database where it can) and check every line."""
+        d = self.dialect
+        q = d.quote
+        if _is_file(keys):
+            with _open_binary(keys) as handle:
+                loaded = d.load_keys_jsonl(conn, table, handle, [c.type for c in self.key_columns])
+            if not loaded:
+                with _open_binary(keys) as handle:
+                    d.bulk_load(conn, table, columns, self._key_rows(_jsonl_records(handle)))
+        else:
+            d.bulk_load(conn, table, columns, self._key_rows(keys))  # type: ignore[arg-type]
+        nkeys = len(self.key_columns)
+        null_key = " OR ".join(f"{q(f'k{i}')} IS NULL" for i in range(nkeys))
+        bad = self._fetchall(
+            conn,
+            f"SELECT {q('seq')}, {q('custom_id')}, {q('klen')} FROM {q(table)} WHERE {q('custom_id')} IS NULL "
+            f"OR {q('custom_id')} = '' OR {q('klen')} IS NULL OR {q('klen')} <> {nkeys} OR {null_key} "
+            f"ORDER BY {q('seq')} LIMIT 1",
+        )
+        if bad:
+            seq, custom_id, klen = bad[0]
+            names = [c.name for c in self.key_columns]
+            if not custom_id:
+                problem = "no custom_id"
+            elif klen != nkeys:
+                problem = (
+                    f"custom_id {custom_id!r}: key has {klen or 0} value(s), expected {nkeys} for {names}"
+                )
+            else:
+                problem = f"custom_id {custom_id!r}: a key value is null (key columns {names})"
+            raise WarehouseSchemaError(f"keys.jsonl line {seq}: {problem}")
+
     def _key_values(self, key: Any, where: str) -> tuple[Any, ...]:
         if not isinstance(key, list) or len(key) != len(self.key_columns):
             raise WarehouseSchemaError(
@@ -454,16 +555,20 @@ class ResultsWriter:
         )
 
     def _key_rows(self, keys: Iterable[Mapping[str, Any]]) -> Iterator[tuple[Any, ...]]:
+        nkeys = len(self.key_columns)
+        blank = (None,) * nkeys
         for seq, record in enumerate(keys, start=1):
             custom_id = record.get("custom_id")
-            if not isinstance(custom_id, str) or not custom_id:
-                raise WarehouseSchemaError(f"keys.jsonl line {seq}: no custom_id")
             shard = record.get("shard")
+            key = record.get("key")
+            # A malformed line is staged as is and reported, with its line number, by _load_keys.
+            ok = isinstance(key, list) and len(key) == nkeys
             yield (
-                custom_id,
+                custom_id if isinstance(custom_id, str) else None,
                 shard if isinstance(shard, int) else None,
                 seq,
-                *self._key_values(record.get("key"), f"keys.jsonl line {seq}"),
+                len(key) if isinstance(key, list) else None,
+                *(self._key_values(key, f"keys.jsonl line {seq}") if ok else blank),
             )
 
     def _reject_rows(
@@ -528,3 +633,31 @@ class ResultsWriter:
                     yield int(shard), str(custom_id), key
         finally:
             cur.close()
+
+
+#: keys.jsonl as parsed records, or the file itself (a path or ObjectStoragePath).
+KeysSource = Any
+
+
+def _is_file(source: Any) -> bool:
+    return isinstance(source, (str, os.PathLike)) or (
+        hasattr(source, "open") and not isinstance(source, Mapping)
+    )
+
+
+def _open_binary(source: Any) -> Any:
+    from airflow_batch_provider import staging
+
+    return staging.open_read(staging.resolve_path(source))
+
+
+def _jsonl_records(handle: Any) -> Iterator[Mapping[str, Any]]:
+    for number, obj in iter_objects(handle):
+        if not isinstance(obj, dict):
+            raise WarehouseSchemaError(f"keys.jsonl line {number} is not a JSON object")
+        yield obj
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a psycopg (3: ``sqlstate``) or psycopg2 (``pgcode``) error."""
+    return getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)

@@ -349,3 +349,47 @@ def test_retry_callback_gets_retryable_keys_in_shard_order(warehouse: Any) -> No
         on_retry=lambda pairs: seen.extend(pairs),
     )
     assert seen == [(0, "b", [2]), (1, "c", [3]), (1, "d", [4])]
+
+
+def write_keys(path: Any, records: list[Any]) -> Any:
+    with open(path, "wb") as out:
+        for record in records:
+            out.write(record if isinstance(record, bytes) else orjson.dumps(record))
+            out.write(b"\n")
+    return path
+
+
+def test_keys_file_is_loaded_with_typed_keys(warehouse: Any, tmp_path: Any) -> None:
+    key_cols = [Column("region", "text"), Column("day", "date"), Column("attrs", "json")]
+    path = write_keys(
+        tmp_path / "keys.jsonl",
+        [
+            {"custom_id": "a", "key": ['eu\\west "1"', "2026-01-02", {"x": [1, 2]}], "shard": 0},
+            b"",  # a blank line is skipped
+            {"custom_id": "b", "key": ["us", "2026-01-03", {"x": []}], "shard": 0, "future_field": 1},
+        ],
+    )
+    writer = ResultsWriter(warehouse.hook, "typed", key_columns=key_cols)
+    report = writer.merge(with_batch([chat_line("a", "A")]), keys=path)
+    assert report.counts["succeeded"] == 1 and report.counts["missing"] == 1
+    rows = warehouse.rows(
+        f"SELECT region, day, attrs, status FROM {warehouse.quote('typed')} ORDER BY custom_id"
+    )
+    assert rows[0][0] == 'eu\\west "1"' and str(rows[0][1]).startswith("2026-01-02")
+    attrs = rows[0][2] if isinstance(rows[0][2], dict) else orjson.loads(rows[0][2])
+    assert attrs == {"x": [1, 2]} and rows[0][3] == "succeeded" and rows[1][3] == "missing"
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"custom_id": "b", "key": [1, 2], "shard": 0}, "line 2: custom_id 'b': key has 2 value"),
+        ({"custom_id": "b", "key": [None], "shard": 0}, "line 2: custom_id 'b': a key value is null"),
+        ({"key": [2], "shard": 0}, "line 2: no custom_id"),
+    ],
+)
+def test_bad_keys_line_is_named(warehouse: Any, tmp_path: Any, bad: dict[str, Any], message: str) -> None:
+    path = write_keys(tmp_path / "keys.jsonl", [{"custom_id": "a", "key": [1], "shard": 0}, bad])
+    writer = ResultsWriter(warehouse.hook, "results", key_columns=[Column("id", "integer")])
+    with pytest.raises(WarehouseSchemaError, match=message):
+        writer.merge(with_batch([chat_line("a", "A")]), keys=path)
