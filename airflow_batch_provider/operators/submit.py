@@ -256,6 +256,13 @@ class SubmitBatchOperator(BaseOperator):
         self, context: Context, event: Any = None, submission: Mapping[str, Any] | None = None
     ) -> dict[str, Any]:
         """Resume after the wait: apply the outcome policy and return the submission with its outcome."""
+        if submission is None:
+            # ``airflow dags test`` resumes with the event alone (its inline trigger drops the
+            # deferral kwargs); the submission is still the XCom pushed before deferring.
+            ti = context["ti"]
+            pull = getattr(ti, "xcom_pull", None)
+            pulled = pull(task_ids=ti.task_id, key="return_value", map_indexes=ti.map_index) if pull else None
+            submission = pulled if isinstance(pulled, Mapping) else None
         outcome = apply_outcome_policy(
             event,
             on_partial_failure=self.on_partial_failure,

@@ -1,0 +1,97 @@
+"""Control-plane faults: 429s with Retry-After, 500s, 503s and dropped downloads, survived with counts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from airflow_batch_provider.hooks.batch import BatchApiHook
+from tests.fixtures.reliability import DAGS, MESSAGES, Pipeline, seed_texts, task_states
+
+# Each kind fires on ceil(n * rate) of the n calls that reach its check, one after the other,
+# so 0.12 each makes 1 - 0.88**3 ~ 32% of API calls fail; the suite asserts at least 30%.
+FAULTS = {"rate_429": 0.12, "rate_500": 0.12, "rate_503": 0.12, "retry_after": 0.05, "drop_rate": 0.5}
+ROWS = 60
+DAG_FILE = DAGS / "reliability_pipeline.py"
+
+
+def fault_counts(stats: dict[str, Any]) -> dict[str, int]:
+    c = stats["counters"]
+    return {
+        "requests": int(c.get("requests", 0)),
+        "429": int(c.get("status_429", 0)),
+        "500": int(c.get("status_500", 0)),
+        "503": int(c.get("status_503", 0)),
+        "dropped_downloads": int(c.get("drop", 0)),
+    }
+
+
+async def test_pipeline_survives_control_plane_faults(
+    batch_server: Any, pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = batch_server(dialect="openai", faults=FAULTS)
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
+    rows = seed_texts(pipeline.warehouse, "tickets", [f"ticket {i}: printer on fire" for i in range(ROWS)])
+
+    record = await pipeline.run(
+        "faults",
+        "answers",
+        build={"table": "tickets", "key_columns": "id", "messages": MESSAGES, "max_lines": 25},
+    )
+
+    counts = fault_counts(server.stats())
+    server.set_faults(rate_429=0, rate_500=0, rate_503=0, drop_rate=0)
+    errors = counts["429"] + counts["500"] + counts["503"]
+    with capsys.disabled():
+        print(f"\n[reliability] control-plane faults injected and survived: {json.dumps(counts)}")
+    assert record.submit_error is None, record.submit_error
+    assert record.event is not None and record.event["status"] == "success", record.event
+    # The faults really happened, at the advertised rate, and the downloads really dropped.
+    assert errors / counts["requests"] >= 0.30, counts
+    assert min(counts["429"], counts["500"], counts["503"]) > 0 and counts["dropped_downloads"] >= 1, counts
+    # Every input row is in the results table once, answered, with its own answer.
+    got = dict(pipeline.warehouse.rows("SELECT id, content FROM answers WHERE status = 'succeeded'"))
+    assert pipeline.warehouse.rows("SELECT COUNT(*), COUNT(DISTINCT id) FROM answers") == [(ROWS, ROWS)]
+    assert got == {i: f"echo: {text}" for i, text in rows}
+    assert record.merge is not None and record.merge["counts"]["succeeded"] == ROWS
+    # Ambiguous creates (500/503 on POST /batches) never paid twice: one batch per shard.
+    shards = len(record.manifest["shards"]) if record.manifest else 0
+    assert shards == 3
+    assert len(list(BatchApiHook().list_batches())) == shards
+
+
+@pytest.mark.slow
+def test_airflow_dag_with_mapped_shards_survives_faults(
+    batch_server: Any,
+    pg_warehouse: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    airflow_dags_test: Any,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The same claim through real Airflow: ``airflow dags test`` runs every task, the mapped
+    submits defer and their triggers run from the serialised kwargs."""
+    server = batch_server(dialect="openai", faults=FAULTS)
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
+    rows = seed_texts(pg_warehouse, "tickets", [f"row {i} \u2014 r\u00e9sum\u00e9" for i in range(ROWS)])
+    result = airflow_dags_test(
+        DAG_FILE,
+        "reliability_pipeline",
+        env={"REL_STAGING": f"file://{tmp_path}/staging", "REL_MAX_LINES": "15"},
+    )
+    counts = fault_counts(server.stats())
+    server.set_faults(rate_429=0, rate_500=0, rate_503=0, drop_rate=0)
+    with capsys.disabled():
+        print(f"\n[reliability] airflow dags test, 4 mapped shards, faults survived: {json.dumps(counts)}")
+    assert result.ok, result.tail()
+    assert counts["429"] + counts["500"] + counts["503"] >= 0.30 * counts["requests"], counts
+    assert counts["dropped_downloads"] >= 1, counts
+    states = task_states("reliability_pipeline")
+    assert states.get("merge") == ["success"] and states.get("submit") == ["success"] * 4, states
+    got = dict(pg_warehouse.rows("SELECT id, content FROM answers WHERE status = 'succeeded'"))
+    assert pg_warehouse.rows("SELECT COUNT(*), COUNT(DISTINCT id) FROM answers") == [(ROWS, ROWS)]
+    assert got == {i: f"echo: {text}" for i, text in rows}
+    assert len(list(BatchApiHook().list_batches())) == 4
