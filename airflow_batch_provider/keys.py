@@ -118,6 +118,8 @@ def jsonable_key(values: Sequence[Any]) -> list[Any]:
 
 
 def _jsonable(value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < (1 << 64):
+        return str(value)  # JSON writers (orjson) stop at 64 bits; decode_key turns it back
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (datetime, date, time)):

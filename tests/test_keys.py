@@ -106,3 +106,10 @@ def test_jsonable_and_decode_round_trip() -> None:
         None,
     )
     assert jsonable_key([b"\xff\x00"]) == ["base64:/wA="]
+
+
+def test_huge_integer_keys_still_fit() -> None:
+    huge = 10**60
+    assert custom_id_for([huge]) == str(huge)
+    cid = custom_id_for([huge], prefix="p" * 10)
+    assert cid.startswith("p" * 10 + HASH_PREFIX) and len(cid) <= MAX_CUSTOM_ID

@@ -40,7 +40,6 @@ RESPONSES_ENDPOINT = "/v1/responses"
 _TEMPLATE_GLOBALS = frozenset({"row"})
 _DUPLICATES_SHOWN = 10
 _LOG_EVERY = 100_000
-_PLAIN_KEY_TYPES = frozenset({int, str})
 
 
 class NullValueError(BatchProviderError):
@@ -673,6 +672,9 @@ class _Build:
                 rejects_out.write(dumps(record) + b"\n")
 
             add_line = writer.add
+            types_pending = None in types
+            prefix = self.prefix
+            max_id = keymod.MAX_CUSTOM_ID
             write_key = keys_out.write
             written = 0
             for batch in rows.batches():
@@ -703,16 +705,26 @@ class _Build:
                                 RowRejected("null_key", f"key column {col!r} is NULL", col),
                             )
                             continue
-                    if None in types:
+                    if types_pending:
                         for pos, value in enumerate(key_values):
                             if types[pos] is None:
                                 types[pos] = value_type(value)
-                    # ints and strs are written to keys.jsonl as they are; anything else is converted.
+                        types_pending = None in types
+                    # 64-bit ints and strs go to keys.jsonl as they are; anything else is converted.
                     if single_key is not None:
-                        plain_key = type(key_values[0]) in _PLAIN_KEY_TYPES
+                        if type(kv) is int:
+                            # The common case, inlined (same result as keys.custom_id_for).
+                            cid = prefix + str(kv)
+                            if len(cid) > max_id:
+                                cid = custom_id(key_values)
+                            # JSON writers stop at 64 bits; bigger integers are stored as text.
+                            plain_key = -(1 << 63) <= kv < (1 << 64)
+                        else:
+                            cid = custom_id(key_values)
+                            plain_key = type(kv) is str
                     else:
-                        plain_key = all(type(v) in _PLAIN_KEY_TYPES for v in key_values)
-                    cid = custom_id(key_values)
+                        cid = custom_id(key_values)
+                        plain_key = all(type(v) is str for v in key_values)
                     h = hash(cid)
                     hashes[h & 255].append(h)
                     # ---- body --------------------------------------------------------------

@@ -570,3 +570,23 @@ def test_object_storage_staging(sqlite_warehouse: Any) -> None:
     assert manifest.rows_written == 7
     with staging.open_read(staging.resolve_path(result["shards"][2]["uri"])) as fh:
         assert [orjson.loads(x)["custom_id"] for x in fh.read().splitlines()] == ["7"]
+
+
+def test_integer_keys_match_custom_id_for_with_a_prefix(duckdb_warehouse: Any, tmp_path: Path) -> None:
+    duckdb_warehouse.run("CREATE TABLE big (id HUGEINT, title VARCHAR, body VARCHAR)")
+    duckdb_warehouse.run(
+        "INSERT INTO big VALUES (170141183460469231731687303715884105727, 't', 'b'), (5, 't', 'b')"
+    )
+    _, out = build(
+        duckdb_warehouse,
+        tmp_path,
+        sql="SELECT * FROM big ORDER BY id",
+        messages=MESSAGES,
+        custom_id_prefix="nightly-run-2026-01-01-abcdef-",
+    )
+    ids = [k["custom_id"] for k in read_jsonl(out / "keys.jsonl")]
+    assert ids == [
+        custom_id_for([5], "nightly-run-2026-01-01-abcdef-"),
+        custom_id_for([170141183460469231731687303715884105727], "nightly-run-2026-01-01-abcdef-"),
+    ]
+    assert ids[0] == "nightly-run-2026-01-01-abcdef-5" and len(ids[1]) <= 64 and "k-" in ids[1]
