@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -477,7 +476,3 @@ def _open_at(path: Path, size: int) -> Any:
         fh.truncate(size)
         fh.seek(size)
         yield fh
-
-
-def describe(rec: Mapping[str, Any]) -> str:
-    return f"{rec['id']} {rec['status']} {rec['request_counts']}"

@@ -288,3 +288,18 @@ def test_zerogpu_size_limits_answer_request_too_large(batch_server):
     assert response.json()["error"]["code"] == "request_too_large"
     assert response.json()["error"]["line"] is None
     assert forced.status_code == 400
+
+
+def test_xai_expired_batch_leaves_lines_pending_past_expire_time(batch_server):
+    server = batch_server(dialect="xai")
+    with _client(server) as client:
+        file_id = upload(client, jsonl(_xai_lines(3)), purpose=None)
+        batch_id = client.post(
+            "/batches", json={"name": "e", "input_file_id": file_id}, headers={"X-Batch-Fault": "expire"}
+        ).json()["batch_id"]
+        dialect = get_dialect("xai")
+        batch = dialect.parse_batch(client.get(f"/batches/{batch_id}").json())
+        while not batch.state.is_terminal:
+            batch = dialect.parse_batch(client.get(f"/batches/{batch_id}").json())
+    assert batch.state is BatchState.EXPIRED
+    assert batch.raw["state"]["num_pending"] == 3
