@@ -189,11 +189,17 @@ def _compile_structure(
 
 @dataclasses.dataclass
 class BodyBuilder:
-    """How a body is made from a row, and which columns it reads (for NULL and bytes checks)."""
+    """How a body is made from a row, and which columns it reads (for NULL and bytes checks).
+
+    ``fixed_shape`` is True when only string values inside a fixed structure change from row
+    to row (a messages list, an embeddings input): the validator's verdict on the line's
+    structure (method, url, body a non-empty object, no stream) is then the same for every row.
+    """
 
     build: Callable[[Sequence[Any]], dict[str, Any]]
     columns: list[int]
     checks_all_columns: bool = False
+    fixed_shape: bool = False
 
 
 def _decode_bytes(value: Any, column: str) -> str:
@@ -409,7 +415,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
                     value = str(value)
                 return {**defaults, "input": value}
 
-            return BodyBuilder(build_embedding, [i])
+            return BodyBuilder(build_embedding, [i], fixed_shape=True)
         if self.body_callable is not None:
             func = self.body_callable
 
@@ -477,7 +483,12 @@ class SqlToBatchJsonlOperator(BaseOperator):
 
                 builder = build_messages
         used = sorted({i for t in templates for i in t.column_indexes})
-        return BodyBuilder(builder, used, checks_all_columns=any(t.uses_row for t in templates))
+        return BodyBuilder(
+            builder,
+            used,
+            checks_all_columns=any(t.uses_row for t in templates),
+            fixed_shape=self.body_template is None and not isinstance(self.messages, str),
+        )
 
     # ---- execution ----------------------------------------------------------------------------
 
@@ -677,7 +688,9 @@ class _Build:
             max_id = keymod.MAX_CUSTOM_ID
             write_key = keys_out.write
             written = 0
+            validate_all = not builder.fixed_shape
             for batch in rows.batches():
+                first = True
                 for row in batch:
                     row_number += 1
                     # ---- key -------------------------------------------------------------
@@ -747,8 +760,15 @@ class _Build:
                                 values[i] = _decode_bytes(v, name)  # type: ignore[index]
                         body = build_body(values)
                         line_obj = {"custom_id": cid, "method": "POST", "url": endpoint, "body": body}
-                        problems = check_object(line_obj, row_number)
+                        # Every line of a variable-shape body is validated. A fixed-shape body
+                        # (see BodyBuilder) gets the same verdict on every row, so the validator
+                        # sees the first row of each fetched batch; what does vary per row
+                        # (custom_id, line size, JSON encoding, NULLs, bytes) is checked here
+                        # for every row.
+                        problems = check_object(line_obj, row_number) if validate_all or first else None
+                        first = False
                         if problems:
+                            validate_all = True  # the verdict would repeat: check each row from now on
                             p = problems[0]
                             raise RowRejected(p.code, p.message, p.param)
                         try:

@@ -590,3 +590,29 @@ def test_integer_keys_match_custom_id_for_with_a_prefix(duckdb_warehouse: Any, t
         custom_id_for([170141183460469231731687303715884105727], "nightly-run-2026-01-01-abcdef-"),
     ]
     assert ids[0] == "nightly-run-2026-01-01-abcdef-5" and len(ids[1]) <= 64 and "k-" in ids[1]
+
+
+def test_validator_rejects_lines_a_variable_body_makes_invalid(sqlite_warehouse: Any, tmp_path: Path) -> None:
+    seed(sqlite_warehouse, [(1, "false", "b"), (2, "true", "b"), (3, "empty", "b")])
+
+    def make(row: dict[str, Any]) -> dict[str, Any]:
+        if row["title"] == "empty":
+            return {}
+        return {"messages": [{"role": "user", "content": "x"}], "stream": row["title"] == "true"}
+
+    _, out = build(sqlite_warehouse, tmp_path, body_callable=make)
+    rejects = read_jsonl(out / "rejects.jsonl")
+    assert [(r["key"], r["code"], r["column"]) for r in rejects] == [
+        ([2], "stream_not_supported", "body.stream"),
+        ([3], "invalid_body", "body"),
+    ]
+    _, out = build(
+        sqlite_warehouse,
+        tmp_path,
+        body_template=(
+            '{"messages": [{"role": "user", "content": "x"}], "stream": {{ (title == "true") | tojson }}}'
+        ),
+        allow_empty=True,
+    )
+    rejects = read_jsonl(out / "rejects.jsonl")
+    assert [(r["key"], r["code"]) for r in rejects] == [([2], "stream_not_supported")]
