@@ -162,7 +162,16 @@ def _sqlite_text(data: bytes) -> str | bytes:
 
 def _open_cursor(conn: Any, driver: str, batch_size: int) -> Any:
     if driver == "postgres":
-        cursor = conn.cursor(name=f"abp_{uuid.uuid4().hex}")
+        name = f"abp_{uuid.uuid4().hex}"
+        # Plain tuples whatever row factory the connection's "cursor" extra chose (dict rows...).
+        if type(conn).__module__.startswith("psycopg2"):
+            import psycopg2.extensions
+
+            cursor = conn.cursor(name=name, cursor_factory=psycopg2.extensions.cursor)
+        else:
+            from psycopg.rows import tuple_row
+
+            cursor = conn.cursor(name=name, row_factory=tuple_row)
         with contextlib.suppress(AttributeError):
             cursor.itersize = batch_size
         return cursor

@@ -616,3 +616,17 @@ def test_validator_rejects_lines_a_variable_body_makes_invalid(sqlite_warehouse:
     )
     rejects = read_jsonl(out / "rejects.jsonl")
     assert [(r["key"], r["code"]) for r in rejects] == [([2], "stream_not_supported")]
+
+
+def test_postgres_dict_cursor_extra_still_streams_tuples(
+    pg_warehouse: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+    import os
+
+    spec = json.loads(os.environ["AIRFLOW_CONN_WH_POSTGRES"])
+    spec["extra"]["cursor"] = "dictcursor"
+    monkeypatch.setenv("AIRFLOW_CONN_WH_POSTGRES", json.dumps(spec))
+    seed(pg_warehouse, [(1, "a", "b"), (2, "c", "d")])
+    _, out = build(pg_warehouse, tmp_path, messages=MESSAGES)
+    assert [k["key"] for k in read_jsonl(out / "keys.jsonl")] == [[1], [2]]
