@@ -279,7 +279,8 @@ class MergeBatchResultsOperator(BaseOperator):
                     )
                 with staging.open_read(staging_dir / shard_paths[shard]) as handle:
                     for _, obj in iter_objects(handle):
-                        key = wanted.pop(obj.get("custom_id"), None) if isinstance(obj, dict) else None
+                        custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
+                        key = wanted.pop(custom_id, None) if isinstance(custom_id, str) else None
                         if key is None:
                             continue
                         new_shard = writer.add(orjson.dumps(obj))

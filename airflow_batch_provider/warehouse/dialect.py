@@ -12,10 +12,14 @@ embedded quote, which is not enough for names taken from user input.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from itertools import islice
 from typing import IO, Any
@@ -26,6 +30,7 @@ from airflow_batch_provider.exceptions import ConfigurationError
 from airflow_batch_provider.warehouse.rows import Column
 
 _BATCH_ROWS = 5000
+_SETTING_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 
 
 class WarehouseDialect:
@@ -113,6 +118,15 @@ class WarehouseDialect:
 
     def analyze(self, conn: Any, table: str) -> None:
         """Give the planner statistics of a freshly loaded temp table (where that matters)."""
+
+    set_format = "SET {} = {}"
+
+    def set_setting(self, name: str, value: Any) -> str:
+        """A statement changing one setting for this session (or transaction, where possible)."""
+        if not _SETTING_NAME.fullmatch(name):
+            raise ConfigurationError(f"invalid setting name {name!r}")
+        literal = "'" + str(value).replace("'", "''") + "'"
+        return self.set_format.format(name, literal)
 
     def load_keys_jsonl(self, conn: Any, table: str, handle: IO[bytes], key_types: Sequence[str]) -> bool:
         """Load keys.jsonl into the keys staging table letting the database parse the JSON.
@@ -203,6 +217,8 @@ class PostgresWarehouseDialect(WarehouseDialect):
         return None  # ON COMMIT DROP
 
     savepoint = "SAVEPOINT {}"
+    # Only for this transaction: the connection may come back from a pool.
+    set_format = "SET LOCAL {} = {}"
 
     def load_keys_jsonl(self, conn: Any, table: str, handle: IO[bytes], key_types: Sequence[str]) -> bool:
         raw = self.quote(f"{table}_raw")
@@ -277,7 +293,7 @@ class DuckDBWarehouseDialect(WarehouseDialect):
     name = "duckdb"
     types = {**WarehouseDialect.types, "json": "JSON", "float": "DOUBLE", "text": "VARCHAR"}
     merged_at_type = "TIMESTAMP WITH TIME ZONE"
-    chunk_rows = 200_000
+    chunk_rows = 100_000
 
     def begin(self, conn: Any) -> None:
         conn.execute("BEGIN TRANSACTION")
@@ -305,7 +321,8 @@ class DuckDBWarehouseDialect(WarehouseDialect):
             keys = ", ".join(self._key_expr(i, t) for i, t in enumerate(key_types))
             conn.execute(
                 f"INSERT INTO {self.quote(table)} SELECT custom_id, shard, seq, json_array_length(key)"
-                f"{', ' + keys if keys else ''} FROM (SELECT custom_id, shard, key, ROW_NUMBER() OVER () AS seq "
+                f"{', ' + keys if keys else ''} "
+                f"FROM (SELECT custom_id, shard, key, ROW_NUMBER() OVER () AS seq "
                 f"FROM read_json(?, format='newline_delimited', "
                 f"columns={{'custom_id': 'VARCHAR', 'shard': 'BIGINT', 'key': 'JSON'}}))",
                 [path],
@@ -331,32 +348,50 @@ class DuckDBWarehouseDialect(WarehouseDialect):
     def bulk_load(
         self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]
     ) -> int:
-        # The staging tables use plain internal names (c0, c1, ...), so they are safe in the
-        # read_json column struct; the user's names only ever appear quoted in the final upsert.
-        spec = "{" + ", ".join(f"'{c.name}': '{self.sql_type(c.type)}'" for c in columns) + "}"
-        names = [c.name for c in columns]
+        # Rows are written as JSON arrays (the cheapest thing to produce in Python) to chunk
+        # files; DuckDB loads one chunk in a worker thread (it releases the GIL) while Python
+        # writes the next, so parsing and loading overlap on two cores.
+        extract = ", ".join(
+            f"CAST(j->>{i} AS {self.sql_type(c.type)})" if c.type != "text" else f"j->>{i}"
+            for i, c in enumerate(columns)
+        )
+        sql = (
+            f"INSERT INTO {self.quote(table)} SELECT {extract} FROM read_json(?, format='newline_delimited', "
+            f"records=false, columns={{'j': 'JSON'}})"
+        )
+        paths = []
+        for _ in range(2):
+            fd, path = tempfile.mkstemp(prefix="abp-merge-", suffix=".jsonl")
+            os.close(fd)
+            paths.append(path)
         count = 0
         iterator = iter(rows)
-        fd, path = tempfile.mkstemp(prefix="abp-merge-", suffix=".jsonl")
-        os.close(fd)
+        pending: Future[Any] | None = None
+        dumps = orjson.dumps
         try:
-            while True:
-                written = 0
-                with open(path, "wb") as fh:
-                    for row in islice(iterator, self.chunk_rows):
-                        fh.write(orjson.dumps(dict(zip(names, row, strict=True))))
-                        fh.write(b"\n")
-                        written += 1
-                if not written:
-                    break
-                conn.execute(
-                    f"INSERT INTO {self.quote(table)} SELECT * FROM read_json(?, format='newline_delimited', "
-                    f"columns={spec}, maximum_object_size=134217728)",
-                    [path],
-                )
-                count += written
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="abp-duckdb-load") as loader:
+                for turn in itertools.count():
+                    path = paths[turn % 2]
+                    written = 0
+                    with open(path, "wb", buffering=1 << 20) as fh:
+                        write = fh.write
+                        for row in islice(iterator, self.chunk_rows):
+                            write(dumps(row))
+                            write(b"\n")
+                            written += 1
+                    if pending is not None:
+                        pending.result()  # the other file is free again (and errors surface here)
+                        pending = None
+                    if not written:
+                        break
+                    pending = loader.submit(conn.execute, sql, [path])
+                    count += written
+                if pending is not None:
+                    pending.result()
         finally:
-            os.unlink(path)
+            for path in paths:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         return count
 
 

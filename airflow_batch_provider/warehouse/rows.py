@@ -7,6 +7,7 @@ knows a vendor or a database; the writer decides how the row reaches the table.
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -122,12 +123,7 @@ class OutputSchema:
 
     def __init__(self, schema: type[BaseModel] | str | Mapping[str, Any], prefix: str = "") -> None:
         if isinstance(schema, str):
-            from airflow.utils.module_loading import import_string
-
-            try:
-                schema = import_string(schema)
-            except ImportError as exc:
-                raise ConfigurationError(f"output_schema {schema!r} cannot be imported: {exc}") from exc
+            schema = _import_object(schema)
         self.model: type[BaseModel] | None = None
         self._validator: Any = None
         if isinstance(schema, type) and issubclass(schema, BaseModel):
@@ -184,6 +180,16 @@ class OutputSchema:
             _field_value(data.get(name), col.type)
             for name, col in zip(self.fields, self.columns, strict=True)
         ), None
+
+
+def _import_object(path: str) -> Any:
+    module_name, _, attribute = path.rpartition(".")
+    try:
+        if not module_name:
+            raise ImportError("not a dotted path")
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(f"output_schema {path!r} cannot be imported: {exc}") from exc
 
 
 def _portable_type(spec: Any) -> str:

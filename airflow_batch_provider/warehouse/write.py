@@ -98,6 +98,8 @@ class ResultsWriter:
         ``custom_id`` is the only key (a hand-made input file without a manifest).
     :param mapper: turns result lines into rows (extra columns, structured output).
     :param create_table: create the table when it does not exist (else it must exist).
+    :param session_settings: database settings for the merge's own session only, e.g.
+        ``{"memory_limit": "256MB"}`` (DuckDB) or ``{"maintenance_work_mem": "256MB"}`` (PostgreSQL).
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class ResultsWriter:
         key_columns: Sequence[Column] = (),
         mapper: ResultMapper | None = None,
         create_table: bool = True,
+        session_settings: Mapping[str, str] | None = None,
     ) -> None:
         self.hook = hook
         self.dialect: WarehouseDialect = get_warehouse_dialect(hook)
@@ -117,6 +120,7 @@ class ResultsWriter:
         self.key_columns = list(key_columns)
         self.mapper = mapper or ResultMapper()
         self.create_table = create_table
+        self.session_settings = dict(session_settings or {})
         names = [c.name for c in self.key_columns]
         if len(set(names)) != len(names):
             raise WarehouseSchemaError(f"key columns repeat a name: {names}")
@@ -128,6 +132,7 @@ class ResultsWriter:
                 f"key column(s) {clash} clash with results columns of the same name; rename them in the build"
             )
         self.manifest_mode = bool(self.key_columns)
+        self._pk_pending = False
         # Target layout: keys, custom_id, result columns, merged_at.
         self.target_columns: list[Column] = [
             *self.key_columns,
@@ -138,7 +143,7 @@ class ResultsWriter:
         self.target_keys = [c.name for c in self.key_columns] if self.manifest_mode else ["custom_id"]
 
     # ---- DDL --------------------------------------------------------------------------------
-    def _create_sql(self) -> str:
+    def _create_sql(self, *, primary_key: bool = True) -> str:
         keys = set(self.target_keys)
         parts = []
         for col in self.target_columns:
@@ -148,14 +153,23 @@ class ResultsWriter:
             else:
                 sql_type = self.dialect.sql_type(col.type, key=is_key or col.name == "custom_id")
             parts.append(f"{self.dialect.quote(col.name)} {sql_type}{' NOT NULL' if is_key else ''}")
-        pk = ", ".join(self.dialect.quote(k) for k in self.target_keys)
-        return f"CREATE TABLE {self.qtable} ({', '.join(parts)}, PRIMARY KEY ({pk}))"
+        if primary_key:
+            parts.append(f"PRIMARY KEY ({', '.join(self.dialect.quote(k) for k in self.target_keys)})")
+        return f"CREATE TABLE {self.qtable} ({', '.join(parts)})"
+
+    def _add_primary_key_sql(self) -> str:
+        keys = ", ".join(self.dialect.quote(k) for k in self.target_keys)
+        return f"ALTER TABLE {self.qtable} ADD PRIMARY KEY ({keys})"
 
     def _ensure_table(self, conn: Any, report: MergeReport, existing: list[str] | None) -> None:
         if existing is None:
             if not self.create_table:
                 raise WarehouseSchemaError(f"table {self.qtable} does not exist and create_table is False")
-            self._execute(conn, self._create_sql())
+            # Where a failed statement can be undone alone, a new table gets its primary key
+            # after the bulk insert: building the index once is cheaper than growing it row by
+            # row, and a repeated key still fails (and falls back) before commit.
+            self._pk_pending = bool(self.dialect.savepoint)
+            self._execute(conn, self._create_sql(primary_key=not self._pk_pending))
             report.created_table = True
             return
         have = {name.lower() for name in existing}
@@ -200,7 +214,10 @@ class ResultsWriter:
         try:
             # Probed before the transaction starts: a failed probe aborts a PostgreSQL/DuckDB one.
             existing = self.dialect.probe_columns(conn, self.qtable)
+            self._pk_pending = False
             self.dialect.begin(conn)
+            for name, value in self.session_settings.items():
+                self._execute(conn, self.dialect.set_setting(name, value))
             self._ensure_table(conn, report, existing)
             # Staging: results.
             res_cols = self._staging_columns(
@@ -356,7 +373,8 @@ class ResultsWriter:
         matched = 0
         for status, found, n in self._fetchall(
             conn,
-            f"SELECT {status_expr}, {has_result}, COUNT(*) {from_clause} GROUP BY {status_expr}, {has_result}",
+            f"SELECT {status_expr}, {has_result}, COUNT(*) {from_clause} "
+            f"GROUP BY {status_expr}, {has_result}",
         ):
             report.counts[str(status)] = report.counts.get(str(status), 0) + int(n)
             matched += int(n) if int(found) else 0
@@ -386,7 +404,8 @@ class ResultsWriter:
         if report.orphan_results:
             sample = self._fetchall(
                 conn,
-                f"SELECT r.{q('custom_id')} FROM {q(t_results)} r {where} ORDER BY r.{q('seq')} LIMIT {_SAMPLES}",
+                f"SELECT r.{q('custom_id')} FROM {q(t_results)} r {where} "
+                f"ORDER BY r.{q('seq')} LIMIT {_SAMPLES}",
             )
             report.orphan_samples = [str(r[0]) for r in sample]
             log.warning(
@@ -444,31 +463,36 @@ class ResultsWriter:
         d = self.dialect
         q = d.quote
 
-        def statement(source: str) -> str:
+        def write(source: str) -> None:
             select = select_for(source)
             if report.created_table:
                 # The table was created by this transaction, so it is empty: nothing to update.
-                return d.insert(self.qtable, target, select)
-            return d.upsert(self.qtable, target, self.target_keys, select)
+                self._execute(conn, d.insert(self.qtable, target, select), params)
+            else:
+                self._execute(conn, d.upsert(self.qtable, target, self.target_keys, select), params)
+            if self._pk_pending:
+                self._execute(conn, self._add_primary_key_sql())
+                self._pk_pending = False
 
         d.analyze(conn, q(t_results))
         if d.savepoint:
             self._execute(conn, d.savepoint.format("abp_merge"))
             try:
-                self._execute(conn, statement(q(t_results)), params)
+                write(q(t_results))
             except Exception as exc:
                 # 23505 unique_violation (plain insert), 21000 cardinality_violation (upsert).
                 if _sqlstate(exc) not in ("23505", "21000"):
                     raise
                 log.info("A custom_id has more than one result line; keeping one per key")
                 self._execute(conn, "ROLLBACK TO SAVEPOINT abp_merge")
+                self._pk_pending = report.created_table and bool(d.savepoint)
             else:
                 self._execute(conn, "RELEASE SAVEPOINT abp_merge")
                 return source_for(q(t_results))
             ranked = self._ranked_sql(t_results)
         else:
             ranked = self._ranked_results(conn, t_results)
-        self._execute(conn, statement(ranked), params)
+        write(ranked)
         return source_for(ranked)
 
     def _ranked_results(self, conn: Any, t_results: str) -> str:
@@ -489,7 +513,8 @@ class ResultsWriter:
     def _ranked_sql(self, t_results: str) -> str:
         q = self.dialect.quote
         return (
-            f"(SELECT * FROM (SELECT x.*, ROW_NUMBER() OVER (PARTITION BY x.{q('custom_id')} ORDER BY CASE WHEN "
+            f"(SELECT * FROM (SELECT x.*, ROW_NUMBER() OVER (PARTITION BY x.{q('custom_id')} "
+            f"ORDER BY CASE WHEN "
             f"x.{q('status')} = 'succeeded' THEN 0 ELSE 1 END, x.{q('seq')} DESC) AS abp_rn "
             f"FROM {q(t_results)} x) y WHERE y.abp_rn = 1)"
         )
@@ -526,7 +551,8 @@ class ResultsWriter:
         null_key = " OR ".join(f"{q(f'k{i}')} IS NULL" for i in range(nkeys))
         bad = self._fetchall(
             conn,
-            f"SELECT {q('seq')}, {q('custom_id')}, {q('klen')} FROM {q(table)} WHERE {q('custom_id')} IS NULL "
+            f"SELECT {q('seq')}, {q('custom_id')}, {q('klen')} FROM {q(table)} "
+            f"WHERE {q('custom_id')} IS NULL "
             f"OR {q('custom_id')} = '' OR {q('klen')} IS NULL OR {q('klen')} <> {nkeys} OR {null_key} "
             f"ORDER BY {q('seq')} LIMIT 1",
         )
