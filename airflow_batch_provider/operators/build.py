@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import os
+import tempfile
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -633,10 +634,7 @@ class _Build:
         self.shards: list[Any] = []
         self.key_types: list[str] = []
         self.column_names: list[str] = []
-        # Duplicate detection with flat-ish memory: 8 bytes per row (a 64-bit hash of the
-        # custom_id in one of 256 arrays), checked at the end; candidates are confirmed by
-        # re-reading keys.jsonl / rejects.jsonl, so a hash collision never fails a build.
-        self._hashes = [array("q") for _ in range(256)]
+        self._hashes = HashBuckets()
 
     def run(self, rows: Any) -> None:
         op = self.op
@@ -659,7 +657,7 @@ class _Build:
         check_object = self.validator.check_object
         dumps = orjson.dumps
         max_line = self.max_line
-        hashes = self._hashes
+        track = self._hashes.add
         custom_id = _custom_id_function(self.prefix, len(key_idx))
         single_key = key_idx[0] if len(key_idx) == 1 else None
         row_number = 0
@@ -739,7 +737,7 @@ class _Build:
                         cid = custom_id(key_values)
                         plain_key = all(type(v) is str for v in key_values)
                     h = hash(cid)
-                    hashes[h & 255].append(h)
+                    track(h)
                     # ---- body --------------------------------------------------------------
                     try:
                         values: Sequence[Any] = row
@@ -803,15 +801,7 @@ class _Build:
         self._check_duplicates()
 
     def _check_duplicates(self) -> None:
-        candidates: set[int] = set()
-        for bucket in self._hashes:
-            seen: set[int] = set()
-            for h in bucket:
-                if h in seen:
-                    candidates.add(h)
-                else:
-                    seen.add(h)
-        self._hashes = []
+        candidates = self._hashes.repeated()
         if not candidates:
             return
         counts: Counter[str] = Counter()
@@ -836,6 +826,70 @@ class _Build:
             f"{shown}{more}. "
             "Make key_columns unique per row (add a column or deduplicate in the query)."
         )
+
+
+class HashBuckets:
+    """Find repeated 64-bit hashes among millions with bounded memory.
+
+    Duplicate keys are found through the hash of each row's custom_id: 8 bytes per row,
+    spread over 256 buckets by the low byte. Past ``spill_at`` hashes in memory every bucket
+    is appended to its own temporary file, so memory stays flat however many rows there are;
+    at the end each bucket is checked on its own (1/256 of the rows at a time). Repeated
+    hashes are only candidates: the caller confirms them against the real custom_ids, so a
+    collision never fails a build.
+
+    :param spill_at: hashes held in memory before spilling to disk.
+    """
+
+    def __init__(self, spill_at: int = 1 << 20) -> None:
+        self._buckets = [array("q") for _ in range(256)]
+        self._held = 0
+        self._spill_at = spill_at
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self.spills = 0
+
+    def add(self, h: int) -> None:
+        self._buckets[h & 255].append(h)
+        self._held += 1
+        if self._held >= self._spill_at:
+            self._spill()
+
+    def _spill(self) -> None:
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="abp-keys-")
+        for i, bucket in enumerate(self._buckets):
+            if bucket:
+                with open(os.path.join(self._dir.name, f"{i:03d}"), "ab") as fh:
+                    bucket.tofile(fh)
+                self._buckets[i] = array("q")
+        self._held = 0
+        self.spills += 1
+
+    def repeated(self) -> set[int]:
+        """The hashes seen more than once; frees the buckets and any spill files."""
+        candidates: set[int] = set()
+        try:
+            for i, bucket in enumerate(self._buckets):
+                if self._dir is not None:
+                    path = os.path.join(self._dir.name, f"{i:03d}")
+                    if os.path.exists(path):
+                        spilled = array("q")
+                        with open(path, "rb") as fh:
+                            spilled.frombytes(fh.read())
+                        spilled.extend(bucket)
+                        bucket = spilled
+                seen: set[int] = set()
+                for h in bucket:
+                    if h in seen:
+                        candidates.add(h)
+                    else:
+                        seen.add(h)
+                self._buckets[i] = array("q")
+        finally:
+            if self._dir is not None:
+                self._dir.cleanup()
+                self._dir = None
+        return candidates
 
 
 def _custom_id_function(prefix: str, key_count: int) -> Callable[[list[Any]], str]:

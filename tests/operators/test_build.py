@@ -630,3 +630,32 @@ def test_postgres_dict_cursor_extra_still_streams_tuples(
     seed(pg_warehouse, [(1, "a", "b"), (2, "c", "d")])
     _, out = build(pg_warehouse, tmp_path, messages=MESSAGES)
     assert [k["key"] for k in read_jsonl(out / "keys.jsonl")] == [[1], [2]]
+
+
+def test_hash_buckets_spill_to_disk_and_still_find_repeats() -> None:
+    from airflow_batch_provider.operators.build import HashBuckets
+
+    buckets = HashBuckets(spill_at=1_000)
+    values = [hash(f"id-{i}") for i in range(10_000)]
+    for h in values:
+        buckets.add(h)
+    for h in (values[3], values[9_999], values[3]):
+        buckets.add(h)
+    assert buckets.spills == 10
+    assert buckets.repeated() == {values[3], values[9_999]}
+
+
+def test_duplicates_found_across_spills(
+    sqlite_warehouse: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow_batch_provider.operators import build as build_module
+
+    original = build_module.HashBuckets.__init__
+
+    def small(self: Any, spill_at: int = 0) -> None:
+        original(self, spill_at=50)
+
+    monkeypatch.setattr(build_module.HashBuckets, "__init__", small)
+    seed(sqlite_warehouse, [(i, "t", "b") for i in range(1, 400)] + [(17, "t", "again")])
+    with pytest.raises(DuplicateKeyError, match=r"1 key\(s\) of \(id\).*\{'id': 17\} x2"):
+        build(sqlite_warehouse, tmp_path, messages=MESSAGES)
