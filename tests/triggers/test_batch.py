@@ -161,7 +161,8 @@ async def test_retry_after_is_honoured_while_polling(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(asyncio, "sleep", record_sleep)
     events = await events_of(MockTrigger(batch_ids=["b1"], poll_interval=0.01))
     assert [e["status"] for e in events] == ["success"]
-    assert slept == [pytest.approx(0.3)]
+    # Besides the sub-interval start spread, the one long wait is the server's Retry-After.
+    assert [s for s in slept if s > 0.05] == [pytest.approx(0.3)]
     assert len(calls) == 2
 
 
