@@ -90,7 +90,7 @@ async def test_rebuilt_trigger_after_the_deadline_times_out_at_once(
     monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
     seed_texts(pipeline.warehouse, "tickets", [f"t{i}" for i in range(5)])
     manifest = pipeline.build("restart-late", table="tickets", key_columns="id", messages=MESSAGES)
-    op = pipeline.submit_op(manifest, timeout=1.0)
+    op = pipeline.submit_op(manifest, timeout=3.0)
     ctx = pipeline.context("submit", "restart-late")
     with pytest.raises(TaskDeferred) as info:
         op.execute(ctx)
