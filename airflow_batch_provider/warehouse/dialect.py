@@ -119,6 +119,18 @@ class WarehouseDialect:
     def analyze(self, conn: Any, table: str) -> None:
         """Give the planner statistics of a freshly loaded temp table (where that matters)."""
 
+    def unique_key_sets(self, conn: Any, table: str, schema: str | None) -> list[frozenset[str]] | None:
+        """Column sets of the table's primary key and unique indexes; None when not known here."""
+        return None
+
+    def _rows(self, conn: Any, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        cur = self.cursor(conn)
+        try:
+            cur.execute(sql, tuple(params)) if params else cur.execute(sql)
+            return [tuple(r) for r in cur.fetchall()]
+        finally:
+            cur.close()
+
     set_format = "SET {} = {}"
 
     def set_setting(self, name: str, value: Any) -> str:
@@ -196,6 +208,23 @@ class SqliteWarehouseDialect(WarehouseDialect):
     def cast(self, expression: str, portable: str) -> str:
         return expression
 
+    def unique_key_sets(self, conn: Any, table: str, schema: str | None) -> list[frozenset[str]] | None:
+        prefix = f"{self.quote(schema)}." if schema else ""
+        # An INTEGER PRIMARY KEY is the rowid and has no index: read it from table_info.
+        sets = [
+            frozenset(
+                r[1] for r in self._rows(conn, f"PRAGMA {prefix}table_info({self.quote(table)})") if r[5]
+            )
+        ]
+        for _, name, unique, *_ in self._rows(conn, f"PRAGMA {prefix}index_list({self.quote(table)})"):
+            if unique:
+                sets.append(
+                    frozenset(
+                        r[2] for r in self._rows(conn, f"PRAGMA {prefix}index_info({self.quote(name)})")
+                    )
+                )
+        return [s for s in sets if s]
+
 
 class PostgresWarehouseDialect(WarehouseDialect):
     """PostgreSQL: COPY into an ON COMMIT DROP temp table, then one ``INSERT ... ON CONFLICT``."""
@@ -217,6 +246,17 @@ class PostgresWarehouseDialect(WarehouseDialect):
         return None  # ON COMMIT DROP
 
     savepoint = "SAVEPOINT {}"
+
+    def unique_key_sets(self, conn: Any, table: str, schema: str | None) -> list[frozenset[str]] | None:
+        rows = self._rows(
+            conn,
+            "SELECT array_agg(a.attname::text) FROM pg_index i "
+            "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+            "WHERE i.indrelid = to_regclass(%s) AND i.indisunique GROUP BY i.indexrelid",
+            [self.table(table, schema)],
+        )
+        return [frozenset(r[0]) for r in rows]
+
     # Only for this transaction: the connection may come back from a pool.
     set_format = "SET LOCAL {} = {}"
 
@@ -310,6 +350,25 @@ class DuckDBWarehouseDialect(WarehouseDialect):
         if portable == "timestamp":
             return f"CAST({expression} AS TIMESTAMP WITH TIME ZONE)"
         return super().cast(expression, portable)
+
+    def unique_key_sets(self, conn: Any, table: str, schema: str | None) -> list[frozenset[str]] | None:
+        rows = self._rows(
+            conn,
+            "SELECT constraint_column_names FROM duckdb_constraints() WHERE table_name = ? "
+            "AND schema_name = COALESCE(?, current_schema()) AND constraint_type IN ('PRIMARY KEY', 'UNIQUE')",
+            [table, schema],
+        )
+        indexes = self._rows(
+            conn,
+            "SELECT COUNT(*) FROM duckdb_indexes() WHERE table_name = ? "
+            "AND schema_name = COALESCE(?, current_schema()) AND is_unique",
+            [table, schema],
+        )
+        if indexes[0][0]:
+            # A unique index lists its columns only as SQL text; ON CONFLICT itself will say
+            # clearly if none of them matches the keys.
+            return None
+        return [frozenset(r[0]) for r in rows]
 
     def load_keys_jsonl(self, conn: Any, table: str, handle: IO[bytes], key_types: Sequence[str]) -> bool:
         # The keys file may live on an object store: copy its bytes to a local temp file
@@ -422,6 +481,19 @@ class MySqlWarehouseDialect(WarehouseDialect):
 
     def drop_temp_table(self, name: str) -> str | None:
         return f"DROP TEMPORARY TABLE IF EXISTS {self.quote(name)}"
+
+    def unique_key_sets(self, conn: Any, table: str, schema: str | None) -> list[frozenset[str]] | None:
+        # ON DUPLICATE KEY UPDATE without a matching unique key would silently add rows.
+        rows = self._rows(
+            conn,
+            "SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS "
+            "WHERE TABLE_SCHEMA = COALESCE(%s, DATABASE()) AND TABLE_NAME = %s AND NON_UNIQUE = 0",
+            [schema, table],
+        )
+        sets: dict[str, set[str]] = {}
+        for index, column in rows:
+            sets.setdefault(str(index), set()).add(str(column))
+        return [frozenset(v) for v in sets.values()]
 
     def upsert(self, table: str, columns: Sequence[str], keys: Sequence[str], select: str) -> str:
         cols = ", ".join(self.quote(c) for c in columns)

@@ -116,6 +116,7 @@ class ResultsWriter:
         self.hook = hook
         self.dialect: WarehouseDialect = get_warehouse_dialect(hook)
         self.table_name = table
+        self.schema = schema
         self.qtable = self.dialect.table(table, schema)
         self.key_columns = list(key_columns)
         self.mapper = mapper or ResultMapper()
@@ -178,6 +179,13 @@ class ResultsWriter:
             raise WarehouseSchemaError(
                 f"table {self.qtable} exists but lacks column(s) {', '.join(repr(m) for m in missing)}; "
                 f"add them or merge into a new table"
+            )
+        unique = self.dialect.unique_key_sets(conn, self.table_name, self.schema)
+        if unique is not None and frozenset(self.target_keys) not in unique:
+            raise WarehouseSchemaError(
+                f"table {self.qtable} has no primary key or unique index on exactly "
+                f"({', '.join(self.target_keys)}); the merge upserts by these columns, so re-runs would "
+                f"duplicate rows: add one, or merge into a new table"
             )
 
     # ---- the merge --------------------------------------------------------------------------

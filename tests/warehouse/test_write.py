@@ -393,3 +393,30 @@ def test_bad_keys_line_is_named(warehouse: Any, tmp_path: Any, bad: dict[str, An
     writer = ResultsWriter(warehouse.hook, "results", key_columns=[Column("id", "integer")])
     with pytest.raises(WarehouseSchemaError, match=message):
         writer.merge(with_batch([chat_line("a", "A")]), keys=path)
+
+
+def test_existing_table_without_a_unique_key_is_refused(warehouse: Any) -> None:
+    first = ResultsWriter(warehouse.hook, "results", key_columns=[Column("id", "integer")])
+    first.merge(with_batch([chat_line("c1", "x")]), keys=keys_for([("c1", 1)]))
+    # The same columns without the primary key: an upsert could not find the row to update.
+    q = warehouse.quote
+    warehouse.run(f"CREATE TABLE {q('copy')} AS SELECT * FROM {q('results')}")
+    writer = ResultsWriter(warehouse.hook, "copy", key_columns=[Column("id", "integer")])
+    with pytest.raises(WarehouseSchemaError, match=r"no primary key or unique index on exactly \(id\)"):
+        writer.merge(with_batch([chat_line("c1", "y")]), keys=keys_for([("c1", 1)]))
+
+
+def test_existing_table_with_the_key_as_unique_index_is_accepted(warehouse: Any) -> None:
+    q = warehouse.quote
+    text = "VARCHAR(255)" if warehouse.kind == "mysql" else "TEXT"
+    warehouse.run(
+        f"CREATE TABLE {q('mine')} (id BIGINT NOT NULL, custom_id {text}, status {text}, content {text}, "
+        f"embedding {text}, finish_reason {text}, model {text}, prompt_tokens BIGINT, completion_tokens BIGINT, "
+        f"total_tokens BIGINT, error_code {text}, error_message {text}, batch_id {text}, merged_at {text}, "
+        f"note {text})"
+    )
+    warehouse.run(f"CREATE UNIQUE INDEX {q('mine_id')} ON {q('mine')} (id)")
+    writer = ResultsWriter(warehouse.hook, "mine", key_columns=[Column("id", "integer")])
+    writer.merge(with_batch([chat_line("c1", "x")]), keys=keys_for([("c1", 1)]))
+    writer.merge(with_batch([chat_line("c1", "y")]), keys=keys_for([("c1", 1)]))
+    assert warehouse.rows(f"SELECT id, content, note FROM {q('mine')}") == [(1, "y", None)]
