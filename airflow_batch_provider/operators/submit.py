@@ -87,8 +87,9 @@ class SubmitBatchOperator(BaseOperator):
     endpoint}], "submitted_at", "manifest_path"}``; with ``wait_for_completion`` the wait's
     outcome is added under ``"outcome"``.
 
-    :param source: what to submit (templated): a build manifest's XCom (a mapping holding
-        ``manifest_path`` or ``staging_path``), a ``Manifest``, a path to ``manifest.json`` or
+    :param source: what to submit (templated): a build XCom (a mapping holding
+        ``manifest_path`` or ``staging_path``), one shard of it (``{index, uri, fingerprint,
+        ...}``, for ``.expand()`` over the build's ``shards``), a path to ``manifest.json`` or
         its staging directory, or a path to any batch JSONL file.
     :param batch_conn_id: the ``batch_api`` connection (templated).
     :param dialect: dialect name overriding the connection's.
@@ -432,6 +433,16 @@ class SubmitBatchOperator(BaseOperator):
             raise ConfigurationError(
                 "pass the manifest's path (or the build XCom), not a bare Manifest object"
             )
+        if isinstance(source, str) and source.lstrip().startswith("{"):
+            # A rendered template of an XCom mapping.
+            try:
+                source = orjson.loads(source)
+            except orjson.JSONDecodeError:
+                raise ConfigurationError(
+                    f"source looks like JSON but does not parse: {source[:200]!r}"
+                ) from None
+        if isinstance(source, Mapping) and "uri" in source and "fingerprint" in source:
+            return self._one_shard(dialect, source)
         if isinstance(source, Mapping):
             where = source.get("manifest_path") or source.get("staging_path")
             if not where:
@@ -490,6 +501,36 @@ class SubmitBatchOperator(BaseOperator):
                     )
             shards.append(ShardInput(s.index, path, s.fingerprint, endpoint, s.lines))
         return shards, (state_root or staging) / STATE_DIR, manifest_file
+
+    def _one_shard(
+        self, dialect: Dialect, shard: Mapping[str, Any]
+    ) -> tuple[list[ShardInput], ObjectStoragePath, ObjectStoragePath | None]:
+        """One shard of a build XCom (``.expand()`` over its ``shards``): ``{index, uri, fingerprint}``."""
+        path = resolve_path(shard["uri"])
+        if not path.exists():
+            raise ConfigurationError(f"shard {shard.get('index')} file {path} does not exist")
+        staging = path.parent
+        manifest_file: ObjectStoragePath | None = staging / "manifest.json"
+        endpoint = self.endpoint or shard.get("endpoint")
+        if not endpoint and manifest_file is not None and manifest_file.exists():
+            endpoint = read_manifest(manifest_file).endpoint
+        if not endpoint:
+            endpoint = _scan(path)[1]
+        if not endpoint:
+            raise ConfigurationError(f"shard {path}: no endpoint in the XCom, the manifest or its first line")
+        dialect.check_endpoint(endpoint)
+        index = int(shard.get("index", 0))
+        if self.validate:
+            checked = self._validated(dialect, path, endpoint)
+            if checked.fingerprint != shard["fingerprint"]:
+                raise ConfigurationError(
+                    f"shard {index} ({path}) does not match its fingerprint; rebuild the staging"
+                )
+        if manifest_file is not None and not manifest_file.exists():
+            manifest_file = None
+        state_root = resolve_path(self.state_path) if self.state_path else staging
+        item = ShardInput(index, path, str(shard["fingerprint"]), endpoint, shard.get("lines"))
+        return [item], state_root / STATE_DIR, manifest_file
 
     def _hand_made(self, dialect: Dialect, path: ObjectStoragePath) -> ShardInput:
         if not path.exists():

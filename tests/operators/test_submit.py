@@ -414,3 +414,64 @@ def test_sync_wait_without_deferring(server_for: Any, task_context: Any, tmp_pat
     result = op.execute(task_context())
     assert result["outcome"]["status"] == "success"
     assert result["outcome"]["counts"]["completed"] == 4
+
+
+def test_build_xcom_whole_or_one_mapped_shard(server_for: Any, task_context: Any, tmp_path: Path) -> None:
+    from airflow_batch_provider.operators.build import manifest_xcom
+    from airflow_batch_provider.staging import read_manifest, resolve_path
+
+    server_for("doubleword")
+    staging = _staging(tmp_path, shards=3)
+    xcom = manifest_xcom(read_manifest(str(staging)), resolve_path(str(staging)))
+    whole = SubmitBatchOperator(task_id="submit", source=xcom).execute(task_context())
+    assert [b["shard"] for b in whole["batches"]] == [0, 1, 2]
+    # .expand(source=build.output["shards"]): each mapped task gets one shard mapping.
+    mapped = [
+        SubmitBatchOperator(task_id="submit_shard", source=shard).execute(
+            task_context(task_id="submit_shard", map_index=i)
+        )
+        for i, shard in enumerate(xcom["shards"])
+    ]
+    assert [m["batches"][0]["shard"] for m in mapped] == [0, 1, 2]
+    assert all(m["manifest_path"] == xcom["manifest_path"] for m in mapped)
+    # A rendered template (JSON text) of the same XCom works too and re-attaches.
+    again = SubmitBatchOperator(task_id="submit", source=orjson.dumps(xcom).decode()).execute(task_context())
+    assert again["batch_ids"] == whole["batch_ids"]
+    assert len(list(BatchApiHook().list_batches())) == 6
+
+
+SUBMIT_AND_WAIT_DAG = """
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import DAG
+
+from airflow_batch_provider.operators.submit import SubmitBatchOperator
+
+with DAG("submit_and_wait", start_date=pendulum.datetime(2026, 1, 1), schedule=None, catchup=False):
+    SubmitBatchOperator(
+        task_id="submit",
+        source={source!r},
+        model="echo-override",
+        wait_for_completion=True,
+        deferrable=True,
+        poll_interval=0.2,
+    )
+"""
+
+
+def test_submit_and_wait_deferrable_under_airflow_dags_test(
+    batch_server: Any, monkeypatch: pytest.MonkeyPatch, airflow_dags_test: Any, tmp_path: Path
+) -> None:
+    server = batch_server(dialect="zerogpu", time_scale=0.001, validate_seconds=1000)
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
+    source = write_batch_jsonl(tmp_path / "in.jsonl", 4)
+    result = airflow_dags_test(SUBMIT_AND_WAIT_DAG.format(source=str(source)), "submit_and_wait")
+    assert result.ok, result.tail()
+    assert "[DAG TEST] running trigger in line" in result.output
+    assert "Batch watch ended (success)" in result.output, result.tail()
+    assert "1 batch(es) completed: 4 of 4 line(s) succeeded" in result.output
+    batches = list(BatchApiHook().list_batches())
+    assert len(batches) == 1 and batches[0].state.value == "completed"
+    # The resumed task found its submission again (passed through the deferral's kwargs).
+    assert len(list((tmp_path / "submit-state").glob("*.json"))) == 1
