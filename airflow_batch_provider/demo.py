@@ -372,7 +372,7 @@ def run_demo(workdir: Path, *, tickets: int = DEFAULT_TICKETS, keep: bool = Fals
             print(_tail_text(log_file), file=sys.stderr)
             print(f"DAG run failed (exit code {proc.returncode}); full log: {log_file}", file=sys.stderr)
             return proc.returncode
-        print(f"    DAG run succeeded in {elapsed:.0f}s (log: {log_file})")
+        print(f"    DAG run succeeded in {elapsed:.0f}s")
     finally:
         if server is not None:
             server.stop()
@@ -394,8 +394,8 @@ def run_demo(workdir: Path, *, tickets: int = DEFAULT_TICKETS, keep: bool = Fals
             ),
         )
     )
-    if not keep:
-        print(f"\n(working files in {workdir}; run with --keep to reuse the directory name)")
+    if keep:
+        print(f"\nWorking files (warehouse, staging, logs) kept in {workdir}")
     return 0
 
 
@@ -423,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--workdir", help="where to keep the demo's files (default: a new temporary directory)")
     run.add_argument("--tickets", type=int, default=DEFAULT_TICKETS)
-    run.add_argument("--keep", action="store_true", help="keep the working directory afterwards")
+    run.add_argument("--keep", action="store_true", help="keep the temporary working directory afterwards")
     return parser
 
 
@@ -437,10 +437,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_summary(results_summary(args.conn_id, args.table)))
         return 0
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="airflow-batch-demo-"))
+    # A directory the user named is always kept; a temporary one only with --keep.
+    keep = bool(args.keep or args.workdir)
+    code = 1
     try:
-        return run_demo(workdir, tickets=args.tickets, keep=args.keep)
+        code = run_demo(workdir, tickets=args.tickets, keep=keep)
+        return code
     finally:
-        if not args.keep and not args.workdir:
+        if not keep and code == 0:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
