@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -298,6 +299,8 @@ def main() -> int:
         print(json.dumps(child(args.child, Path(args.out), args.shard_lines)))
         return 0
 
+    # A terminated benchmark still drops its schema and files (finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="bench-build-"))
     schema = f"bench_build_{uuid.uuid4().hex[:8]}"
     duck = work / "bench.duckdb"
