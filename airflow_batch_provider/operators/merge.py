@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from airflow.sdk import BaseHook, BaseOperator
 
-from airflow_batch_provider.exceptions import ConfigurationError
+from airflow_batch_provider.exceptions import BatchProviderError, ConfigurationError
 from airflow_batch_provider.jsonl import iter_objects
 from airflow_batch_provider.models import BatchState, Manifest, ResultLine
 from airflow_batch_provider.warehouse.rows import STATUSES, Column, OutputSchema, ResultMapper
@@ -18,6 +19,9 @@ if TYPE_CHECKING:
     from airflow.sdk import Context, ObjectStoragePath
 
     from airflow_batch_provider.hooks.batch import BatchApiHook
+
+#: Batch metadata key naming the shard a batch was submitted for (set by the submit operator).
+SHARD_METADATA = "airflow_shard"
 
 # A key of a shard whose batch ended this way, with no result line, gets this status.
 _ABSENT_STATUS = {
@@ -32,7 +36,14 @@ def normalize_batches(value: Any) -> list[tuple[str, int | None]]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [(value, None)] if value else []
+        text = value.strip()
+        if text[:1] in ("{", "["):
+            # A templated XCom rendered without native objects arrives as its repr.
+            try:
+                return normalize_batches(ast.literal_eval(text))
+            except (ValueError, SyntaxError):
+                raise ConfigurationError(f"batches: cannot read {text[:200]!r}") from None
+        return [(text, None)] if text else []
     if isinstance(value, Mapping):
         entries = value.get("batches")
         if isinstance(entries, list) and entries:
@@ -183,12 +194,22 @@ class MergeBatchResultsOperator(BaseOperator):
 
         hook = self.get_batch_hook()
         batches = {batch_id: hook.get_batch(batch_id) for batch_id, _ in pairs}
-        shards = {
-            shard: ShardOutcome(batch_id, _ABSENT_STATUS.get(batches[batch_id].state, "missing"))
-            for batch_id, shard in pairs
-            if shard is not None
-        }
-        for batch in batches.values():
+        running = [b.id for b in batches.values() if not b.is_terminal]
+        if running:
+            # Merging now would call every unanswered line missing.
+            raise BatchProviderError(
+                f"batch(es) {', '.join(running)} have not ended yet; merge after they complete, fail, "
+                f"expire or are cancelled"
+            )
+        shards: dict[int, ShardOutcome] = {}
+        for batch_id, shard in pairs:
+            batch = batches[batch_id]
+            if shard is None:
+                # The terminal event carries no shard numbers; the submit tagged each batch.
+                tagged = hook.dialect.metadata_of(batch).get(SHARD_METADATA)
+                shard = int(tagged) if tagged is not None and tagged.isdigit() else None
+            if shard is not None:
+                shards[shard] = ShardOutcome(batch_id, _ABSENT_STATUS.get(batch.state, "missing"))
             self.log.info("Batch %s is %s (%s)", batch.id, batch.state.value, batch.request_counts)
 
         schema = OutputSchema(self.output_schema, self.output_column_prefix) if self.output_schema else None

@@ -355,7 +355,8 @@ class DuckDBWarehouseDialect(WarehouseDialect):
         rows = self._rows(
             conn,
             "SELECT constraint_column_names FROM duckdb_constraints() WHERE table_name = ? "
-            "AND schema_name = COALESCE(?, current_schema()) AND constraint_type IN ('PRIMARY KEY', 'UNIQUE')",
+            "AND schema_name = COALESCE(?, current_schema()) "
+            "AND constraint_type IN ('PRIMARY KEY', 'UNIQUE')",
             [table, schema],
         )
         indexes = self._rows(

@@ -215,3 +215,43 @@ def test_normalize_batches_reads_every_input_shape() -> None:
     event = {"status": "success", "batch_ids": ["b1"], "batches": [{"id": "b1", "state": "completed"}]}
     assert normalize_batches(event) == [("b1", None)]
     assert normalize_batches([{"batch_ids": ["a"]}, {"batch_ids": ["b"]}]) == [("a", None), ("b", None)]
+
+
+def test_terminal_event_without_shards_uses_the_batch_metadata(
+    server: Any, sqlite_warehouse: Any, tmp_path: Path
+) -> None:
+    manifest = stage(tmp_path / "stage", [(1, "a"), (2, "b")])
+    server.set_faults(expire_batches=True)
+    manifest_data = staging.read_manifest(str(manifest))
+    hook = BatchApiHook()
+    file_id = hook.upload_file(str(manifest.parent / manifest_data.shards[0].path))
+    batch = hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT, metadata={"airflow_shard": "0"})
+    while not batch.is_terminal:
+        time.sleep(0.1)
+        batch = hook.get_batch(batch.id)
+    event = {
+        "status": "expired",
+        "batch_ids": [batch.id],
+        "batches": [batch.summary()],
+        "message": "",
+        "termination_reason": "",
+    }
+    result = merge(sqlite_warehouse, event, manifest_path=str(manifest))
+    assert result["counts"]["expired"] == 2
+
+
+def test_a_running_batch_is_not_merged(server: Any, sqlite_warehouse: Any, tmp_path: Path) -> None:
+    manifest = stage(tmp_path / "stage", [(1, "a")])
+    server.set_faults(stall_batches=True)
+    hook = BatchApiHook()
+    file_id = hook.upload_file(str(manifest.parent / "shard-00000.jsonl"))
+    batch = hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT)
+    with pytest.raises(Exception, match="have not ended yet"):
+        merge(sqlite_warehouse, [batch.id], manifest_path=str(manifest))
+
+
+def test_batches_rendered_as_a_string_are_read() -> None:
+    assert normalize_batches("{'batch_ids': ['b1'], 'batches': [{'shard': 2, 'batch_id': 'b1'}]}") == [
+        ("b1", 2)
+    ]
+    assert normalize_batches("['b1', 'b2']") == [("b1", None), ("b2", None)]

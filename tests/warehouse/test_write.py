@@ -411,8 +411,8 @@ def test_existing_table_with_the_key_as_unique_index_is_accepted(warehouse: Any)
     text = "VARCHAR(255)" if warehouse.kind == "mysql" else "TEXT"
     warehouse.run(
         f"CREATE TABLE {q('mine')} (id BIGINT NOT NULL, custom_id {text}, status {text}, content {text}, "
-        f"embedding {text}, finish_reason {text}, model {text}, prompt_tokens BIGINT, completion_tokens BIGINT, "
-        f"total_tokens BIGINT, error_code {text}, error_message {text}, batch_id {text}, merged_at {text}, "
+        f"embedding {text}, finish_reason {text}, model {text}, prompt_tokens BIGINT, "
+        f"completion_tokens BIGINT, total_tokens BIGINT, error_code {text}, error_message {text}, batch_id {text}, merged_at {text}, "
         f"note {text})"
     )
     warehouse.run(f"CREATE UNIQUE INDEX {q('mine_id')} ON {q('mine')} (id)")
