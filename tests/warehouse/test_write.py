@@ -412,8 +412,8 @@ def test_existing_table_with_the_key_as_unique_index_is_accepted(warehouse: Any)
     warehouse.run(
         f"CREATE TABLE {q('mine')} (id BIGINT NOT NULL, custom_id {text}, status {text}, content {text}, "
         f"embedding {text}, finish_reason {text}, model {text}, prompt_tokens BIGINT, "
-        f"completion_tokens BIGINT, total_tokens BIGINT, error_code {text}, error_message {text}, batch_id {text}, merged_at {text}, "
-        f"note {text})"
+        f"completion_tokens BIGINT, total_tokens BIGINT, error_code {text}, error_message {text}, "
+        f"batch_id {text}, merged_at {text}, note {text})"
     )
     warehouse.run(f"CREATE UNIQUE INDEX {q('mine_id')} ON {q('mine')} (id)")
     writer = ResultsWriter(warehouse.hook, "mine", key_columns=[Column("id", "integer")])
