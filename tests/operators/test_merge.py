@@ -24,6 +24,7 @@ def stage(
     lost: list[int] = (),
     rejects: list[dict[str, Any]] = (),
     json_format: bool = False,
+    endpoint: str = ENDPOINT,
 ) -> Path:
     """A build's staging directory: one shard, keys.jsonl (with keys lost from the shard), rejects.jsonl."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -35,10 +36,14 @@ def stage(
             if key in lost:
                 continue  # in the manifest but never sent: must come back as missing
             body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": text}]}
+            if endpoint == "/v1/embeddings":
+                body = {"model": "emb", "input": text}
+            elif endpoint == "/v1/responses":
+                body = {"model": "m", "input": text}
             if json_format:
                 body["response_format"] = {"type": "json_object"}
             out.write(
-                orjson.dumps({"custom_id": cid, "method": "POST", "url": ENDPOINT, "body": body}) + b"\n"
+                orjson.dumps({"custom_id": cid, "method": "POST", "url": endpoint, "body": body}) + b"\n"
             )
     with open(directory / "rejects.jsonl", "wb") as rej:
         for r in rejects:
@@ -47,7 +52,7 @@ def stage(
     import hashlib
 
     manifest = Manifest(
-        endpoint=ENDPOINT,
+        endpoint=endpoint,
         dialect="openai",
         key_columns=["ticket_id"],
         key_types=["integer"],
@@ -58,7 +63,7 @@ def stage(
                 lines=data.count(b"\n"),
                 bytes=len(data),
                 fingerprint=hashlib.sha256(data).hexdigest(),
-                endpoint=ENDPOINT,
+                endpoint=endpoint,
             )
         ],
         rows_written=len(rows),
@@ -255,3 +260,23 @@ def test_batches_rendered_as_a_string_are_read() -> None:
         ("b1", 2)
     ]
     assert normalize_batches("['b1', 'b2']") == [("b1", None), ("b2", None)]
+
+
+def test_embeddings_and_responses_through_the_server(server: Any, warehouse: Any, tmp_path: Path) -> None:
+    manifest = stage(tmp_path / "emb", [(1, "red shoe"), (2, "blue hat")], endpoint="/v1/embeddings")
+    result = merge(warehouse, submit_and_wait(manifest))
+    assert result["counts"]["succeeded"] == 2
+    q = warehouse.quote
+    rows = warehouse.rows(f"SELECT ticket_id, embedding, content FROM {q('ticket results')} ORDER BY 1")
+    vector = rows[0][1] if isinstance(rows[0][1], list) else orjson.loads(rows[0][1])
+    assert len(vector) == 16 and all(isinstance(v, float) for v in vector) and rows[0][2] is None
+
+    manifest = stage(tmp_path / "resp", [(1, "hello there")], endpoint="/v1/responses")
+    op = MergeBatchResultsOperator(
+        task_id="m", target_table="responses", conn_id=warehouse.conn_id, batches=submit_and_wait(manifest)
+    )
+    assert op.execute(context={})["counts"]["succeeded"] == 1  # type: ignore[arg-type]
+    content, reason, tokens = warehouse.rows(
+        f"SELECT content, finish_reason, total_tokens FROM {q('responses')}"
+    )[0]
+    assert "hello there" in content and reason == "completed" and tokens > 0
