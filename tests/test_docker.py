@@ -103,7 +103,13 @@ def test_services_and_commands(resolved: dict[str, Any]) -> None:
     assert services["postgres"]["image"].startswith("postgres:")
     init_script = " ".join(services["airflow-init"]["command"])
     assert "airflow db migrate" in init_script
-    assert "airflow_batch_provider.demo seed --conn-id warehouse" in init_script
+    seed = re.search(r"python -m airflow_batch_provider\.demo (seed [^\n]*)", init_script)
+    assert seed, init_script
+    from airflow_batch_provider.demo import build_parser
+
+    args = build_parser().parse_args(seed.group(1).split())
+    assert (args.command, args.conn_id) == ("seed", "warehouse")
+    assert "AIRFLOW_CONN_WAREHOUSE" in services["airflow-init"]["environment"]
 
 
 def test_airflow_environment_is_consistent(resolved: dict[str, Any]) -> None:
