@@ -43,10 +43,19 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
     connect = {"host": PG_HOST, "port": PG_PORT, "user": PG_USER, "dbname": PG_DB}
     with psycopg.connect(**connect, autocommit=True) as admin:
         admin.execute(f'CREATE SCHEMA "{schema}"')
-    # time_scale 1: the batch validates and finalizes in about 4 real seconds, so the wait task
-    # really sits in the triggerer for a while (see the race noted in tests/fixtures/e2e.py).
+    # Real-time lifecycle with a long validation: the batch completes about 10 s after it was
+    # created, so the wait task really sits in the triggerer for several seconds. A trigger that
+    # fires within ~1 s of the deferral can hit a race in Airflow 3.3.2's scheduler (the late
+    # "success" of the deferring try fails the resumed one; see tests/fixtures/e2e.py).
     server = BackgroundServer(
-        ServerConfig(port=0, data_dir=work / "server", time_scale=1.0, api_key=API_KEY)
+        ServerConfig(
+            port=0,
+            data_dir=work / "server",
+            time_scale=1.0,
+            validate_seconds=8,
+            finalize_seconds=2,
+            api_key=API_KEY,
+        )
     ).start()
     warehouse = {
         "conn_type": "postgres",
