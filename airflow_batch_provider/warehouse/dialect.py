@@ -151,6 +151,8 @@ class WarehouseDialect:
 
     #: Statement that sets a savepoint, or None when a failed statement cannot be undone alone.
     savepoint: str | None = None
+    #: Whether ``WITH w AS (INSERT ... RETURNING ...) SELECT ...`` works (counts while writing).
+    returning_counts = False
 
     # ---- transactions ------------------------------------------------------------------------
     def cursor(self, conn: Any) -> Any:
@@ -246,6 +248,7 @@ class PostgresWarehouseDialect(WarehouseDialect):
         return None  # ON COMMIT DROP
 
     savepoint = "SAVEPOINT {}"
+    returning_counts = True
 
     def unique_key_sets(self, conn: Any, table: str, schema: str | None) -> list[frozenset[str]] | None:
         rows = self._rows(
@@ -283,7 +286,7 @@ class PostgresWarehouseDialect(WarehouseDialect):
                 f"INSERT INTO {self.quote(table)} SELECT j->>'custom_id', CAST(j->>'shard' AS BIGINT), seq, "
                 f"CASE WHEN jsonb_typeof(j->'key') = 'array' THEN jsonb_array_length(j->'key') END"
                 f"{', ' + keys if keys else ''} "
-                f"FROM (SELECT seq, CAST(line AS JSONB) AS j FROM {raw} WHERE btrim(line) <> '') x"
+                f"FROM (SELECT seq, CAST(line AS JSONB) AS j FROM {raw} WHERE btrim(line) <> '' OFFSET 0) x"
             )
             cur.execute(f"DROP TABLE {raw}")
         finally:

@@ -340,7 +340,7 @@ class ResultsWriter:
                 f"LEFT JOIN {q(t_shards)} s ON s.{q('shard')} = k.{q('shard')}"
             )
 
-        from_clause = self._write_results(
+        from_clause, written, deduplicated = self._write_results(
             conn,
             report,
             t_results,
@@ -376,20 +376,26 @@ class ResultsWriter:
         # The generic upsert appends its own WHERE; the reject select already has one.
         self._execute(conn, rej_sql.replace(" WHERE 1=1 ON CONFLICT", " AND 1=1 ON CONFLICT"), stamp)
 
-        # Counts per status over the same join (with whether a result line was found).
-        has_result = f"CASE WHEN r.{q('custom_id')} IS NULL THEN 0 ELSE 1 END"
-        matched = 0
-        for status, found, n in self._fetchall(
-            conn,
-            f"SELECT {status_expr}, {has_result}, COUNT(*) {from_clause} "
-            f"GROUP BY {status_expr}, {has_result}",
-        ):
-            report.counts[str(status)] = report.counts.get(str(status), 0) + int(n)
-            matched += int(n) if int(found) else 0
+        self._orphans(conn, report, t_results, t_keys)
+        if written is not None and not deduplicated:
+            # Counted by the upsert itself; every key had at most one result line.
+            for status, n in written.items():
+                report.counts[status] = report.counts.get(status, 0) + n
+            matched = report.result_lines - report.orphan_results
+        else:
+            # Counts per status over the same join (with whether a result line was found).
+            has_result = f"CASE WHEN r.{q('custom_id')} IS NULL THEN 0 ELSE 1 END"
+            matched = 0
+            for status, found, n in self._fetchall(
+                conn,
+                f"SELECT {status_expr}, {has_result}, COUNT(*) {from_clause} "
+                f"GROUP BY {status_expr}, {has_result}",
+            ):
+                report.counts[str(status)] = report.counts.get(str(status), 0) + int(n)
+                matched += int(n) if int(found) else 0
         rejected = self._fetchall(conn, f"SELECT COUNT(*) {rej_from}")
         report.counts["rejected"] += int(rejected[0][0])
         report.rows_written = sum(report.counts.values())
-        self._orphans(conn, report, t_results, t_keys)
         report.duplicate_results = max(report.result_lines - report.orphan_results - matched, 0)
 
         if on_retry is not None:
@@ -433,7 +439,7 @@ class ResultsWriter:
             *[self._cast_json(f"r.{q(c.name)}", c) for c in self.mapper.columns],
         ]
         select_cols.append(d.cast(d.placeholder, "timestamp"))
-        ranked = self._write_results(
+        ranked, written, _ = self._write_results(
             conn,
             report,
             t_results,
@@ -442,9 +448,12 @@ class ResultsWriter:
             [d.merged_at_value(merged_at)],
             lambda source: source,
         )
-        counts = self._fetchall(
-            conn, f"SELECT r.{q('status')}, COUNT(*) FROM {ranked} r GROUP BY r.{q('status')}"
-        )
+        if written is not None:
+            counts = list(written.items())
+        else:
+            counts = self._fetchall(
+                conn, f"SELECT r.{q('status')}, COUNT(*) FROM {ranked} r GROUP BY r.{q('status')}"
+            )
         for status, n in counts:
             report.counts[str(status)] = report.counts.get(str(status), 0) + int(n)
         report.rows_written = sum(report.counts.values())
@@ -460,8 +469,12 @@ class ResultsWriter:
         target: list[str],
         params: list[Any],
         source_for: Callable[[str], str],
-    ) -> str:
-        """Run the one upsert; return what the later queries should read results from.
+    ) -> tuple[str, dict[str, int] | None, bool]:
+        """Run the one upsert.
+
+        Returns what later queries should read results from, the rows written per status when
+        the database counted them while writing (RETURNING), and whether repeated custom_ids
+        had to be ranked.
 
         A custom_id normally has one result line, and then the staged table joins directly.
         Where a failed statement can be undone alone (a savepoint), the direct statement is
@@ -471,22 +484,35 @@ class ResultsWriter:
         d = self.dialect
         q = d.quote
 
-        def write(source: str) -> None:
+        def write(source: str) -> dict[str, int] | None:
             select = select_for(source)
             if report.created_table:
                 # The table was created by this transaction, so it is empty: nothing to update.
-                self._execute(conn, d.insert(self.qtable, target, select), params)
+                sql = d.insert(self.qtable, target, select)
             else:
-                self._execute(conn, d.upsert(self.qtable, target, self.target_keys, select), params)
+                sql = d.upsert(self.qtable, target, self.target_keys, select)
+            counts: dict[str, int] | None = None
+            if d.returning_counts:
+                # Count the written rows per status in the same statement, not a second join.
+                rows = self._fetchall(
+                    conn,
+                    f"WITH abp_written AS ({sql} RETURNING {q('status')}) "
+                    f"SELECT {q('status')}, COUNT(*) FROM abp_written GROUP BY {q('status')}",
+                    params,
+                )
+                counts = {str(status): int(n) for status, n in rows}
+            else:
+                self._execute(conn, sql, params)
             if self._pk_pending:
                 self._execute(conn, self._add_primary_key_sql())
                 self._pk_pending = False
+            return counts
 
         d.analyze(conn, q(t_results))
         if d.savepoint:
             self._execute(conn, d.savepoint.format("abp_merge"))
             try:
-                write(q(t_results))
+                counts = write(q(t_results))
             except Exception as exc:
                 # 23505 unique_violation (plain insert), 21000 cardinality_violation (upsert).
                 if _sqlstate(exc) not in ("23505", "21000"):
@@ -496,12 +522,12 @@ class ResultsWriter:
                 self._pk_pending = report.created_table and bool(d.savepoint)
             else:
                 self._execute(conn, "RELEASE SAVEPOINT abp_merge")
-                return source_for(q(t_results))
+                return source_for(q(t_results)), counts, False
             ranked = self._ranked_sql(t_results)
         else:
             ranked = self._ranked_results(conn, t_results)
-        write(ranked)
-        return source_for(ranked)
+        counts = write(ranked)
+        return source_for(ranked), counts, ranked != q(t_results)
 
     def _ranked_results(self, conn: Any, t_results: str) -> str:
         """Results with one line per custom_id: a success wins over an error, then the later line.
@@ -639,12 +665,15 @@ class ResultsWriter:
             cur.close()
         log.debug("%.2fs: %s", time.perf_counter() - started, sql[:120])
 
-    def _fetchall(self, conn: Any, sql: str) -> list[tuple[Any, ...]]:
+    def _fetchall(self, conn: Any, sql: str, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:
         """For aggregate queries whose answer is a handful of rows."""
         cur = self.dialect.cursor(conn)
         started = time.perf_counter()
         try:
-            cur.execute(sql)
+            if params is None:
+                cur.execute(sql)
+            else:
+                cur.execute(sql, tuple(params))
             return [tuple(r) for r in cur.fetchall()]
         finally:
             cur.close()
