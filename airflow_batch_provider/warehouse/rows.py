@@ -255,6 +255,13 @@ class ResultMapper:
         self.completion_tokens = 0
         self.total_tokens = 0
 
+    def reset(self) -> None:
+        """Start counting lines and tokens afresh (one mapper may serve several merges)."""
+        self.lines = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.total_tokens = 0
+
     def row(self, line: ResultLine, batch_id: str | None) -> tuple[Any, ...]:
         """The staged row of one result line."""
         self.lines += 1

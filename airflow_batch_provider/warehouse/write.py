@@ -206,11 +206,15 @@ class ResultsWriter:
             can) or its records ``{custom_id, key, shard}`` (manifest mode only).
         :param rejects: rejects.jsonl records (manifest mode only).
         :param shards: per shard, its batch and the status of keys it has no result for.
-        :param on_retry: receives the retryable ``(shard, custom_id)`` pairs before commit; an
-            exception from it rolls the merge back.
+        :param on_retry: receives ``(shard, custom_id, key values)`` of every retryable key before
+            commit; an exception from it rolls the merge back.
+        :param merged_at: the ``merged_at`` value of every written row (default: now, UTC).
         """
         if self.manifest_mode and keys is None:
             raise ValueError("key columns were given but no keys to merge")
+        if on_retry is not None and not self.manifest_mode:
+            raise ValueError("resubmission needs a manifest (the original shards and keys)")
+        self.mapper.reset()
         report = MergeReport()
         merged_at = merged_at or datetime.now(timezone.utc)
         run = uuid.uuid4().hex[:10]
@@ -255,8 +259,6 @@ class ResultsWriter:
                 )
             else:
                 self._merge_unkeyed(conn, report, t_results, merged_at)
-                if on_retry is not None:
-                    raise ValueError("resubmission needs a manifest (the original shards and keys)")
             for name in created:
                 drop = self.dialect.drop_temp_table(name)
                 if drop:

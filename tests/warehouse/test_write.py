@@ -168,6 +168,7 @@ def test_rerun_upserts_without_duplicates(warehouse: Any) -> None:
         with_batch([chat_line("c1", "second"), chat_line("c2", "late")], "batch_2"), keys=keys
     )
     assert report.counts["succeeded"] == 2
+    assert report.prompt_tokens == 20 and report.result_lines == 2  # this run's figures only
     assert table_rows(warehouse, "results", "id, content, batch_id") == [
         (1, "second", "batch_2"),
         (2, "late", "batch_2"),
