@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,7 @@ from typing import Any
 import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
-DUCKDB_MEMORY_LIMIT = "256MB"
+DUCKDB_MEMORY_LIMIT = "128MB"
 PG = {"host": "127.0.0.1", "port": 5432, "user": "postgres", "dbname": "test"}
 
 
@@ -282,6 +283,8 @@ def main() -> None:
             if db == "postgres":
                 with psycopg.connect(**PG, autocommit=True) as admin:
                     admin.execute(f'DROP SCHEMA IF EXISTS "{target}" CASCADE')
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
     print()
     print(f"{'db':9} {'mode':12} {'rows':>10} {'s':>7} {'rows/s':>9} {'peak MB':>8} {'growth MB':>9}")
     for r in results:

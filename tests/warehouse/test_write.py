@@ -421,3 +421,29 @@ def test_existing_table_with_the_key_as_unique_index_is_accepted(warehouse: Any)
     writer.merge(with_batch([chat_line("c1", "x")]), keys=keys_for([("c1", 1)]))
     writer.merge(with_batch([chat_line("c1", "y")]), keys=keys_for([("c1", 1)]))
     assert warehouse.rows(f"SELECT id, content, note FROM {q('mine')}") == [(1, "y", None)]
+
+
+def test_postgres_through_psycopg2(pg_warehouse: Any) -> None:
+    """The COPY path also works on a psycopg2 connection (older PostgresHook installs)."""
+    psycopg2 = pytest.importorskip("psycopg2")
+    from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+    class Psycopg2Hook(PostgresHook):
+        def get_conn(self) -> Any:
+            return psycopg2.connect(
+                host="127.0.0.1",
+                user="postgres",
+                dbname="test",
+                options=f"-c search_path={pg_warehouse.schema}",
+            )
+
+    hook = Psycopg2Hook(postgres_conn_id=pg_warehouse.conn_id)
+    writer = ResultsWriter(hook, "p2", key_columns=[Column("id", "integer")])
+    lines = [chat_line("a", "tab\there\nnew line \\ backslash"), error_line("b", "batch_expired")]
+    seen: list[tuple[int, str, list[Any]]] = []
+    report = writer.merge(
+        with_batch(lines), keys=keys_for([("a", 1), ("b", 2), ("c", 3)]), on_retry=lambda p: seen.extend(p)
+    )
+    assert report.counts["succeeded"] == 1 and report.counts["expired"] == 1 and report.counts["missing"] == 1
+    assert pg_warehouse.rows("SELECT content FROM p2 WHERE id = 1") == [("tab\there\nnew line \\ backslash",)]
+    assert seen == [(0, "b", [2]), (0, "c", [3])]
