@@ -12,6 +12,13 @@ template of about 200 characters. Each scenario runs in its own process so the p
 * ``naive-postgres`` / ``naive-duckdb``: fetchall, render each row with Jinja, ``json.dumps``, one file.
 * ``pg-copy``: PostgreSQL builds the same lines itself, ``COPY (SELECT json_build_object(...)) TO STDOUT``
   into a file: the practical ceiling.
+
+CPU seconds are counted for the client process and its PostgreSQL backend (found by
+application_name), so rows per CPU-second compare fairly even on a busy machine.
+
+DuckDB keeps the blocks of a scanned table in its buffer pool up to its ``memory_limit``
+(80% of RAM by default), so the DuckDB figure grows with the table, not with the build;
+``--duckdb-memory-limit 64MB`` passes ``session_sql`` to bound it.
 """
 
 from __future__ import annotations
@@ -158,6 +165,7 @@ def run_operator(kind: str, out: Path, shard_lines: int) -> int:
         model=MODEL,
         staging_path=str(out),
         max_lines=shard_lines,
+        session_sql=os.environ.get("BENCH_SESSION_SQL_" + kind.upper()) or None,
     )
     result = op.execute({})  # type: ignore[arg-type]
     return int(result["rows_written"])
@@ -291,6 +299,11 @@ def main() -> int:
     parser.add_argument(
         "--repeat", type=int, default=1, help="run every scenario N times (interleaved); keep the best"
     )
+    parser.add_argument(
+        "--duckdb-memory-limit",
+        default=None,
+        help="run SET memory_limit on the operator's DuckDB connection (bounds DuckDB's block cache)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON too")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -309,6 +322,9 @@ def main() -> int:
         {
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
             "BENCH_SCHEMA": schema,
+            "BENCH_SESSION_SQL_DUCKDB": (
+                f"SET memory_limit = '{args.duckdb_memory_limit}'" if args.duckdb_memory_limit else ""
+            ),
             "BENCH_DUCKDB": str(duck),
             "AIRFLOW_HOME": env.get("AIRFLOW_HOME", str(work / "airflow-home")),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",

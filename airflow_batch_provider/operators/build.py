@@ -258,6 +258,8 @@ class SqlToBatchJsonlOperator(BaseOperator):
     :param max_reject_ratio: fail when rejected / read exceeds this (0..1); None = no limit.
     :param custom_id_prefix: text put in front of every custom_id (templated).
     :param fetch_batch_size: rows per fetch from the database.
+    :param session_sql: statements run on the source connection before the query, e.g.
+        ``["SET memory_limit = '512MB'"]`` to bound DuckDB's cache of scanned table blocks.
     """
 
     template_fields: Sequence[str] = (
@@ -301,6 +303,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
         max_reject_ratio: float | None = None,
         custom_id_prefix: str = "",
         fetch_batch_size: int = 5_000,
+        session_sql: str | Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -356,6 +359,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
         self.max_reject_ratio = max_reject_ratio
         self.custom_id_prefix = custom_id_prefix
         self.fetch_batch_size = fetch_batch_size
+        self.session_sql = [session_sql] if isinstance(session_sql, str) else list(session_sql or [])
 
     # ---- configuration resolved at run time -------------------------------------------------
 
@@ -519,7 +523,9 @@ class SqlToBatchJsonlOperator(BaseOperator):
             validator=LineValidator(rules, endpoint),
             prefix=prefix,
         )
-        with stream_rows(hook, query, self.parameters, batch_size=self.fetch_batch_size) as rows:
+        with stream_rows(
+            hook, query, self.parameters, batch_size=self.fetch_batch_size, session_sql=self.session_sql
+        ) as rows:
             build.run(rows)
         manifest = Manifest(
             source=f"{self.conn_id}: {self.table or _one_line(query)}",

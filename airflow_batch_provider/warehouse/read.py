@@ -201,6 +201,8 @@ class RowStream:
     :param sql: the query.
     :param parameters: query parameters in the driver's style.
     :param batch_size: rows per ``fetchmany``.
+    :param session_sql: statements run on the same connection before the query (session
+        settings such as DuckDB's ``SET memory_limit``, PostgreSQL's ``SET work_mem``).
     """
 
     def __init__(
@@ -210,11 +212,13 @@ class RowStream:
         parameters: Sequence[Any] | Mapping[str, Any] | None = None,
         *,
         batch_size: int = DEFAULT_BATCH_SIZE,
+        session_sql: Sequence[str] = (),
     ) -> None:
         self.hook = hook
         self.sql = sql
         self.parameters = parameters
         self.batch_size = batch_size
+        self.session_sql = list(session_sql)
         self.columns: list[Column] = []
         self.driver = "generic"
         self._conn: Any = None
@@ -225,6 +229,13 @@ class RowStream:
         self._conn = self.hook.get_conn()
         try:
             self.driver = driver_of(self._conn)
+            if self.session_sql:
+                setup = self._conn.cursor()
+                try:
+                    for statement in self.session_sql:
+                        setup.execute(statement)
+                finally:
+                    setup.close()
             self._cursor = _open_cursor(self._conn, self.driver, self.batch_size)
             if self.parameters is None:
                 self._cursor.execute(self.sql)
@@ -291,6 +302,7 @@ def stream_rows(
     parameters: Sequence[Any] | Mapping[str, Any] | None = None,
     *,
     batch_size: int = DEFAULT_BATCH_SIZE,
+    session_sql: Sequence[str] = (),
 ) -> RowStream:
     """Open a :class:`RowStream` (``with stream_rows(hook, sql) as rows: ...``)."""
-    return RowStream(hook, sql, parameters, batch_size=batch_size)
+    return RowStream(hook, sql, parameters, batch_size=batch_size, session_sql=session_sql)

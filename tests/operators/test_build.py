@@ -659,3 +659,16 @@ def test_duplicates_found_across_spills(
     seed(sqlite_warehouse, [(i, "t", "b") for i in range(1, 400)] + [(17, "t", "again")])
     with pytest.raises(DuplicateKeyError, match=r"1 key\(s\) of \(id\).*\{'id': 17\} x2"):
         build(sqlite_warehouse, tmp_path, messages=MESSAGES)
+
+
+def test_session_sql_runs_on_the_source_connection(duckdb_warehouse: Any, tmp_path: Path) -> None:
+    seed(duckdb_warehouse, [(1, "a", "b")])
+    _, out = build(
+        duckdb_warehouse,
+        tmp_path,
+        sql="SELECT id, title, current_setting('memory_limit') AS body FROM tickets",
+        session_sql=["SET memory_limit = '123MB'"],
+        messages=[{"role": "user", "content": "{{ body }}"}],
+    )
+    content = all_lines(out, staging.read_manifest(out))[0]["body"]["messages"][0]["content"]
+    assert content == "117.3 MiB"  # DuckDB reports 123 MB in MiB
