@@ -107,6 +107,8 @@ class MergeBatchResultsOperator(BaseOperator):
         lines whose status is failed, expired, cancelled or missing.
     :param max_attempts: the attempt number after which nothing more is resubmitted.
     :param results_mode: force ``files`` or ``results_endpoint`` when reading results.
+    :param session_settings: settings for the merge's own database session, e.g.
+        ``{"memory_limit": "256MB"}`` on DuckDB (which runs inside the worker process).
     """
 
     template_fields: Sequence[str] = ("target_table", "conn_id", "batches", "manifest_path", "target_schema")
@@ -132,6 +134,7 @@ class MergeBatchResultsOperator(BaseOperator):
         resubmit_failed: bool = False,
         max_attempts: int = 3,
         results_mode: str | None = None,
+        session_settings: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -154,6 +157,7 @@ class MergeBatchResultsOperator(BaseOperator):
             raise ConfigurationError("max_attempts must be at least 1")
         self.max_attempts = max_attempts
         self.results_mode = results_mode
+        self.session_settings = dict(session_settings or {})
 
     # ---- inputs -----------------------------------------------------------------------------
     def _batch_input(self, context: Context) -> Any:
@@ -231,6 +235,7 @@ class MergeBatchResultsOperator(BaseOperator):
             key_columns=key_columns,
             mapper=mapper,
             create_table=self.create_table,
+            session_settings=self.session_settings,
         )
         resubmission: dict[str, Any] = {}
 

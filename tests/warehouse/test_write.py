@@ -447,3 +447,17 @@ def test_postgres_through_psycopg2(pg_warehouse: Any) -> None:
     assert report.counts["succeeded"] == 1 and report.counts["expired"] == 1 and report.counts["missing"] == 1
     assert pg_warehouse.rows("SELECT content FROM p2 WHERE id = 1") == [("tab\there\nnew line \\ backslash",)]
     assert seen == [(0, "b", [2]), (0, "c", [3])]
+
+
+def test_session_settings_apply_to_the_merge_only(pg_warehouse: Any, duckdb_warehouse: Any) -> None:
+    for wh, settings in ((pg_warehouse, {"work_mem": "8MB"}), (duckdb_warehouse, {"memory_limit": "200MB"})):
+        writer = ResultsWriter(wh.hook, "s", key_columns=[Column("id", "integer")], session_settings=settings)
+        assert (
+            writer.merge(with_batch([chat_line("a", "x")]), keys=keys_for([("a", 1)])).counts["succeeded"]
+            == 1
+        )
+    with pytest.raises(Exception, match="invalid setting name"):
+        ResultsWriter(pg_warehouse.hook, "s", session_settings={"work_mem; DROP TABLE s": "1"}).merge(
+            with_batch([chat_line("a", "x")])
+        )
+    assert pg_warehouse.rows("SELECT COUNT(*) FROM s") == [(1,)]
