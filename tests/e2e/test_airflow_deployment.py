@@ -151,7 +151,13 @@ def test_example_1_through_the_rest_api(cluster: AirflowCluster, deployment: dic
         text for name, text in cluster.task_logs(dag_id, run_id, "wait").items() if ".trigger." in name
     )
     assert "Trigger fired event" in trigger_logs, trigger_logs[-3000:]
-    assert "airflow_batch_provider.triggers.batch" in trigger_logs
+    assert "Batch watch ended (success)" in trigger_logs
+    # The triggerer rebuilt the trigger from its serialised kwargs: it polled the very batches
+    # the submit task created (their ids are in the event it fired).
+    submitted = cluster.client.get(
+        f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/submit/xcomEntries/return_value"
+    ).json()["value"]
+    assert submitted["batch_ids"] and all(b in trigger_logs for b in submitted["batch_ids"])
     assert API_KEY not in trigger_logs
     outcome = cluster.client.get(
         f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/wait/xcomEntries/return_value"
