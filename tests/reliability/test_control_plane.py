@@ -49,7 +49,7 @@ async def test_pipeline_survives_control_plane_faults(
             "table": "tickets",
             "key_columns": "id",
             "messages": MESSAGES,
-            "max_lines": 25,
+            "max_lines": 10,
             "dialect": dialect,
         },
     )
@@ -57,8 +57,13 @@ async def test_pipeline_survives_control_plane_faults(
     counts = fault_counts(server.stats())
     server.set_faults(rate_429=0, rate_500=0, rate_503=0, drop_rate=0)
     errors = counts["429"] + counts["500"] + counts["503"]
+    # The task loggers write to stdout: count the creates the hook had to disambiguate.
+    ambiguous = capsys.readouterr().out.count("create failed ambiguously")
     with capsys.disabled():
-        print(f"\n[reliability] {dialect}: control-plane faults injected and survived: {json.dumps(counts)}")
+        print(
+            f"\n[reliability] {dialect}: control-plane faults injected and survived: {json.dumps(counts)}, "
+            f"ambiguous creates resolved: {ambiguous}"
+        )
     assert record.submit_error is None, record.submit_error
     assert record.event is not None and record.event["status"] == "success", record.event
     # The faults really happened, at the advertised rate, and the downloads really dropped.
@@ -72,9 +77,10 @@ async def test_pipeline_survives_control_plane_faults(
     assert pipeline.warehouse.rows("SELECT COUNT(*), COUNT(DISTINCT id) FROM answers") == [(ROWS, ROWS)]
     assert got == {i: f"echo: {text}" for i, text in rows}
     assert record.merge is not None and record.merge["counts"]["succeeded"] == ROWS
-    # Ambiguous creates (500/503 on POST /batches) never paid twice: one batch per shard.
+    # Ambiguous creates (500/503 on POST /batches) happened and never paid twice: one batch per shard.
+    assert ambiguous >= 1
     shards = len(record.manifest["shards"]) if record.manifest else 0
-    assert shards == 3
+    assert shards == 6
     assert len(list(BatchApiHook().list_batches())) == shards
 
 
