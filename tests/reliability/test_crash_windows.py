@@ -135,3 +135,34 @@ async def test_first_merge_killed_leaves_no_table_rows(server: Any, pipeline: Pi
     got = dict(pipeline.warehouse.rows("SELECT id, content FROM answers"))
     assert pipeline.warehouse.rows("SELECT COUNT(*), COUNT(DISTINCT id) FROM answers") == [(ROWS, ROWS)]
     assert got == {i: f"echo: {t}" for i, t in rows}
+
+
+@pytest.mark.parametrize("kind", ["duckdb_warehouse", "sqlite_warehouse"])
+async def test_merge_killed_before_commit_on_file_databases(
+    server: Any, request: pytest.FixtureRequest, tmp_path: Any, task_context: Any, kind: str
+) -> None:
+    """The same window on the embedded databases: a SIGKILLed writer leaves the file consistent."""
+    warehouse = request.getfixturevalue(kind)
+    pipe = Pipeline(warehouse, tmp_path / "staging", task_context)
+    rows = seed_texts(warehouse, "tickets", [f"t{i}" for i in range(ROWS)])
+    manifest = pipe.build("crash-file", **BUILD)
+    record = await pipe.submit_and_wait(manifest, "crash-file")
+    assert record.submission is not None
+    batches = orjson.loads(orjson.dumps(record.submission))
+    assert pipe.merge(batches, manifest, "answers")["counts"]["succeeded"] == ROWS
+    before = warehouse.rows("SELECT id, status, content, merged_at FROM answers ORDER BY id")
+    kill_in_window(
+        {
+            "step": "merge",
+            "batches": batches,
+            "manifest_path": manifest["manifest_path"],
+            "table": "answers",
+            "conn_id": warehouse.conn_id,
+            "kill_at": "before_commit",
+        }
+    )
+    assert warehouse.rows("SELECT id, status, content, merged_at FROM answers ORDER BY id") == before
+    again = pipe.merge(batches, manifest, "answers")
+    assert again["counts"]["succeeded"] == ROWS
+    assert warehouse.rows("SELECT COUNT(*), COUNT(DISTINCT id) FROM answers") == [(ROWS, ROWS)]
+    assert dict(warehouse.rows("SELECT id, content FROM answers")) == {i: f"echo: {t}" for i, t in rows}
