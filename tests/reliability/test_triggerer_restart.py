@@ -113,3 +113,31 @@ async def test_rebuilt_trigger_after_the_deadline_times_out_at_once(
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
+
+
+async def test_resume_with_the_event_alone_keeps_the_submission(
+    batch_server: Any, pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``airflow dags test`` resumes a deferred task with ``{"event": ...}`` only (its inline
+    trigger drops the deferral kwargs): the submission comes back from the XCom pushed before
+    deferring, so the merge still gets the batch ids and shards."""
+    from tests.fixtures.airflow import RecordingTaskInstance
+
+    class PullingTaskInstance(RecordingTaskInstance):
+        def xcom_pull(self, task_ids: str, key: str, map_indexes: int) -> Any:
+            assert (task_ids, key, map_indexes) == (self.task_id, "return_value", self.map_index)
+            return self.xcom.get(key)
+
+    server = batch_server(dialect="openai")
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
+    seed_texts(pipeline.warehouse, "tickets", [f"t{i}" for i in range(12)])
+    manifest = pipeline.build("resume", table="tickets", key_columns="id", messages=MESSAGES, max_lines=5)
+    op = pipeline.submit_op(manifest)
+    ctx = {"ti": PullingTaskInstance("reliability", "submit", "resume")}
+    with pytest.raises(TaskDeferred) as info:
+        op.execute(ctx)  # type: ignore[arg-type]
+    event = await first_event(rebuild_trigger(info.value.trigger))
+    result = op.execute_complete(ctx, event)  # type: ignore[arg-type]
+    assert [b["shard"] for b in result["batches"]] == [0, 1, 2] and result["outcome"]["status"] == "success"
+    summary = pipeline.merge(result, manifest, "answers")
+    assert summary["counts"]["succeeded"] == 12
