@@ -162,19 +162,26 @@ class WarehouseDialect:
     def begin(self, conn: Any) -> None:
         """Start the one transaction of the merge (DB-API drivers open one implicitly)."""
 
-    def probe_columns(self, conn: Any, table: str) -> list[str] | None:
-        """The column names of ``table``, or None when it does not exist. Leaves no transaction open."""
+    #: Whether the merge holds the table alone from ``lock_table`` to commit, so a table it
+    #: created is known to be empty (then a plain INSERT is enough).
+    exclusive_merge = False
+
+    def lock_table(self, conn: Any, table: str, schema: str | None) -> None:
+        """Serialise merges into one table (concurrent first merges would race on CREATE TABLE)."""
+
+    def probe_columns(self, conn: Any, table: str, schema: str | None) -> list[str] | None:
+        """The column names of the table, or None when it does not exist (inside the transaction).
+
+        A failed statement does not abort a transaction on SQLite or MySQL, so the probe may fail.
+        """
         cur = self.cursor(conn)
         try:
-            cur.execute(f"SELECT * FROM {table} WHERE 1=0")
-            names = [d[0] for d in cur.description or ()]
+            cur.execute(f"SELECT * FROM {self.table(table, schema)} WHERE 1=0")
+            return [d[0] for d in cur.description or ()]
         except Exception:
-            conn.rollback()
             return None
         finally:
             cur.close()
-        conn.rollback()
-        return names
 
     # ---- bulk load ---------------------------------------------------------------------------
     def bulk_load(
@@ -202,10 +209,13 @@ class SqliteWarehouseDialect(WarehouseDialect):
     types = {**WarehouseDialect.types, "integer": "INTEGER", "float": "REAL"}
     merged_at_type = "TEXT"
 
+    exclusive_merge = True
+
     def begin(self, conn: Any) -> None:
         # The sqlite3 module only opens a transaction before DML; DDL must be inside it too.
+        # IMMEDIATE takes the write lock now, so concurrent merges queue instead of racing.
         conn.isolation_level = None
-        conn.execute("BEGIN")
+        conn.execute("BEGIN IMMEDIATE")
 
     def cast(self, expression: str, portable: str) -> str:
         return expression
@@ -249,6 +259,20 @@ class PostgresWarehouseDialect(WarehouseDialect):
 
     savepoint = "SAVEPOINT {}"
     returning_counts = True
+    exclusive_merge = True
+
+    def lock_table(self, conn: Any, table: str, schema: str | None) -> None:
+        # A transaction-scoped advisory lock on the table's name: a second merge into the same
+        # table waits here until the first commits, then finds the table it created.
+        self._rows(
+            conn, "SELECT pg_advisory_xact_lock(hashtext(%s))", [f"abp-merge:{self.table(table, schema)}"]
+        )
+
+    def probe_columns(self, conn: Any, table: str, schema: str | None) -> list[str] | None:
+        # A failed statement would abort the transaction: look the table up first.
+        if self._rows(conn, "SELECT to_regclass(%s)", [self.table(table, schema)])[0][0] is None:
+            return None
+        return super().probe_columns(conn, table, schema)
 
     def unique_key_sets(self, conn: Any, table: str, schema: str | None) -> list[frozenset[str]] | None:
         rows = self._rows(
@@ -401,11 +425,20 @@ class DuckDBWarehouseDialect(WarehouseDialect):
             return f"key->>{index}"
         return f"CAST(key->>{index} AS {self.sql_type(portable)})"
 
-    def probe_columns(self, conn: Any, table: str) -> list[str] | None:
-        try:
-            cur = conn.execute(f"SELECT * FROM {table} WHERE 1=0")
-        except Exception:
+    # One process writes a DuckDB file at a time.
+    exclusive_merge = True
+
+    def probe_columns(self, conn: Any, table: str, schema: str | None) -> list[str] | None:
+        # A failed statement would abort the transaction: look the table up first.
+        found = self._rows(
+            conn,
+            "SELECT COUNT(*) FROM information_schema.tables WHERE table_name = ? "
+            "AND table_schema = COALESCE(?, current_schema())",
+            [table, schema],
+        )
+        if not found[0][0]:
             return None
+        cur = conn.execute(f"SELECT * FROM {self.table(table, schema)} WHERE 1=0")
         return [d[0] for d in cur.description or ()]
 
     def bulk_load(

@@ -134,6 +134,7 @@ class ResultsWriter:
             )
         self.manifest_mode = bool(self.key_columns)
         self._pk_pending = False
+        self._fresh_table = False
         # Target layout: keys, custom_id, result columns, merged_at.
         self.target_columns: list[Column] = [
             *self.key_columns,
@@ -156,7 +157,9 @@ class ResultsWriter:
             parts.append(f"{self.dialect.quote(col.name)} {sql_type}{' NOT NULL' if is_key else ''}")
         if primary_key:
             parts.append(f"PRIMARY KEY ({', '.join(self.dialect.quote(k) for k in self.target_keys)})")
-        return f"CREATE TABLE {self.qtable} ({', '.join(parts)})"
+        # IF NOT EXISTS: where merges are not serialised (MySQL), a concurrent merge may have
+        # created it since the probe.
+        return f"CREATE TABLE IF NOT EXISTS {self.qtable} ({', '.join(parts)})"
 
     def _add_primary_key_sql(self) -> str:
         keys = ", ".join(self.dialect.quote(k) for k in self.target_keys)
@@ -169,9 +172,11 @@ class ResultsWriter:
             # Where a failed statement can be undone alone, a new table gets its primary key
             # after the bulk insert: building the index once is cheaper than growing it row by
             # row, and a repeated key still fails (and falls back) before commit.
-            self._pk_pending = bool(self.dialect.savepoint)
+            self._pk_pending = bool(self.dialect.savepoint and self.dialect.exclusive_merge)
             self._execute(conn, self._create_sql(primary_key=not self._pk_pending))
             report.created_table = True
+            # Only a merge that holds the table alone knows the new table is still empty.
+            self._fresh_table = self.dialect.exclusive_merge
             return
         have = {name.lower() for name in existing}
         missing = [c.name for c in self.target_columns if c.name.lower() not in have]
@@ -224,12 +229,12 @@ class ResultsWriter:
         conn = self.hook.get_conn()
         created: list[str] = []
         try:
-            # Probed before the transaction starts: a failed probe aborts a PostgreSQL/DuckDB one.
-            existing = self.dialect.probe_columns(conn, self.qtable)
-            self._pk_pending = False
+            self._pk_pending = self._fresh_table = False
             self.dialect.begin(conn)
             for name, value in self.session_settings.items():
                 self._execute(conn, self.dialect.set_setting(name, value))
+            self.dialect.lock_table(conn, self.table_name, self.schema)
+            existing = self.dialect.probe_columns(conn, self.table_name, self.schema)
             self._ensure_table(conn, report, existing)
             # Staging: results.
             res_cols = self._staging_columns(
@@ -488,7 +493,7 @@ class ResultsWriter:
 
         def write(source: str) -> dict[str, int] | None:
             select = select_for(source)
-            if report.created_table:
+            if self._fresh_table:
                 # The table was created by this transaction, so it is empty: nothing to update.
                 sql = d.insert(self.qtable, target, select)
             else:
@@ -521,7 +526,7 @@ class ResultsWriter:
                     raise
                 log.info("A custom_id has more than one result line; keeping one per key")
                 self._execute(conn, "ROLLBACK TO SAVEPOINT abp_merge")
-                self._pk_pending = report.created_table and bool(d.savepoint)
+                self._pk_pending = self._fresh_table and bool(d.savepoint)
             else:
                 self._execute(conn, "RELEASE SAVEPOINT abp_merge")
                 return source_for(q(t_results)), counts, False

@@ -12,7 +12,7 @@ from airflow_batch_provider.dialects import get_dialect
 from airflow_batch_provider.exceptions import WarehouseSchemaError
 from airflow_batch_provider.models import ResultLine
 from airflow_batch_provider.warehouse.rows import Column, OutputSchema, ResultMapper
-from airflow_batch_provider.warehouse.write import ResultsWriter, ShardOutcome
+from airflow_batch_provider.warehouse.write import MergeReport, ResultsWriter, ShardOutcome
 
 OPENAI = get_dialect("openai")
 
@@ -221,7 +221,7 @@ def test_crash_on_first_merge_leaves_no_table_rows(warehouse: Any) -> None:
     else:
         assert (
             ResultsWriter(warehouse.hook, "fresh").dialect.probe_columns(
-                warehouse.hook.get_conn(), warehouse.quote("fresh")
+                warehouse.hook.get_conn(), "fresh", None
             )
             is None
         )
@@ -461,3 +461,23 @@ def test_session_settings_apply_to_the_merge_only(pg_warehouse: Any, duckdb_ware
             with_batch([chat_line("a", "x")])
         )
     assert pg_warehouse.rows("SELECT COUNT(*) FROM s") == [(1,)]
+
+
+def test_concurrent_first_merges_create_the_table_once(warehouse: Any) -> None:
+    """Merges racing into a table nobody has created yet: one creates it, the others upsert."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if warehouse.kind == "duckdb":
+        pytest.skip("one process writes a DuckDB file at a time; its connections share the instance")
+
+    def one(n: int) -> MergeReport:
+        writer = ResultsWriter(warehouse.hook, "raced", key_columns=[Column("id", "integer")])
+        ids = [(f"c{n}-{i}", n * 100 + i) for i in range(20)]
+        return writer.merge(with_batch([chat_line(cid, "x") for cid, _ in ids]), keys=keys_for(ids))
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        reports = list(pool.map(one, range(4)))
+    assert [r.counts["succeeded"] for r in reports] == [20] * 4
+    assert warehouse.rows(f"SELECT COUNT(*), COUNT(DISTINCT id) FROM {warehouse.quote('raced')}") == [
+        (80, 80)
+    ]
