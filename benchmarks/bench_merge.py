@@ -32,7 +32,6 @@ from typing import Any
 import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
-DUCKDB_MEMORY_LIMIT = "128MB"
 PG = {"host": "127.0.0.1", "port": 5432, "user": "postgres", "dbname": "test"}
 
 
@@ -134,7 +133,7 @@ def child(mode: str, db: str, directory: Path, target: str, baseline_lines: int)
     hook = hook_for(db, target)
     table = f"results_{mode}"
     # DuckDB runs inside this process: cap its buffer pool so the figure is the merge's, not a cache's.
-    settings = {"memory_limit": DUCKDB_MEMORY_LIMIT} if db == "duckdb" else {}
+    settings = {"memory_limit": os.environ["BENCH_DUCKDB_MEMORY_LIMIT"]} if db == "duckdb" else {}
     writer = ResultsWriter(hook, table, key_columns=[Column("id", "integer")], session_settings=settings)
     start_rss = rss_mb()
     rows = 0
@@ -236,6 +235,7 @@ def main() -> None:
         return
 
     os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="abp-bench-home-"))
+    os.environ["BENCH_DUCKDB_MEMORY_LIMIT"] = args.duckdb_memory_limit
     work = Path(tempfile.mkdtemp(prefix="abp-bench-merge-"))
     t0 = time.perf_counter()
     generate(work, args.lines)
