@@ -227,6 +227,12 @@ def main() -> None:
     parser.add_argument(
         "--baseline-lines", type=int, default=50_000, help="insert_rows rows on DuckDB (slow)"
     )
+    parser.add_argument("--keep", action="store_true", help="keep the generated files")
+    parser.add_argument(
+        "--duckdb-memory-limit",
+        default="256MB",
+        help="DuckDB memory_limit for the merge (it runs in-process)",
+    )
     parser.add_argument("--child", nargs=4, metavar=("MODE", "DB", "DIR", "TARGET"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
