@@ -10,7 +10,9 @@
   starts the local batch server (echo backend) on a free port, seeds an embedded DuckDB
   warehouse, runs the ``support_ticket_triage`` example with ``airflow dags test``, prints the
   summary and stops the server. Set ``BATCH_DEMO_CONNECTION`` to a ``batch_api`` connection
-  URI (or JSON) to run the same DAG against a real vendor instead of the local server.
+  URI (or JSON), e.g. ``batch-api://:sk-...@api.openai.com/v1?dialect=openai``, to run the
+  same DAG against a real vendor instead of the local server (``BATCH_DEMO_MODEL`` picks
+  the model, default ``gpt-4o-mini``).
 
 The sample data is generated deterministically (same seed, same rows), so the demo and the
 tests see the same tickets every time. A handful of tickets have no body on purpose: they
@@ -21,6 +23,7 @@ is ever dropped silently.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -358,9 +361,12 @@ def run_demo(workdir: Path, *, tickets: int = DEFAULT_TICKETS, keep: bool = Fals
         step(f"airflow dags test {DEMO_DAG_ID}")
         started = time.monotonic()
         log_file = workdir / "dags-test.log"
+        command = [sys.executable, "-m", "airflow", "dags", "test", DEMO_DAG_ID]
+        if os.environ.get("BATCH_DEMO_MODEL"):
+            command += ["-c", json.dumps({"model": os.environ["BATCH_DEMO_MODEL"]})]
         with log_file.open("w") as log:
             proc = subprocess.run(  # noqa: S603 - our own interpreter and a fixed argument list
-                [sys.executable, "-m", "airflow", "dags", "test", DEMO_DAG_ID],
+                command,
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
