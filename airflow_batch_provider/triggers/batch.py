@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import weakref
 import zlib
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime, timedelta, timezone
@@ -65,6 +66,46 @@ def shared_ssl_context() -> ssl.SSLContext:
     if _SSL_CONTEXT is None:
         _SSL_CONTEXT = httpx.create_ssl_context()
     return _SSL_CONTEXT
+
+
+# Connections shared by every trigger of one event loop (the triggerer runs one loop).
+POOL_CONNECTIONS = 100
+_POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncHTTPTransport] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class _SharedTransport(httpx.AsyncBaseTransport):
+    """A view of the loop's pooled transport that a closing client cannot close.
+
+    A thousand triggers each with its own client would hold a thousand idle sockets and
+    their parser state; a full garbage collection then walks all of it and stalls the loop
+    for hundreds of milliseconds. The pool holds no connection settings or secrets: the
+    hook's own client still sets the base URL, headers and timeouts of every request.
+    """
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self._inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        # The pool outlives any one trigger; it goes with its event loop.
+        return None
+
+
+def shared_transport() -> httpx.AsyncBaseTransport:
+    """The pooled transport of the running event loop, created on first use."""
+    loop = asyncio.get_running_loop()
+    inner = _POOLS.get(loop)
+    if inner is None:
+        inner = httpx.AsyncHTTPTransport(
+            verify=shared_ssl_context(),
+            limits=httpx.Limits(max_connections=POOL_CONNECTIONS, max_keepalive_connections=POOL_CONNECTIONS),
+        )
+        _POOLS[loop] = inner
+    return _SharedTransport(inner)
 
 
 def deadline_from(
@@ -177,7 +218,7 @@ class BatchTrigger(BaseTrigger):
         return BatchApiHook(
             self.batch_conn_id,
             dialect=self.dialect,
-            async_transport=httpx.AsyncHTTPTransport(verify=shared_ssl_context()),
+            async_transport=shared_transport(),
         )
 
     def start_delay(self) -> float:
