@@ -230,7 +230,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
     ``staging_path``. The return value (XCom) is the manifest plus ``staging_path``,
     ``manifest_path`` and a ``uri`` on every shard, so ``.expand()`` can map over ``["shards"]``.
 
-    :param conn_id: connection of the source database (any ``DbApiHook``).
+    :param conn_id: connection of the source database (any ``DbApiHook``) (templated).
     :param sql: the query (templated; ``.sql`` files are read). Give ``sql`` or ``table``.
     :param table: a table to read whole (templated); used as written, so quote it yourself if needed.
     :param where: optional filter for ``table`` (templated).
@@ -245,8 +245,8 @@ class SqlToBatchJsonlOperator(BaseOperator):
     :param endpoint: the url every line targets (templated); default chat completions, or
         embeddings when ``input_column`` is given.
     :param model: the model (templated); omit it to set it later with ``airflow-batch prepare``.
-    :param dialect: vendor dialect whose rules and limits apply (default ``openai``).
-    :param batch_conn_id: a batch API connection to read the dialect from, when ``dialect`` is not given.
+    :param dialect: vendor dialect whose rules and limits apply (default ``openai``) (templated).
+    :param batch_conn_id: a batch API connection to read the dialect from, when ``dialect`` is not given (templated).
     :param staging_path: where to write (templated; a URI or ObjectStoragePath). Default:
         ``[batch_provider] staging_root`` (or ``$AIRFLOW_HOME/batch-staging``) / dag / run / task.
     :param max_lines: lower the dialect's lines-per-shard limit.
@@ -263,6 +263,9 @@ class SqlToBatchJsonlOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = (
+        "conn_id",
+        "batch_conn_id",
+        "dialect",
         "sql",
         "table",
         "where",
