@@ -133,7 +133,9 @@ def child(mode: str, db: str, directory: Path, target: str, baseline_lines: int)
     hook = hook_for(db, target)
     table = f"results_{mode}"
     # DuckDB runs inside this process: cap its buffer pool so the figure is the merge's, not a cache's.
-    settings = {"memory_limit": os.environ["BENCH_DUCKDB_MEMORY_LIMIT"]} if db == "duckdb" else {}
+    settings = (
+        {"memory_limit": os.environ.get("BENCH_DUCKDB_MEMORY_LIMIT", "256MB")} if db == "duckdb" else {}
+    )
     writer = ResultsWriter(hook, table, key_columns=[Column("id", "integer")], session_settings=settings)
     start_rss = rss_mb()
     rows = 0
@@ -173,7 +175,7 @@ def child(mode: str, db: str, directory: Path, target: str, baseline_lines: int)
                 table,
                 stamp_rows,
                 target_fields=[writer.dialect.quote(c) for c in columns],
-                commit_every=10_000,
+                commit_every=int(os.environ.get("BENCH_COMMIT_EVERY", "1000")),
             )
             rows = limit or 0
             if not limit:
@@ -229,6 +231,9 @@ def main() -> None:
     )
     parser.add_argument("--keep", action="store_true", help="keep the generated files")
     parser.add_argument(
+        "--commit-every", type=int, default=1000, help="insert_rows commit_every (common-sql's default: 1000)"
+    )
+    parser.add_argument(
         "--duckdb-memory-limit",
         default="256MB",
         help="DuckDB memory_limit for the merge (it runs in-process)",
@@ -242,6 +247,7 @@ def main() -> None:
 
     os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="abp-bench-home-"))
     os.environ["BENCH_DUCKDB_MEMORY_LIMIT"] = args.duckdb_memory_limit
+    os.environ["BENCH_COMMIT_EVERY"] = str(args.commit_every)
     work = Path(tempfile.mkdtemp(prefix="abp-bench-merge-"))
     t0 = time.perf_counter()
     generate(work, args.lines)
