@@ -6,6 +6,8 @@ Configured by environment variables so one file serves every test that runs it u
 * ``REL_SOURCE_TABLE`` / ``REL_TARGET_TABLE``: the warehouse tables (connection ``wh_postgres``).
 * ``REL_MAX_LINES``: lines per shard (so a small table makes several mapped submits).
 * ``REL_STAGING``: the staging directory of the run.
+* ``REL_POLL_INTERVAL`` / ``REL_WAIT_TIMEOUT``: the submit's wait (seconds).
+* ``REL_DAG_ID``: the DAG id (so tests sharing a metadata database keep their runs apart).
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ def reliability_pipeline() -> None:
         source=build.output,
         wait_for_completion=True,
         deferrable=True,
-        poll_interval=0.05,
-        max_poll_interval=0.2,
+        poll_interval=float(os.environ.get("REL_POLL_INTERVAL", "0.05")),
+        max_poll_interval=float(os.environ.get("REL_POLL_INTERVAL", "0.05")) * 4,
+        timeout=float(os.environ["REL_WAIT_TIMEOUT"]) if os.environ.get("REL_WAIT_TIMEOUT") else None,
     ).expand(shard=shard_indexes(build.output))
 
     @task
