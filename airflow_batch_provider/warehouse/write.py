@@ -383,13 +383,20 @@ class ResultsWriter:
         # The generic upsert appends its own WHERE; the reject select already has one.
         self._execute(conn, rej_sql.replace(" WHERE 1=1 ON CONFLICT", " AND 1=1 ON CONFLICT"), stamp)
 
-        self._orphans(conn, report, t_results, t_keys)
         if written is not None and not deduplicated:
             # Counted by the upsert itself; every key had at most one result line.
             for status, n in written.items():
                 report.counts[status] = report.counts.get(status, 0) + n
+            known_orphans = None
+            if all(outcome.absent_status == "missing" for outcome in shards.values()):
+                # No result line is ever "missing", so the keys with a result are all the others,
+                # and every other staged line matched no key: no anti-join needed to count them.
+                matched = sum(written.values()) - written.get("missing", 0)
+                known_orphans = report.result_lines - matched
+            self._orphans(conn, report, t_results, t_keys, known_orphans)
             matched = report.result_lines - report.orphan_results
         else:
+            self._orphans(conn, report, t_results, t_keys)
             # Counts per status over the same join (with whether a result line was found).
             has_result = f"CASE WHEN r.{q('custom_id')} IS NULL THEN 0 ELSE 1 END"
             matched = 0
@@ -414,14 +421,17 @@ class ResultsWriter:
             )
             on_retry(self._stream(conn, sql))
 
-    def _orphans(self, conn: Any, report: MergeReport, t_results: str, t_keys: str) -> None:
+    def _orphans(
+        self, conn: Any, report: MergeReport, t_results: str, t_keys: str, known: int | None = None
+    ) -> None:
+        """Count (unless already ``known``) and sample the result lines that match no key."""
         q = self.dialect.quote
         where = (
             f"WHERE NOT EXISTS (SELECT 1 FROM {q(t_keys)} k WHERE k.{q('custom_id')} = r.{q('custom_id')})"
         )
-        report.orphan_results = int(
-            self._fetchall(conn, f"SELECT COUNT(*) FROM {q(t_results)} r {where}")[0][0]
-        )
+        if known is None:
+            known = int(self._fetchall(conn, f"SELECT COUNT(*) FROM {q(t_results)} r {where}")[0][0])
+        report.orphan_results = known
         if report.orphan_results:
             sample = self._fetchall(
                 conn,
