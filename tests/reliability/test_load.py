@@ -7,13 +7,14 @@ must hold exactly one batch per shard.
 
 The results table exists before the 20 runs start (an earlier run of partition 0 made it, and
 partition 0 is merged again concurrently: an idempotent re-merge under load). Concurrent
-*first* merges into a table that does not exist yet race on CREATE TABLE: that bug is pinned
-by ``test_concurrent_first_merges_create_the_table_once`` below.
+*first* merges into a table that does not exist yet are covered by
+``test_concurrent_first_merges_create_the_table_once`` (they used to race on CREATE TABLE).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -105,11 +106,6 @@ async def test_twenty_concurrent_runs_account_for_every_row(
     assert got == {i: f"echo: {t}" for i, t in rows}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug in warehouse/write.py: concurrent first merges into a new table race on CREATE TABLE "
-    "(PostgreSQL UniqueViolation on pg_type); see the reliability report for the proposed fix",
-)
 async def test_concurrent_first_merges_create_the_table_once(
     batch_server: Any, pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -128,8 +124,14 @@ async def test_concurrent_first_merges_create_the_table_once(
         record = await pipeline.submit_and_wait(manifest, f"first-{n}")
         assert record.submission is not None
         done.append((record.submission, manifest))
+    start = threading.Barrier(5)
+
+    def merge_together(submission: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
+        start.wait(timeout=60)  # all five reach the (missing) table at once
+        return pipeline.merge(submission, manifest, "answers")
+
     with ThreadPoolExecutor(max_workers=5) as pool:
-        futures = [pool.submit(pipeline.merge, sub, man, "answers") for sub, man in done]
+        futures = [pool.submit(merge_together, sub, man) for sub, man in done]
         errors = [f.exception() for f in futures]
     assert errors == [None] * 5, errors
     assert pipeline.warehouse.rows("SELECT COUNT(*), COUNT(DISTINCT id) FROM answers") == [
