@@ -280,3 +280,12 @@ def test_embeddings_and_responses_through_the_server(server: Any, warehouse: Any
         f"SELECT content, finish_reason, total_tokens FROM {q('responses')}"
     )[0]
     assert "hello there" in content and reason == "completed" and tokens > 0
+
+
+def test_no_resubmission_after_the_last_attempt(server: Any, sqlite_warehouse: Any, tmp_path: Path) -> None:
+    manifest = stage(tmp_path / "stage", [(i, f"q {i}") for i in range(1, 7)])
+    server.set_faults(line_failure_rate=0.5)
+    result = merge(sqlite_warehouse, submit_and_wait(manifest), resubmit_failed=True, max_attempts=1)
+    assert result["counts"]["failed"] > 0 and result["resubmit"] is False
+    assert result["unresubmitted"] == result["counts"]["failed"] and result["resubmit_manifest_path"] is None
+    assert not (tmp_path / "stage" / "attempt-2").exists()
