@@ -128,7 +128,9 @@ class LineValidator:
         if raw.number == 1 and data.startswith(UTF8_BOM):
             self.lines += 1
             return None, [
-                Problem(1, "byte_order_mark", "file starts with a UTF-8 byte order mark; save it as plain UTF-8")
+                Problem(
+                    1, "byte_order_mark", "file starts with a UTF-8 byte order mark; save it as plain UTF-8"
+                )
             ]
         if not data.strip():
             return None, []
@@ -139,7 +141,9 @@ class LineValidator:
             try:
                 data.decode("utf-8")
             except UnicodeDecodeError as uexc:
-                return None, [Problem(raw.number, "invalid_utf8", f"line is not valid UTF-8 (byte {uexc.start})")]
+                return None, [
+                    Problem(raw.number, "invalid_utf8", f"line is not valid UTF-8 (byte {uexc.start})")
+                ]
             return None, [Problem(raw.number, "invalid_json", f"line is not valid JSON: {exc}")]
         return obj if isinstance(obj, dict) else None, self.check_object(obj, raw.number)
 
@@ -170,17 +174,29 @@ class LineValidator:
         problems.extend(self._check_url(obj.get("url"), number, cid))
         body = obj.get("body")
         if not isinstance(body, dict) or not body:
-            problems.append(Problem(number, "invalid_body", "body must be a non-empty JSON object", "body", cid))
+            problems.append(
+                Problem(number, "invalid_body", "body must be a non-empty JSON object", "body", cid)
+            )
         elif body.get("stream") is True:
             problems.append(
-                Problem(number, "stream_not_supported", "body.stream=true is not allowed in a batch", "body.stream", cid)
+                Problem(
+                    number,
+                    "stream_not_supported",
+                    "body.stream=true is not allowed in a batch",
+                    "body.stream",
+                    cid,
+                )
             )
         return problems
 
     def _check_url(self, url: Any, number: int, cid: str | None) -> list[Problem]:
         if not isinstance(url, str) or url not in self.rules.endpoints:
             allowed = ", ".join(sorted(self.rules.endpoints))
-            return [Problem(number, "invalid_url", f"url {url!r} is not a batchable endpoint ({allowed})", "url", cid)]
+            return [
+                Problem(
+                    number, "invalid_url", f"url {url!r} is not a batchable endpoint ({allowed})", "url", cid
+                )
+            ]
         if self.rules.mixed_endpoints:
             return []
         if self.expected_url is not None and url != self.expected_url:
@@ -200,7 +216,7 @@ class LineValidator:
                 Problem(
                     number,
                     "mismatched_url",
-                    f"url {url!r} differs from {self.first_url!r} on an earlier line; one batch takes one url",
+                    f"url {url!r} differs from {self.first_url!r} on an earlier line; a batch takes one url",
                     "url",
                     cid,
                 )
@@ -215,12 +231,18 @@ class LineValidator:
             problems.append(Problem(None, "empty_file", "file has no lines"))
         if self.lines > limits.max_lines:
             problems.append(
-                Problem(None, "too_many_lines", f"file has {self.lines:,} lines; the limit is {limits.max_lines:,}")
+                Problem(
+                    None,
+                    "too_many_lines",
+                    f"file has {self.lines:,} lines; the limit is {limits.max_lines:,}",
+                )
             )
         if self.bytes > limits.max_file_bytes:
             problems.append(
                 Problem(
-                    None, "file_too_large", f"file is {self.bytes:,} bytes; the limit is {limits.max_file_bytes:,}"
+                    None,
+                    "file_too_large",
+                    f"file is {self.bytes:,} bytes; the limit is {limits.max_file_bytes:,}",
                 )
             )
         return problems

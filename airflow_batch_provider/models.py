@@ -239,5 +239,7 @@ def to_utc(value: Any) -> datetime | None:
         if text.endswith("Z"):
             text = text[:-1] + "+00:00"
         parsed = datetime.fromisoformat(text)
-        return parsed.replace(tzinfo=timezone.utc) if parsed.tzinfo is None else parsed.astimezone(timezone.utc)
+        return (
+            parsed.replace(tzinfo=timezone.utc) if parsed.tzinfo is None else parsed.astimezone(timezone.utc)
+        )
     raise ValueError(f"cannot read {value!r} as a timestamp")

@@ -236,17 +236,30 @@ class Dialect:
         ``{id, custom_id, response: {status_code, request_id, body} | null, error: {...} | null}``;
         a line is a success only with no error and a 2xx response.
         """
+        # This runs once per result line (millions per merge), so it checks plain dicts (what a
+        # JSON parser yields) rather than going through the Mapping ABC.
         custom_id = raw.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
             raise BatchApiResponseError("result line has no custom_id", body=dict(raw))
-        response = raw.get("response") or None
-        status_code = body = request_id = None
-        if isinstance(response, Mapping):
+        response = raw.get("response")
+        status_code: Any = None
+        body: Any = None
+        request_id: Any = None
+        if isinstance(response, dict):
             status_code = response.get("status_code")
             body = response.get("body")
             request_id = response.get("request_id")
-        error = self.parse_line_error(raw.get("error"), status_code=status_code, body=body)
-        ok = error is None and isinstance(status_code, int) and 200 <= status_code < 300
+            if isinstance(status_code, str) and status_code.isdigit():
+                status_code = int(status_code)
+            elif not isinstance(status_code, int) or isinstance(status_code, bool):
+                status_code = None
+        raw_error = raw.get("error")
+        error = (
+            None
+            if raw_error is None and status_code is not None and 200 <= status_code < 300
+            else self.parse_line_error(raw_error, status_code=status_code, body=body)
+        )
+        ok = error is None and status_code is not None and 200 <= status_code < 300
         if not ok and error is None:
             error = LineError(code="unknown_error", message=f"line failed with status {status_code}")
         return ResultLine(
@@ -255,12 +268,14 @@ class Dialect:
             status_code=status_code,
             body=body if isinstance(body, dict) else None,
             error=error,
-            request_id=request_id,
-            line_id=raw.get("id"),
+            request_id=_str_or_none(request_id),
+            line_id=_str_or_none(raw.get("id")),
             source=source,
         )
 
-    def parse_line_error(self, raw_error: Any, *, status_code: Any = None, body: Any = None) -> LineError | None:
+    def parse_line_error(
+        self, raw_error: Any, *, status_code: Any = None, body: Any = None
+    ) -> LineError | None:
         """The normalised error of a line, from its ``error`` field or a non-2xx response body."""
         if isinstance(raw_error, Mapping):
             return LineError(

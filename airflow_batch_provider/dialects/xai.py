@@ -16,7 +16,15 @@ from typing import Any
 
 from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage
 from airflow_batch_provider.exceptions import BatchApiResponseError
-from airflow_batch_provider.models import Batch, BatchError, BatchState, LineError, RequestCounts, ResultLine, to_utc
+from airflow_batch_provider.models import (
+    Batch,
+    BatchError,
+    BatchState,
+    LineError,
+    RequestCounts,
+    ResultLine,
+    to_utc,
+)
 
 # The metadata key whose value becomes the batch name, so orphans can be found by listing.
 NAME_KEY = "airflow_batch_key"

@@ -246,7 +246,8 @@ class SqlToBatchJsonlOperator(BaseOperator):
         embeddings when ``input_column`` is given.
     :param model: the model (templated); omit it to set it later with ``airflow-batch prepare``.
     :param dialect: vendor dialect whose rules and limits apply (default ``openai``) (templated).
-    :param batch_conn_id: a batch API connection to read the dialect from, when ``dialect`` is not given (templated).
+    :param batch_conn_id: a batch API connection to read the dialect from, when ``dialect`` is
+        not given (templated).
     :param staging_path: where to write (templated; a URI or ObjectStoragePath). Default:
         ``[batch_provider] staging_root`` (or ``$AIRFLOW_HOME/batch-staging``) / dag / run / task.
     :param max_lines: lower the dialect's lines-per-shard limit.
