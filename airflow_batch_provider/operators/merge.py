@@ -46,7 +46,7 @@ def normalize_batches(value: Any) -> list[tuple[str, int | None]]:
         return [(text, None)] if text else []
     if isinstance(value, Mapping):
         entries = value.get("batches")
-        if isinstance(entries, list) and entries:
+        if isinstance(entries, Sequence) and not isinstance(entries, str) and entries:
             pairs: list[tuple[str, int | None]] = []
             for entry in entries:
                 if isinstance(entry, Mapping):
@@ -61,7 +61,8 @@ def normalize_batches(value: Any) -> list[tuple[str, int | None]]:
         if ids is None and value.get("batch_id"):
             ids = [value["batch_id"]]
         return _unique([(str(i), None) for i in ids or []])
-    if isinstance(value, (list, tuple)):
+    # Any sequence, not only list/tuple: a mapped task's XCom arrives as a lazy sequence.
+    if isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
         out: list[tuple[str, int | None]] = []
         for item in value:
             out.extend(normalize_batches(item))
@@ -92,7 +93,7 @@ class MergeBatchResultsOperator(BaseOperator):
     :param manifest_path: the build's staging directory or manifest.json; default: the
         ``manifest_path`` in the submit XCom; without one ``custom_id`` is the only key. (templated)
     :param submit_task_id: task whose XCom is read when ``batches`` is not given.
-    :param batch_conn_id: the batch API connection.
+    :param batch_conn_id: the batch API connection (templated).
     :param dialect: override the connection's vendor dialect.
     :param target_schema: schema / database of the table. (templated)
     :param create_table: create the table when it does not exist.
@@ -111,7 +112,14 @@ class MergeBatchResultsOperator(BaseOperator):
         ``{"memory_limit": "256MB"}`` on DuckDB (which runs inside the worker process).
     """
 
-    template_fields: Sequence[str] = ("target_table", "conn_id", "batches", "manifest_path", "target_schema")
+    template_fields: Sequence[str] = (
+        "target_table",
+        "conn_id",
+        "batch_conn_id",
+        "batches",
+        "manifest_path",
+        "target_schema",
+    )
     ui_color = "#d5e8d4"
 
     def __init__(

@@ -289,3 +289,28 @@ def test_no_resubmission_after_the_last_attempt(server: Any, sqlite_warehouse: A
     assert result["counts"]["failed"] > 0 and result["resubmit"] is False
     assert result["unresubmitted"] == result["counts"]["failed"] and result["resubmit_manifest_path"] is None
     assert not (tmp_path / "stage" / "attempt-2").exists()
+
+
+def test_normalize_batches_reads_a_mapped_tasks_lazy_sequence() -> None:
+    """A mapped submit's XCom is a lazy Sequence (not a list); every batch in it is read."""
+    from collections.abc import Sequence
+
+    from airflow_batch_provider.operators.merge import normalize_batches
+
+    class LazySequence(Sequence):
+        def __init__(self, items: list) -> None:
+            self._items = items
+
+        def __getitem__(self, index):  # type: ignore[override]
+            return self._items[index]
+
+        def __len__(self) -> int:
+            return len(self._items)
+
+    value = LazySequence(
+        [
+            {"batch_ids": ["b0"], "batches": [{"shard": 0, "batch_id": "b0"}]},
+            {"batch_ids": ["b1"], "batches": [{"shard": 1, "batch_id": "b1"}]},
+        ]
+    )
+    assert normalize_batches(value) == [("b0", 0), ("b1", 1)]
