@@ -39,6 +39,7 @@ class BatchApiError(BatchProviderError):
     :param status_code: HTTP status, or None for transport errors.
     :param request_id: the vendor's request id header, when it sent one.
     :param body: the parsed or raw response body (truncated in the text).
+    :param retry_after: seconds the server asked the client to wait (``Retry-After``), if any.
     """
 
     def __init__(
@@ -48,7 +49,9 @@ class BatchApiError(BatchProviderError):
         status_code: int | None = None,
         request_id: str | None = None,
         body: Any = None,
+        retry_after: float | None = None,
     ) -> None:
+        self.retry_after = retry_after
         # AirflowException declares status_code as an HTTPStatus for its REST API; ours is the vendor's.
         self.status_code = status_code  # type: ignore[assignment]
         self.request_id = request_id

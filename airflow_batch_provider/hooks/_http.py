@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import ssl
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import IO, TYPE_CHECKING, Any, Union
 
@@ -24,6 +26,7 @@ from airflow_batch_provider.exceptions import (
     BatchApiResponseError,
     BatchApiServerError,
 )
+from airflow_batch_provider.hooks.retry import retry_after_seconds
 
 if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
@@ -34,6 +37,61 @@ UPLOAD_CHUNK = 1 << 20
 REQUEST_ID_HEADERS = ("x-request-id", "request-id", "x-amzn-requestid", "cf-ray")
 _BODY_LIMIT = 4000
 REDACTED = "***"
+
+
+_SSL_CONTEXT: ssl.SSLContext | None = None
+
+
+def shared_ssl_context() -> ssl.SSLContext:
+    """One TLS context per process for every client the hooks build.
+
+    Building a context (loading the CA bundle) costs ~25 ms of CPU; done per client, a
+    triggerer starting 1,000 triggers would hold its event loop for half a minute.
+    """
+    global _SSL_CONTEXT
+    if _SSL_CONTEXT is None:
+        _SSL_CONTEXT = httpx.create_ssl_context()
+    return _SSL_CONTEXT
+
+
+# Connections shared by every async client of one event loop (a triggerer runs one loop).
+POOL_CONNECTIONS = 100
+_POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncHTTPTransport] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class _SharedTransport(httpx.AsyncBaseTransport):
+    """A view of the loop's pooled transport that a closing client cannot close.
+
+    A thousand triggers each with its own client would hold a thousand idle sockets and
+    their parser state; a full garbage collection then walks all of it and stalls the loop
+    for hundreds of milliseconds. The pool holds no connection settings or secrets: the
+    hook's own client still sets the base URL, headers and timeouts of every request.
+    """
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self._inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        # The pool outlives any one trigger; it goes with its event loop.
+        return None
+
+
+def shared_transport() -> httpx.AsyncBaseTransport:
+    """The pooled transport of the running event loop, created on first use."""
+    loop = asyncio.get_running_loop()
+    inner = _POOLS.get(loop)
+    if inner is None:
+        inner = httpx.AsyncHTTPTransport(
+            verify=shared_ssl_context(),
+            limits=httpx.Limits(max_connections=POOL_CONNECTIONS, max_keepalive_connections=POOL_CONNECTIONS),
+        )
+        _POOLS[loop] = inner
+    return _SharedTransport(inner)
 
 
 def redact(text: str, secret: str | None) -> str:
@@ -293,7 +351,12 @@ def status_error(
     request_id = request_id_of(response)
     vendor = _vendor_message(body)
     detail = f": {vendor}" if vendor else ""
-    kwargs: dict[str, Any] = {"status_code": status, "request_id": request_id, "body": body}
+    kwargs: dict[str, Any] = {
+        "status_code": status,
+        "request_id": request_id,
+        "body": body,
+        "retry_after": retry_after_seconds(response.headers),
+    }
     if status in (401, 403):
         reason = "rejected" if status == 401 else "rejected or lacks permission"
         return BatchApiAuthError(

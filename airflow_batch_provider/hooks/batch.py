@@ -46,6 +46,7 @@ from airflow_batch_provider.hooks._http import (
     parse_json_body,
     parse_json_line,
     redact,
+    shared_ssl_context,
     status_error,
     transport_error,
 )
@@ -139,6 +140,7 @@ class BatchApiSettings:
             "headers": self.client_headers(),
             "timeout": self.httpx_timeout(),
             "follow_redirects": True,
+            "verify": shared_ssl_context(),
         }
 
 

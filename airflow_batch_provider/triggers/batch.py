@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
-import weakref
 import zlib
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime, timedelta, timezone
@@ -29,6 +27,7 @@ from airflow_batch_provider.exceptions import (
     BatchApiServerError,
     BatchProviderError,
 )
+from airflow_batch_provider.hooks._http import shared_transport
 from airflow_batch_provider.models import Batch, to_utc
 from airflow_batch_provider.outcome import decide, error_event, progress_key, progress_line
 
@@ -53,60 +52,6 @@ CANCEL_TIMEOUT = 20.0
 # its poll interval (at most this) before its first poll, so they do not all poll together.
 MAX_START_SPREAD = 10.0
 
-_SSL_CONTEXT: ssl.SSLContext | None = None
-
-
-def shared_ssl_context() -> ssl.SSLContext:
-    """One TLS context per process for every trigger's client.
-
-    Building a context (loading the CA bundle) costs ~25 ms of CPU; done per client, a
-    triggerer starting 1,000 triggers would hold its event loop for half a minute.
-    """
-    global _SSL_CONTEXT
-    if _SSL_CONTEXT is None:
-        _SSL_CONTEXT = httpx.create_ssl_context()
-    return _SSL_CONTEXT
-
-
-# Connections shared by every trigger of one event loop (the triggerer runs one loop).
-POOL_CONNECTIONS = 100
-_POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncHTTPTransport] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-class _SharedTransport(httpx.AsyncBaseTransport):
-    """A view of the loop's pooled transport that a closing client cannot close.
-
-    A thousand triggers each with its own client would hold a thousand idle sockets and
-    their parser state; a full garbage collection then walks all of it and stalls the loop
-    for hundreds of milliseconds. The pool holds no connection settings or secrets: the
-    hook's own client still sets the base URL, headers and timeouts of every request.
-    """
-
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
-        self._inner = inner
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        return await self._inner.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        # The pool outlives any one trigger; it goes with its event loop.
-        return None
-
-
-def shared_transport() -> httpx.AsyncBaseTransport:
-    """The pooled transport of the running event loop, created on first use."""
-    loop = asyncio.get_running_loop()
-    inner = _POOLS.get(loop)
-    if inner is None:
-        inner = httpx.AsyncHTTPTransport(
-            verify=shared_ssl_context(),
-            limits=httpx.Limits(max_connections=POOL_CONNECTIONS, max_keepalive_connections=POOL_CONNECTIONS),
-        )
-        _POOLS[loop] = inner
-    return _SharedTransport(inner)
-
 
 def deadline_from(
     submitted_at: str | float | datetime | None, timeout: float | timedelta | None
@@ -122,16 +67,7 @@ def deadline_from(
 def retry_after_of(exc: BaseException) -> float | None:
     """Seconds the server asked us to wait (``Retry-After``), when the error carries it."""
     value = getattr(exc, "retry_after", None)
-    if value is None:
-        headers = getattr(exc, "headers", None)
-        if headers is not None:
-            value = headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(float(value), 0.0)
-    except (TypeError, ValueError):
-        return None
+    return max(float(value), 0.0) if isinstance(value, (int, float)) else None
 
 
 class BatchTrigger(BaseTrigger):

@@ -167,10 +167,42 @@ async def test_retry_after_is_honoured_while_polling(monkeypatch: pytest.MonkeyP
 
 
 def test_retry_after_carried_by_an_error_sets_the_next_wait() -> None:
-    error = BatchApiRateLimitError("slow down", status_code=429)
-    assert retry_after_of(error) is None
-    error.retry_after = 12.5  # type: ignore[attr-defined]
-    assert retry_after_of(error) == 12.5
+    assert retry_after_of(BatchApiRateLimitError("slow down", status_code=429)) is None
+    assert retry_after_of(BatchApiRateLimitError("slow down", status_code=429, retry_after=12.5)) == 12.5
+
+
+async def test_retry_after_outlives_the_hooks_own_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the hook's retries spent, the 429's Retry-After still sets the trigger's next poll."""
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_BATCH_API_DEFAULT",
+        json.dumps({"conn_type": "batch_api", "host": "http://mock/v1", "extra": {"max_retries": 0}}),
+    )
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if len(calls) == 1:
+            return httpx.Response(429, headers={"retry-after": "7"}, json={"error": {"message": "slow"}})
+        return httpx.Response(
+            200, json={"id": "b1", "status": "completed", "request_counts": {"total": 1, "completed": 1}}
+        )
+
+    class MockTrigger(BatchTrigger):
+        def _new_hook(self) -> BatchApiHook:
+            return BatchApiHook(self.batch_conn_id, async_transport=httpx.MockTransport(handler))
+
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def record_sleep(seconds: float) -> None:
+        slept.append(seconds)
+        await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", record_sleep)
+    events = await events_of(MockTrigger(batch_ids=["b1"], poll_interval=0.01))
+    assert [e["status"] for e in events] == ["success"]
+    assert [s for s in slept if s > 0.05] == [pytest.approx(7.0)]
+    assert len(calls) == 2
 
 
 async def test_unknown_batch_is_an_error_event_at_once(server_conn: Any) -> None:
