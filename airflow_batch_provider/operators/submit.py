@@ -35,6 +35,7 @@ from airflow_batch_provider.sensors.batch import (
     PartialPolicy,
     apply_outcome_policy,
     cancel_batches_sync,
+    terminal_event_now,
     wait_sync,
 )
 from airflow_batch_provider.staging import (
@@ -225,6 +226,9 @@ class SubmitBatchOperator(BaseOperator):
             return submission
         # The ids reach XCom before the wait, so a killed or deferred task never loses them.
         context["ti"].xcom_push(key="return_value", value=submission)
+        done = terminal_event_now(hook, self._batch_ids, log=self.log) if self.deferrable else None
+        if done is not None:
+            return self.execute_complete(context, done, submission=submission)
         if self.deferrable:
             self.defer(
                 trigger=BatchTrigger(

@@ -37,7 +37,9 @@ def server_for(batch_server: Any, monkeypatch: pytest.MonkeyPatch) -> Callable[.
     """Start a server in a dialect and point ``batch_api_default`` at it."""
 
     def start(dialect: str, **config: Any) -> Any:
-        server = batch_server(dialect=dialect, **config)
+        # Short real validating and finalizing phases (0.3 s each at the test time scale): batches are still
+        # running when the task defers, so the trigger path is what these tests exercise.
+        server = batch_server(dialect=dialect, **{"validate_seconds": 300, "finalize_seconds": 300, **config})
         monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
         return server
 
@@ -463,7 +465,7 @@ with DAG("submit_and_wait", start_date=pendulum.datetime(2026, 1, 1), schedule=N
 def test_submit_and_wait_deferrable_under_airflow_dags_test(
     batch_server: Any, monkeypatch: pytest.MonkeyPatch, airflow_dags_test: Any, tmp_path: Path
 ) -> None:
-    server = batch_server(dialect="zerogpu", time_scale=0.001, validate_seconds=1000)
+    server = batch_server(dialect="zerogpu", time_scale=0.001, validate_seconds=1000, finalize_seconds=1000)
     monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
     source = write_batch_jsonl(tmp_path / "in.jsonl", 4)
     result = airflow_dags_test(SUBMIT_AND_WAIT_DAG.format(source=str(source)), "submit_and_wait")

@@ -24,7 +24,9 @@ from tests.fixtures.airflow import write_batch_jsonl
 @pytest.fixture
 def server_for(batch_server: Any, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
     def start(dialect: str = "openai", **config: Any) -> Any:
-        server = batch_server(dialect=dialect, **config)
+        # Short real validating and finalizing phases (0.3 s each at the test time scale): batches are still
+        # running when the task defers, so the trigger path is what these tests exercise.
+        server = batch_server(dialect=dialect, **{"validate_seconds": 300, "finalize_seconds": 300, **config})
         monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
         return server
 
@@ -58,17 +60,38 @@ def test_batch_ids_forms() -> None:
             normalise_batch_ids(bad)
 
 
-def test_defers_with_deadline_from_submit_time(task_context: Any) -> None:
+def test_defers_with_deadline_from_submit_time(
+    task_context: Any, server_for: Callable[..., Any], tmp_path: Path
+) -> None:
+    server = server_for("openai")
+    ids = [create_batch(tmp_path, lines).id for lines in (2, 3)]
+    for batch_id in ids:
+        server.force(batch_id, "stall")
     submitted = "2026-01-01T00:00:00+00:00"
     sensor = BatchSensor(
-        task_id="wait", batch_ids={"batch_ids": ["b1", "b2"], "submitted_at": submitted}, timeout=7200
+        task_id="wait", batch_ids={"batch_ids": ids, "submitted_at": submitted}, timeout=7200
     )
     assert sensor.deferrable is True
     with pytest.raises(TaskDeferred) as info:
         sensor.execute(task_context(task_id="wait"))
     _, kwargs = info.value.trigger.serialize()
-    assert kwargs["batch_ids"] == ["b1", "b2"]
+    assert kwargs["batch_ids"] == ids
     assert kwargs["deadline"] == "2026-01-01T02:00:00+00:00"
+
+
+def test_finished_batches_need_no_deferral(
+    task_context: Any, server_for: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Batches already terminal are decided on the worker: no trigger races the deferral."""
+    server_for("openai")
+    batch = create_batch(tmp_path, 3)
+    hook = BatchApiHook()
+    while not hook.get_batch(batch.id).is_terminal:
+        pass
+    sensor = BatchSensor(task_id="wait", batch_ids=batch.id)
+    result = sensor.execute(task_context(task_id="wait"))
+    assert result["status"] == "success"
+    assert result["batch_ids"] == [batch.id]
 
 
 @pytest.mark.parametrize(
