@@ -38,7 +38,10 @@ async def test_pipeline_survives_control_plane_faults(
     capsys: pytest.CaptureFixture[str],
     dialect: str,
 ) -> None:
-    server = batch_server(dialect=dialect, faults=FAULTS)
+    # Validating and finalizing last ~2 s each (ZeroGPU validates at create; xAI has no
+    # finalizing state): submitting six shards through the faults takes a while, and the
+    # batches must still be running when the task defers so the trigger polls through faults too.
+    server = batch_server(dialect=dialect, faults=FAULTS, validate_seconds=2000, finalize_seconds=2000)
     monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
     rows = seed_texts(pipeline.warehouse, "tickets", [f"ticket {i}: printer on fire" for i in range(ROWS)])
 
