@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation, field_validator
 
 from airflow_batch_provider.exceptions import UnknownBatchStatusError
 
@@ -176,7 +176,9 @@ class ResultLine(_Response):
     custom_id: str
     ok: bool
     status_code: int | None = None
-    body: dict[str, Any] | None = None
+    # Checked to be a dict by the dialect that parsed it; validating it again would walk and copy
+    # every response body (the hot path of a merge), so pydantic passes it through as is.
+    body: SkipValidation[dict[str, Any] | None] = None
     error: LineError | None = None
     request_id: str | None = None
     line_id: str | None = None
