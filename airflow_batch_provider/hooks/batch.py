@@ -63,6 +63,10 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 10.0
 DOWNLOAD_CHUNK = 1 << 20
+# After an ambiguous create, how many times to look for the batch (each after a settle delay)
+# before sending the create again: a vendor still working on a timed-out request, or a
+# listing that lags behind creates, gets a second chance to show the batch.
+AMBIGUOUS_LOOKUPS = 2
 # Result lines are far smaller than this; the cap only stops a broken server from filling memory.
 MAX_RESULT_LINE_BYTES = 256 * 1024 * 1024
 
@@ -777,13 +781,16 @@ class BatchApiHook(BaseHook):
                 response = self._request("POST", dialect.batches_path, action=action, json=body, create=True)
             except _AmbiguousCreate as exc:
                 retry = self._ambiguous_create(exc, identity, retry)
-                time.sleep(settings.retry.delay(retry - 1, exc.response))
-                try:
-                    found = [b for b in self.find_batches(identity or {}) if self._matches(b, input_file_id)]
-                except BatchApiError as lookup:
-                    raise self._lookup_failed(exc, lookup) from lookup
-                if found:
-                    return self._adopt(found, action)
+                for _ in range(AMBIGUOUS_LOOKUPS):
+                    time.sleep(settings.retry.settle_delay(retry - 1, exc.response))
+                    try:
+                        found = [
+                            b for b in self.find_batches(identity or {}) if self._matches(b, input_file_id)
+                        ]
+                    except BatchApiError as lookup:
+                        raise self._lookup_failed(exc, lookup) from lookup
+                    if found:
+                        return self._adopt(found, action)
                 continue
             batch = dialect.parse_batch(self._json_object(response, action))
             self.log.info("Created batch %s from file %s", batch.id, input_file_id)
@@ -819,15 +826,18 @@ class BatchApiHook(BaseHook):
                 )
             except _AmbiguousCreate as exc:
                 retry = self._ambiguous_create(exc, identity, retry)
-                await asyncio.sleep(settings.retry.delay(retry - 1, exc.response))
-                try:
-                    found = [
-                        b for b in await self.afind_batches(identity or {}) if self._matches(b, input_file_id)
-                    ]
-                except BatchApiError as lookup:
-                    raise self._lookup_failed(exc, lookup) from lookup
-                if found:
-                    return self._adopt(found, action)
+                for _ in range(AMBIGUOUS_LOOKUPS):
+                    await asyncio.sleep(settings.retry.settle_delay(retry - 1, exc.response))
+                    try:
+                        found = [
+                            b
+                            for b in await self.afind_batches(identity or {})
+                            if self._matches(b, input_file_id)
+                        ]
+                    except BatchApiError as lookup:
+                        raise self._lookup_failed(exc, lookup) from lookup
+                    if found:
+                        return self._adopt(found, action)
                 continue
             batch = dialect.parse_batch(self._json_object(response, action))
             self.log.info("Created batch %s from file %s", batch.id, input_file_id)

@@ -98,6 +98,14 @@ class RetryPolicy:
                 return min(asked, self.retry_after_max)
         return self.backoff(retry)
 
+    def settle_delay(self, retry: int, response: httpx.Response | None = None) -> float:
+        """How long to let an ambiguous create settle before looking for the batch it may have made.
+
+        Never less than ``backoff_max``: after a read timeout the vendor is often still creating
+        the batch, and a listing taken a jittered fraction of a second later would miss it.
+        """
+        return max(self.delay(retry, response), self.backoff_max)
+
 
 def retry_after_seconds(headers: Mapping[str, str], *, now: datetime | None = None) -> float | None:
     """Seconds asked by ``retry-after-ms`` or ``retry-after`` (seconds or HTTP date), else None."""

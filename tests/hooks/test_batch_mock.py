@@ -27,7 +27,7 @@ from airflow_batch_provider.exceptions import (
 )
 from airflow_batch_provider.hooks.batch import BatchApiHook, normalize_base_url
 from airflow_batch_provider.models import BatchState
-from tests.hooks.conftest import SECRET, openai_batch
+from tests.hooks.conftest import FAST, SECRET, openai_batch
 
 
 def json_response(status: int, data: Any, **headers: str) -> httpx.Response:
@@ -360,9 +360,17 @@ class CreateServer:
         )
         self.batches: list[dict[str, Any]] = []
         self.create_calls = 0
+        self.list_calls = 0
+        # Batches created by a request that timed out, still being written: listed from the
+        # second listing on (a vendor still working, or a listing lagging behind creates).
+        self.pending: list[dict[str, Any]] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.method == "GET" and request.url.path == "/v1/batches":
+            self.list_calls += 1
+            if self.list_calls >= 2:
+                self.batches.extend(self.pending)
+                self.pending.clear()
             return json_response(200, {"object": "list", "data": self.batches[::-1], "has_more": False})
         assert request.method == "POST" and request.url.path == "/v1/batches"
         self.create_calls += 1
@@ -383,6 +391,9 @@ class CreateServer:
             metadata=body.get("metadata"),
             created_at=1_736_000_000 + len(self.batches),
         )
+        if mode == "timeout_slow":
+            self.pending.append(batch)
+            raise httpx.ReadTimeout("timed out", request=request)
         self.batches.append(batch)
         if mode == "500_after":
             return json_response(500, {"error": {"message": "boom"}})
@@ -428,6 +439,29 @@ def test_create_with_metadata_retries_when_nothing_was_created(mock_hook, sleeps
     batch = mock_hook(server).create_batch(**CREATE, metadata=META)
     assert batch.id == "batch_1"
     assert server.create_calls == 2
+    assert len(server.batches) == 1
+
+
+def test_create_waits_for_a_slow_vendor_before_sending_again(mock_hook, sleeps) -> None:
+    """A timed-out create the vendor is still working on shows up on the second look: adopted, not re-sent."""
+    server = CreateServer(["timeout_slow"])
+    batch = mock_hook(server).create_batch(**CREATE, metadata=META)
+    assert batch.id == "batch_1"
+    assert server.create_calls == 1
+    assert server.list_calls == 2
+    assert len(server.batches) == 1
+    # Each look waited at least the policy's backoff_max, not a jittered fraction of it.
+    assert len(sleeps) == 2
+    assert all(s >= FAST.backoff_max for s in sleeps)
+
+
+async def test_acreate_waits_for_a_slow_vendor_before_sending_again(mock_hook, sleeps) -> None:
+    server = CreateServer(["timeout_slow"])
+    hook = mock_hook(server)
+    async with hook:
+        batch = await hook.acreate_batch(**CREATE, metadata=META)
+    assert batch.id == "batch_1"
+    assert server.create_calls == 1
     assert len(server.batches) == 1
 
 
