@@ -306,7 +306,8 @@ def parse_json_body(response: httpx.Response, action: str, secret: str | None) -
             f"{action}: the server answered {response.status_code} with a body that is not JSON ({exc})",
             status_code=response.status_code,
             request_id=request_id_of(response),
-            body=redact(response.text[:_BODY_LIMIT], secret),
+            # Redact before cutting: a key straddling the cut would otherwise leave a fragment.
+            body=redact(response.text, secret)[:_BODY_LIMIT],
         ) from None
 
 
@@ -320,13 +321,13 @@ def request_id_of(response: httpx.Response) -> str | None:
 
 def body_of(response: httpx.Response, secret: str | None) -> Any:
     """The error body (parsed JSON if possible, else text), truncated and with the key removed."""
-    content = response.content[:_BODY_LIMIT] if response.content else b""
-    if not content:
+    if not response.content:
         return None
     try:
         return _redact_value(orjson.loads(response.content), secret)
     except orjson.JSONDecodeError:
-        return redact(content.decode("utf-8", errors="replace"), secret)
+        # Redact before cutting: a key straddling the cut would otherwise leave a fragment.
+        return redact(response.content.decode("utf-8", errors="replace"), secret)[:_BODY_LIMIT]
 
 
 def _vendor_message(body: Any) -> str | None:

@@ -934,6 +934,7 @@ class BatchApiHook(BaseHook):
         """
         dialect = self.dialect
         params: dict[str, Any] | None = dialect.list_params(page_size)
+        pages: set[bytes] = set()
         seen = 0
         while params is not None:
             action = "listing batches"
@@ -944,7 +945,7 @@ class BatchApiHook(BaseHook):
                     return
                 seen += 1
                 yield batch
-            params = _next_params(page.next_params, params, action)
+            params = _next_params(page.next_params, params, pages, action)
 
     async def alist_batches(
         self, *, page_size: int | None = None, limit: int | None = None
@@ -952,6 +953,7 @@ class BatchApiHook(BaseHook):
         """Async twin of ``list_batches``."""
         dialect = (await self.aget_settings()).dialect
         params: dict[str, Any] | None = dialect.list_params(page_size)
+        pages: set[bytes] = set()
         seen = 0
         while params is not None:
             action = "listing batches"
@@ -962,7 +964,7 @@ class BatchApiHook(BaseHook):
                     return
                 seen += 1
                 yield batch
-            params = _next_params(page.next_params, params, action)
+            params = _next_params(page.next_params, params, pages, action)
 
     def find_batches(self, metadata: Mapping[str, str], *, limit: int | None = 1000) -> list[Batch]:
         """Batches whose tags (``dialect.metadata_of``) contain every pair of ``metadata``.
@@ -1024,6 +1026,7 @@ class BatchApiHook(BaseHook):
                     yield _result_line(dialect, obj, source, file_id, number)
             return
         params: dict[str, Any] | None = dialect.results_params()
+        pages: set[bytes] = set()
         action = f"reading results of batch {batch.id}"
         while params is not None:
             response = self._request(
@@ -1035,7 +1038,7 @@ class BatchApiHook(BaseHook):
             )
             page = dialect.parse_results_page(_results_body(response, action, self._settings), params)
             yield from page.lines
-            params = _next_params(page.next_params, params, action)
+            params = _next_params(page.next_params, params, pages, action)
 
     async def aiter_results(
         self, batch: Batch | str, *, mode: str | None = None
@@ -1052,6 +1055,7 @@ class BatchApiHook(BaseHook):
                     yield _result_line(dialect, obj, source, file_id, number)
             return
         params: dict[str, Any] | None = dialect.results_params()
+        pages: set[bytes] = set()
         action = f"reading results of batch {batch.id}"
         while params is not None:
             response = await self._arequest(
@@ -1064,7 +1068,7 @@ class BatchApiHook(BaseHook):
             page = dialect.parse_results_page(_results_body(response, action, self._settings), params)
             for line in page.lines:
                 yield line
-            params = _next_params(page.next_params, params, action)
+            params = _next_params(page.next_params, params, pages, action)
 
     # ---- connection test -------------------------------------------------------------------
     def test_connection(self) -> tuple[bool, str]:
@@ -1129,12 +1133,16 @@ def _results_body(response: httpx.Response, action: str, settings: BatchApiSetti
 
 
 def _next_params(
-    next_params: dict[str, Any] | None, params: Mapping[str, Any], action: str
+    next_params: dict[str, Any] | None, params: Mapping[str, Any], seen: set[bytes], action: str
 ) -> dict[str, Any] | None:
-    if next_params is not None and dict(next_params) == dict(params):
-        # A server that hands back the same cursor would loop forever.
+    """The next page's parameters; a cursor already visited (A -> B -> A) is an error, not a loop."""
+    seen.add(orjson.dumps(dict(params), option=orjson.OPT_SORT_KEYS, default=str))
+    if next_params is not None and (
+        orjson.dumps(dict(next_params), option=orjson.OPT_SORT_KEYS, default=str) in seen
+    ):
+        # Following it would read the same pages forever (and yield their lines again).
         raise BatchApiResponseError(
-            f"{action}: the server returned the same page cursor twice ({dict(params)})"
+            f"{action}: the server returned a page cursor it had already returned ({dict(next_params)})"
         )
     return next_params
 

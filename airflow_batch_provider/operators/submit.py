@@ -66,7 +66,9 @@ if TYPE_CHECKING:
 
 StalePolicy = Literal["cancel_and_resubmit", "fail"]
 STALE_POLICIES = ("cancel_and_resubmit", "fail")
-_BAD_END = frozenset({BatchState.FAILED, BatchState.EXPIRED, BatchState.CANCELLED})
+# A batch in these states will not give answers for the shard: a retry replaces it rather than
+# re-attaching (cancelling counts: a killed or timed-out task's batch is on its way out).
+_BAD_END = frozenset({BatchState.FAILED, BatchState.EXPIRED, BatchState.CANCELLING, BatchState.CANCELLED})
 _PROBLEMS_SHOWN = 20
 
 
@@ -364,7 +366,7 @@ class SubmitBatchOperator(BaseOperator):
             return None
         if batch.state in _BAD_END and self.resubmit_failed:
             self.log.warning(
-                "Shard %d: recorded batch %s ended %s; submitting a new one (resubmit_failed=True)",
+                "Shard %d: recorded batch %s is %s; submitting a new one (resubmit_failed=True)",
                 state.shard,
                 batch.id,
                 batch.state.value,

@@ -342,11 +342,11 @@ class PostgresWarehouseDialect(WarehouseDialect):
         try:
             if hasattr(cur, "copy"):  # psycopg 3
                 with cur.copy(sql) as copy:
-                    for row in rows:
+                    for row in _without_nul(rows):
                         copy.write_row(row)
                         count += 1
             else:  # psycopg2
-                reader = _CopyTextReader(rows)
+                reader = _CopyTextReader(_without_nul(rows))
                 cur.copy_expert(sql, reader)
                 count = reader.rows
         finally:
@@ -573,6 +573,20 @@ def get_warehouse_dialect(hook: Any) -> WarehouseDialect:
 
 # ---- psycopg2 COPY text format -------------------------------------------------------------
 _COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+def _without_nul(rows: Iterable[Sequence[Any]]) -> Iterator[Sequence[Any]]:
+    """Rows with NUL characters in text replaced by U+FFFD.
+
+    PostgreSQL text cannot hold NUL (valid in JSON as ``\\u0000``, so a model can answer with
+    one); left in, one such answer would abort the whole merge transaction.
+    """
+    for row in rows:
+        for value in row:
+            if type(value) is str and "\x00" in value:
+                row = tuple(v.replace("\x00", "\ufffd") if type(v) is str else v for v in row)
+                break
+        yield row
 
 
 def _copy_field(value: Any) -> str:

@@ -193,6 +193,19 @@ def test_key_never_in_logs_or_errors(
     assert SECRET not in caplog.text
 
 
+def test_key_cut_by_the_body_limit_leaves_no_fragment(mock_hook) -> None:
+    """A non-JSON error body echoing the key right where the text is cut: no piece of it survives."""
+    from airflow_batch_provider.hooks._http import _BODY_LIMIT
+
+    text = "x" * (_BODY_LIMIT - 10) + SECRET + " trailing"
+    hook = mock_hook(lambda r: httpx.Response(400, text=text))
+    with pytest.raises(BatchApiBadRequestError) as info:
+        hook.get_batch("batch_1")
+    shown = str(info.value) + repr(info.value.body)
+    assert SECRET[:10] not in shown
+    assert len(info.value.body) <= _BODY_LIMIT
+
+
 def test_key_is_registered_with_the_secrets_masker(mock_hook) -> None:
     from airflow.sdk._shared.secrets_masker import redact as airflow_redact
 
@@ -556,13 +569,39 @@ def test_xai_list_follows_pagination_token(mock_hook) -> None:
     assert [b.id for b in hook.find_batches({"airflow_batch_key": "run-a"})] == ["b1", "b3"]
 
 
+def xai_result(custom_id: str) -> dict[str, Any]:
+    body = {"object": "chat.completion", "choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}]}
+    return {"batch_request_id": custom_id, "batch_result": {"response": {"chat_get_completion": body}}}
+
+
 def test_a_repeated_cursor_is_an_error_not_a_loop(mock_hook) -> None:
     hook = mock_hook(
         lambda r: json_response(200, {"batches": [xai_batch("b1", "x")], "pagination_token": "same"}),
         dialect="xai",
     )
-    with pytest.raises(BatchApiResponseError, match="same page cursor"):
+    with pytest.raises(BatchApiResponseError, match="already returned"):
         list(hook.list_batches())
+
+
+def test_a_cursor_cycle_in_results_is_an_error_not_duplicate_lines(mock_hook) -> None:
+    """xAI results paging A -> B -> A: stops with an error instead of yielding the same lines forever."""
+    pages = {
+        None: {"results": [xai_result("r1")], "pagination_token": "A"},
+        "A": {"results": [xai_result("r2")], "pagination_token": "B"},
+        "B": {"results": [xai_result("r3")], "pagination_token": "A"},
+    }
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/results"):
+            return json_response(200, pages[request.url.params.get("pagination_token")])
+        return json_response(200, xai_batch("b1", "x"))
+
+    hook = mock_hook(handler, dialect="xai")
+    seen: list[str] = []
+    with pytest.raises(BatchApiResponseError, match="already returned"):
+        for line in hook.iter_results("b1"):
+            seen.append(line.custom_id)
+    assert seen == ["r1", "r2", "r3"]
 
 
 async def test_alist_and_afind(mock_hook) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
@@ -272,6 +273,32 @@ def test_failed_recorded_batch_is_replaced_on_retry(
     assert again["batch_ids"] != first["batch_ids"]
     state = orjson.loads(next((tmp_path / "submit-state").glob("*.json")).read_bytes())
     assert state["replaced_batch_ids"] == first["batch_ids"]
+
+
+@pytest.mark.parametrize("state", ["cancelling", "cancelled", "failed", "expired"])
+def test_a_dying_or_dead_recorded_batch_is_not_reattached(
+    monkeypatch: pytest.MonkeyPatch, state: str
+) -> None:
+    """A killed task's batch is on its way out (cancelling) or gone: a cleared task replaces it."""
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_BATCH_API_DEFAULT",
+        orjson.dumps({"conn_type": "batch_api", "host": "http://mock/v1"}).decode(),
+    )
+    answer = {"id": "batch_old", "status": state, "request_counts": {"total": 2, "completed": 0, "failed": 0}}
+    hook = BatchApiHook(transport=httpx.MockTransport(lambda r: httpx.Response(200, json=answer)))
+    recorded = SubmitState(
+        key="k", shard=0, fingerprint="f", dag_id="d", task_id="submit", run_id="r", batch_id="batch_old"
+    )
+    op = SubmitBatchOperator(task_id="submit", source="unused.jsonl")
+    assert op._reattach(hook, recorded) is None
+    # The orphan lookup skips it too: a lost create is only adopted while it can still answer.
+    listing = {
+        "object": "list",
+        "data": [{**answer, "metadata": {"airflow_batch_key": "k"}}],
+        "has_more": False,
+    }
+    lister = BatchApiHook(transport=httpx.MockTransport(lambda r: httpx.Response(200, json=listing)))
+    assert op._find_orphan(lister, "k", "f") is None
 
 
 def test_changed_shard_fails_or_is_cancelled_and_resubmitted(

@@ -449,6 +449,20 @@ def test_postgres_through_psycopg2(pg_warehouse: Any) -> None:
     assert seen == [(0, "b", [2]), (0, "c", [3])]
 
 
+def test_nul_in_an_answer_lands_on_postgres_as_a_replacement_character(pg_warehouse: Any) -> None:
+    """PostgreSQL text cannot hold NUL (JSON can, as \\u0000): the answer lands, the run is not aborted."""
+    writer = ResultsWriter(pg_warehouse.hook, "nul", key_columns=[Column("id", "integer")])
+    report = writer.merge(
+        with_batch([chat_line("a", "before\x00after"), chat_line("b", "clean")]),
+        keys=keys_for([("a", 1), ("b", 2)]),
+    )
+    assert report.counts["succeeded"] == 2
+    assert pg_warehouse.rows("SELECT id, content FROM nul ORDER BY id") == [
+        (1, "before\ufffdafter"),
+        (2, "clean"),
+    ]
+
+
 def test_session_settings_apply_to_the_merge_only(pg_warehouse: Any, duckdb_warehouse: Any) -> None:
     for wh, settings in ((pg_warehouse, {"work_mem": "8MB"}), (duckdb_warehouse, {"memory_limit": "200MB"})):
         writer = ResultsWriter(wh.hook, "s", key_columns=[Column("id", "integer")], session_settings=settings)
