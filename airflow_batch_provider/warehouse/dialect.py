@@ -560,7 +560,7 @@ def get_warehouse_dialect(hook: Any) -> WarehouseDialect:
             f"the target connection's hook {type(hook).__name__} is not a common-sql DbApiHook"
         )
     conn_type = str(getattr(hook, "conn_type", "") or "").lower()
-    if conn_type in ("postgres", "postgresql", "redshift"):
+    if conn_type in ("postgres", "postgresql"):
         return PostgresWarehouseDialect(hook)
     if conn_type == "duckdb":
         return DuckDBWarehouseDialect(hook)
@@ -568,7 +568,13 @@ def get_warehouse_dialect(hook: Any) -> WarehouseDialect:
         return SqliteWarehouseDialect(hook)
     if conn_type in ("mysql", "mariadb"):
         return MySqlWarehouseDialect(hook)
-    return WarehouseDialect(hook)
+    # Refused up front: the upsert is ON CONFLICT / ON DUPLICATE KEY, which Redshift, Snowflake,
+    # MSSQL or BigQuery reject only after every result was staged (and the run paid for).
+    raise ConfigurationError(
+        f"merging into a {conn_type or type(hook).__name__!r} connection is not supported yet; "
+        "the results table can be PostgreSQL, DuckDB, SQLite or MySQL/MariaDB "
+        "(building batches reads from any common-sql database)"
+    )
 
 
 # ---- psycopg2 COPY text format -------------------------------------------------------------

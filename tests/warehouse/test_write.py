@@ -496,3 +496,23 @@ def test_concurrent_first_merges_create_the_table_once(kind: str, request: pytes
     assert warehouse.rows(f"SELECT COUNT(*), COUNT(DISTINCT id) FROM {warehouse.quote('raced')}") == [
         (80, 80)
     ]
+
+
+@pytest.mark.parametrize("conn_type", ["redshift", "snowflake", "mssql"])
+def test_unsupported_results_database_is_refused_before_any_work(conn_type: str) -> None:
+    """Their upsert syntax differs; the merge says so up front instead of failing after staging."""
+    from airflow.providers.common.sql.hooks.sql import DbApiHook
+
+    from airflow_batch_provider.exceptions import ConfigurationError
+    from airflow_batch_provider.warehouse.dialect import get_warehouse_dialect
+
+    class OtherHook(DbApiHook):
+        conn_name_attr = "other_conn_id"
+        default_conn_name = "other_default"
+
+        def get_conn(self) -> Any:
+            raise AssertionError("no connection may be opened")
+
+    OtherHook.conn_type = conn_type
+    with pytest.raises(ConfigurationError, match=f"'{conn_type}' connection is not supported yet"):
+        get_warehouse_dialect(OtherHook())
