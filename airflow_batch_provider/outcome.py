@@ -191,6 +191,31 @@ def make_event(
     }
 
 
+def deadline_event_after_error(
+    last: Sequence[Batch],
+    batch_ids: Sequence[str],
+    *,
+    deadline: datetime | None,
+    now: datetime,
+    error: BaseException,
+) -> dict[str, Any] | None:
+    """The event to end with when polling failed past the deadline, else None (keep trying).
+
+    With a last known state, that state decides; without one (a restarted trigger whose first
+    polls fail) the wait still ends as ``timeout``: the deadline passed, whatever the API says.
+    """
+    if deadline is None or now < deadline:
+        return None
+    if last:
+        return decide(last, deadline=deadline, now=now).event(batch_ids)
+    return make_event(
+        status="timeout",
+        batch_ids=batch_ids,
+        message=f"deadline {deadline.isoformat()} passed while the batches could not be read: {error}",
+        termination_reason="deadline_exceeded",
+    )
+
+
 def error_event(batch_ids: Sequence[str], message: str, reason: str = "polling_error") -> dict[str, Any]:
     """The terminal event for a watch that could not be carried out (polling gave up, bad answer)."""
     return make_event(status="error", batch_ids=batch_ids, message=message, termination_reason=reason)

@@ -123,3 +123,26 @@ def test_progress_line() -> None:
         "2 batch(es): 1 in_progress, 1 validating; lines 5 completed, 0 failed, 20 total (25.0%);"
         " elapsed 1m15s"
     )
+
+
+def test_deadline_after_polling_errors_ends_as_timeout_even_with_no_state_read() -> None:
+    from datetime import datetime, timedelta, timezone
+
+    from airflow_batch_provider.exceptions import BatchApiServerError
+    from airflow_batch_provider.outcome import deadline_event_after_error
+
+    now = datetime(2026, 1, 2, tzinfo=timezone.utc)
+    error = BatchApiServerError("busy", status_code=503)
+    assert (
+        deadline_event_after_error([], ["b1"], deadline=now + timedelta(seconds=1), now=now, error=error)
+        is None
+    )
+    assert deadline_event_after_error([], ["b1"], deadline=None, now=now, error=error) is None
+    event = deadline_event_after_error([], ["b1"], deadline=now - timedelta(seconds=1), now=now, error=error)
+    assert event is not None
+    assert (event["status"], event["termination_reason"], event["batch_ids"]) == (
+        "timeout",
+        "deadline_exceeded",
+        ["b1"],
+    )
+    assert "busy" in event["message"]

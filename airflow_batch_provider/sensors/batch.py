@@ -27,6 +27,7 @@ from airflow_batch_provider.models import Batch, to_utc
 from airflow_batch_provider.outcome import (
     FAILURE_STATUSES,
     ParsedEvent,
+    deadline_event_after_error,
     decide,
     error_event,
     parse_event,
@@ -192,8 +193,9 @@ def wait_sync(
                 return error_event(
                     batch_ids, f"gave up polling after {errors} consecutive errors; last: {exc}"
                 )
-            if deadline is not None and now >= deadline and last:
-                return decide(last, deadline=deadline, now=now).event(batch_ids)
+            ended = deadline_event_after_error(last, batch_ids, deadline=deadline, now=now, error=exc)
+            if ended is not None:
+                return ended
             wait = min(max(retry_after_of(exc) or 0.0, interval), 300.0)
             log.warning(
                 "Polling failed (%d of %d tolerated), retrying in %.1fs: %s",

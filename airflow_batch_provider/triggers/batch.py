@@ -29,7 +29,13 @@ from airflow_batch_provider.exceptions import (
 )
 from airflow_batch_provider.hooks._http import shared_transport
 from airflow_batch_provider.models import Batch, to_utc
-from airflow_batch_provider.outcome import decide, error_event, progress_key, progress_line
+from airflow_batch_provider.outcome import (
+    deadline_event_after_error,
+    decide,
+    error_event,
+    progress_key,
+    progress_line,
+)
 
 if TYPE_CHECKING:
     from airflow_batch_provider.hooks.batch import BatchApiHook
@@ -206,10 +212,11 @@ class BatchTrigger(BaseTrigger):
                         wait,
                         exc,
                     )
-                    if deadline is not None and now >= deadline and self._last:
-                        yield TriggerEvent(
-                            decide(self._last, deadline=deadline, now=now).event(self.batch_ids)
-                        )
+                    ended = deadline_event_after_error(
+                        self._last, self.batch_ids, deadline=deadline, now=now, error=exc
+                    )
+                    if ended is not None:
+                        yield TriggerEvent(ended)
                         return
                     await asyncio.sleep(wait)
                     continue

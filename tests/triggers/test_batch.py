@@ -234,3 +234,30 @@ async def test_on_kill_cancels_only_when_asked(
         assert state in ("cancelling", "cancelled")
     else:
         assert state == "in_progress"
+
+
+async def test_rebuilt_trigger_past_its_deadline_facing_errors_reports_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a restart the first polls fail and the deadline has passed: timeout, not a polling error."""
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_BATCH_API_DEFAULT",
+        json.dumps({"conn_type": "batch_api", "host": "http://mock/v1", "extra": {"max_retries": 0}}),
+    )
+
+    class MockTrigger(BatchTrigger):
+        def _new_hook(self) -> BatchApiHook:
+            transport = httpx.MockTransport(
+                lambda r: httpx.Response(503, json={"error": {"message": "busy"}})
+            )
+            return BatchApiHook(self.batch_conn_id, async_transport=transport)
+
+    real_sleep = asyncio.sleep
+
+    async def no_sleep(seconds: float) -> None:
+        await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", no_sleep)
+    trigger = MockTrigger(batch_ids=["b1"], submitted_at="2026-01-01T00:00:00+00:00", timeout=60)
+    events = await events_of(trigger)
+    assert [(e["status"], e["termination_reason"]) for e in events] == [("timeout", "deadline_exceeded")]
