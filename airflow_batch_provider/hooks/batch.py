@@ -295,7 +295,10 @@ class BatchApiHook(BaseHook):
             settings = self._build_settings(conn, await get_async_extra_dejson(conn))
             if settings.api_key:
                 await _amask_secret(settings.api_key)
-            self._settings = settings
+            # Concurrent first calls (a trigger polls its batches together) all await above;
+            # the first to finish wins, so every caller shares one settings object.
+            if self._settings is None:
+                self._settings = settings
         return self._settings
 
     @property
@@ -316,7 +319,10 @@ class BatchApiHook(BaseHook):
         """The async ``httpx.AsyncClient`` (created on first use)."""
         if self._aclient is None:
             settings = await self.aget_settings()
-            self._aclient = httpx.AsyncClient(transport=self._async_transport, **settings.client_kwargs())
+            # Checked again after the await: a concurrent first call may have built it meanwhile,
+            # and a second client would be overwritten without ever being closed.
+            if self._aclient is None:
+                self._aclient = httpx.AsyncClient(transport=self._async_transport, **settings.client_kwargs())
         return self._aclient
 
     def close(self) -> None:

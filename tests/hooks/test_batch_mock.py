@@ -1139,3 +1139,13 @@ async def test_async_methods_never_touch_the_sync_path(mock_hook, monkeypatch, t
         await hook.adelete_file("file-in")
     assert hook._aclient is None
     assert hook._client is None
+
+
+async def test_concurrent_first_calls_share_one_async_client(mock_hook) -> None:
+    """A trigger polling several batches at once must not build (and leak) a client per batch."""
+    import asyncio
+
+    hook = mock_hook(lambda r: json_response(200, openai_batch()))
+    clients = await asyncio.gather(*(hook.aget_conn() for _ in range(5)))
+    assert all(c is clients[0] for c in clients)
+    await hook.aclose()
