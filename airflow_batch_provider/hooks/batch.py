@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
@@ -41,8 +39,6 @@ from airflow_batch_provider.hooks._http import (
     LineSplitter,
     MultipartUpload,
     PathSource,
-    is_object_storage_path,
-    local_path_of,
     parse_json_body,
     parse_json_line,
     redact,
@@ -58,6 +54,7 @@ from airflow_batch_provider.hooks.retry import (
     is_retryable_status,
 )
 from airflow_batch_provider.models import Batch, ResultLine
+from airflow_batch_provider.staging import atomic_writer, resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -557,7 +554,7 @@ class BatchApiHook(BaseHook):
         retry = 0
         while True:
             try:
-                with _atomic_writer(dest) as handle:
+                with atomic_writer(resolve_path(dest)) as handle:
                     response = self._request(
                         "GET",
                         settings.dialect.file_content_path(file_id),
@@ -1153,39 +1150,10 @@ def _next_params(
     return next_params
 
 
-@contextmanager
-def _atomic_writer(dest: PathSource) -> Iterator[Any]:
-    """Write to a temporary sibling and move it over ``dest`` only on success."""
-    local = local_path_of(dest)
-    if local is not None:
-        directory = os.path.dirname(os.path.abspath(local))
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{os.path.basename(local)}.{uuid.uuid4().hex}.part")
-        try:
-            with open(tmp, "wb") as handle:
-                yield handle
-            os.replace(tmp, local)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return
-    assert is_object_storage_path(dest)
-    tmp_path = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.part")  # type: ignore[union-attr]
-    try:
-        with tmp_path.open("wb") as handle:
-            yield handle
-        tmp_path.replace(dest)
-    except BaseException:
-        if tmp_path.exists():
-            tmp_path.unlink()
-        raise
-
-
 @asynccontextmanager
 async def _aatomic_writer(dest: PathSource) -> AsyncIterator[Any]:
-    """Async ``_atomic_writer``: opening, moving and removing run in a worker thread."""
-    manager = _atomic_writer(dest)
+    """Async ``atomic_writer``: opening, moving and removing run in a worker thread."""
+    manager = atomic_writer(resolve_path(dest))
     handle = await asyncio.to_thread(manager.__enter__)
     try:
         yield handle
