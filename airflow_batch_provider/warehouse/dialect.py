@@ -18,7 +18,8 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from itertools import islice
@@ -185,9 +186,21 @@ class WarehouseDialect:
 
     # ---- bulk load ---------------------------------------------------------------------------
     def bulk_load(
-        self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]
+        self,
+        conn: Any,
+        table: str,
+        columns: Sequence[Column],
+        rows: Iterable[Sequence[Any]],
+        *,
+        before: Callable[[], Any] | None = None,
     ) -> int:
-        """Load rows into a staging table; the generic path is batched ``executemany``."""
+        """Load rows into a staging table; the generic path is batched ``executemany``.
+
+        :param before: work on the same connection that must be done before the rows are
+            loaded (e.g. staging the keys); a dialect may run it while the rows are produced.
+        """
+        if before is not None:
+            before()
         names = [self.quote(c.name) for c in columns]
         sql = self.hook.dialect.generate_insert_sql(self.quote(table), names, names)
         count = 0
@@ -333,22 +346,33 @@ class PostgresWarehouseDialect(WarehouseDialect):
             cur.close()
 
     def bulk_load(
-        self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]
+        self,
+        conn: Any,
+        table: str,
+        columns: Sequence[Column],
+        rows: Iterable[Sequence[Any]],
+        *,
+        before: Callable[[], Any] | None = None,
     ) -> int:
         names = ", ".join(self.quote(c.name) for c in columns)
         sql = f"COPY {self.quote(table)} ({names}) FROM STDIN"
         cur = conn.cursor()
         count = 0
         try:
-            if hasattr(cur, "copy"):  # psycopg 3
-                with cur.copy(sql) as copy:
-                    for row in _without_nul(rows):
-                        copy.write_row(row)
-                        count += 1
-            else:  # psycopg2
+            if not hasattr(cur, "copy"):  # psycopg2
+                if before is not None:
+                    before()
                 reader = _CopyTextReader(_without_nul(rows))
                 cur.copy_expert(sql, reader)
-                count = reader.rows
+                return reader.rows
+            if before is not None and _utf8(conn):
+                return _overlapped_copy(conn, sql, _without_nul(rows), before)
+            if before is not None:
+                before()
+            with cur.copy(sql) as copy:
+                for row in _without_nul(rows):
+                    copy.write_row(row)
+                    count += 1
         finally:
             cur.close()
         return count
@@ -442,8 +466,16 @@ class DuckDBWarehouseDialect(WarehouseDialect):
         return [d[0] for d in cur.description or ()]
 
     def bulk_load(
-        self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]
+        self,
+        conn: Any,
+        table: str,
+        columns: Sequence[Column],
+        rows: Iterable[Sequence[Any]],
+        *,
+        before: Callable[[], Any] | None = None,
     ) -> int:
+        if before is not None:
+            before()
         # Rows are written as JSON arrays (the cheapest thing to produce in Python) to chunk
         # files; DuckDB loads one chunk in a worker thread (it releases the GIL) while Python
         # writes the next, so parsing and loading overlap on two cores.
@@ -575,6 +607,132 @@ def get_warehouse_dialect(hook: Any) -> WarehouseDialect:
         "the results table can be PostgreSQL, DuckDB, SQLite or MySQL/MariaDB "
         "(building batches reads from any common-sql database)"
     )
+
+
+# ---- overlapped COPY (psycopg 3) -----------------------------------------------------------
+class _SpoolAborted(Exception):
+    """The other side of a spool gave up; the real error is reported by whoever failed."""
+
+
+class _Spool:
+    """An append-only temp file one thread writes while another reads it from the start.
+
+    It lets Python format COPY rows at full speed while the connection is still busy with
+    earlier work, without holding the rows in memory: what is not yet sent waits on disk.
+    The writer side is a psycopg ``copy.Writer`` (``write``/``finish``).
+    """
+
+    def __init__(self) -> None:
+        self._file = tempfile.TemporaryFile(prefix="abp-copy-")  # noqa: SIM115 - closed by close()
+        self._fd = self._file.fileno()
+        self._written = 0
+        self._done = False
+        self._failed = False
+        self._cond = threading.Condition()
+
+    def write(self, data: Any) -> None:
+        if self._failed:
+            raise _SpoolAborted("the COPY reading this spool failed")
+        os.write(self._fd, data)  # a regular file: os.write writes it all
+        with self._cond:
+            self._written += len(data)
+            self._cond.notify()
+
+    def finish(self, exc: BaseException | None = None) -> None:
+        with self._cond:
+            self._done = True
+            self._failed = self._failed or exc is not None
+            self._cond.notify()
+
+    def fail(self) -> None:
+        """Stop both sides (called by the side that failed)."""
+        with self._cond:
+            self._failed = True
+            self._cond.notify()
+
+    def chunks(self, size: int = 1 << 20) -> Iterator[bytes]:
+        offset = 0
+        while True:
+            with self._cond:
+                while offset >= self._written and not self._done and not self._failed:
+                    self._cond.wait()
+                if self._failed:
+                    raise _SpoolAborted("the rows could not all be produced")
+                available, done = self._written, self._done
+            if offset < available:
+                # pread: the writer's file position is never touched from this thread.
+                data = os.pread(self._fd, min(size, available - offset), offset)
+                offset += len(data)
+                yield data
+            elif done:
+                return
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _utf8(conn: Any) -> bool:
+    return str(getattr(getattr(conn, "info", None), "encoding", "")).replace("_", "-").lower() == "utf-8"
+
+
+def _overlapped_copy(conn: Any, sql: str, rows: Iterable[Sequence[Any]], before: Callable[[], Any]) -> int:
+    """Run ``before`` and then ``sql`` (a COPY FROM STDIN) on ``conn`` in a worker thread while
+    this thread formats ``rows`` into a spool the COPY reads as it grows.
+
+    The connection is only ever used by the worker; this thread only formats (psycopg's
+    C formatter) and writes to a local file. ``before`` is typically PostgreSQL parsing the
+    keys file, which otherwise leaves Python idle for seconds per million keys. Either
+    side's error stops the other, and the first one is raised.
+    """
+    from psycopg import Copy
+
+    spool = _Spool()
+    count = 0
+    iterator = iter(rows)
+    formatting = conn.cursor()
+    try:
+        # Built before the worker starts, and the first row's dumpers with it: formatting
+        # then reads nothing from the connection the worker is using.
+        formatter = Copy(formatting, writer=spool, binary=False)  # type: ignore[arg-type]
+        first = next(iterator, None)
+        if first is not None:
+            formatter.write_row(first)
+            count = 1
+
+        def load() -> None:
+            try:
+                before()
+                cur = conn.cursor()
+                try:
+                    with cur.copy(sql) as copy:
+                        for chunk in spool.chunks():
+                            copy.write(chunk)
+                finally:
+                    cur.close()
+            except BaseException:
+                spool.fail()
+                raise
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="abp-pg-load") as pool:
+            loading = pool.submit(load)
+            try:
+                with formatter:
+                    for row in iterator:
+                        formatter.write_row(row)
+                        count += 1
+            except _SpoolAborted:
+                loading.result()  # the worker's own error says what went wrong
+                raise
+            except BaseException:
+                spool.fail()
+                with contextlib.suppress(BaseException):
+                    loading.result()
+                raise
+            loading.result()
+    finally:
+        formatting.close()
+        spool.close()
+    return count
 
 
 # ---- psycopg2 COPY text format -------------------------------------------------------------

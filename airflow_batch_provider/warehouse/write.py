@@ -242,8 +242,18 @@ class ResultsWriter:
                 ["text", "integer", *[c.type for c in self.mapper.columns]],
             )
             self._create_temp(conn, t_results, res_cols, created)
+            key_cols = self._key_staging_columns()
+            load_keys = None
+            if self.manifest_mode:
+                self._create_temp(conn, t_keys, key_cols, created)
+
+                def load_keys() -> None:
+                    self._load_keys(conn, t_keys, key_cols, keys or ())
+
             rows = (self.mapper.row(line, batch_id) for line, batch_id in results)
-            report.result_lines = self.dialect.bulk_load(conn, t_results, res_cols, rows)
+            # The keys are staged first; where the database parses them (PostgreSQL), that
+            # runs while Python is still reading the results.
+            report.result_lines = self.dialect.bulk_load(conn, t_results, res_cols, rows, before=load_keys)
             report.prompt_tokens = self.mapper.prompt_tokens
             report.completion_tokens = self.mapper.completion_tokens
             report.total_tokens = self.mapper.total_tokens
@@ -256,7 +266,6 @@ class ResultsWriter:
                     t_rejects,
                     t_shards,
                     created,
-                    keys or (),
                     rejects or (),
                     shards or {},
                     merged_at,
@@ -289,7 +298,6 @@ class ResultsWriter:
         t_rejects: str,
         t_shards: str,
         created: list[str],
-        keys: KeysSource,
         rejects: Iterable[Mapping[str, Any]],
         shards: Mapping[int, ShardOutcome],
         merged_at: datetime,
@@ -300,12 +308,6 @@ class ResultsWriter:
         nkeys = len(self.key_columns)
         key_names = [f"k{i}" for i in range(nkeys)]
         key_types = [self._staging_type(c.type) for c in self.key_columns]
-        key_cols = self._staging_columns(
-            ["custom_id", "shard", "seq", "klen", *key_names],
-            ["text", "integer", "integer", "integer", *key_types],
-        )
-        self._create_temp(conn, t_keys, key_cols, created)
-        self._load_keys(conn, t_keys, key_cols, keys)
         d.analyze(conn, q(t_keys))
 
         rej_cols = self._staging_columns(
@@ -577,6 +579,13 @@ class ResultsWriter:
     def _staging_type(portable: str) -> str:
         # JSON travels as text through staging; the upsert casts it into the target's JSON type.
         return "text" if portable == "json" else portable
+
+    def _key_staging_columns(self) -> list[Column]:
+        """Staged keys.jsonl: ``custom_id, shard, seq, klen`` (length of the key), then ``k0..kN``."""
+        return self._staging_columns(
+            ["custom_id", "shard", "seq", "klen", *[f"k{i}" for i in range(len(self.key_columns))]],
+            ["text", "integer", "integer", "integer", *[c.type for c in self.key_columns]],
+        )
 
     def _staging_columns(self, names: Sequence[str], types: Sequence[str]) -> list[Column]:
         return [Column(n, self._staging_type(t)) for n, t in zip(names, types, strict=True)]

@@ -516,3 +516,122 @@ def test_unsupported_results_database_is_refused_before_any_work(conn_type: str)
     OtherHook.conn_type = conn_type
     with pytest.raises(ConfigurationError, match=f"'{conn_type}' connection is not supported yet"):
         get_warehouse_dialect(OtherHook())
+
+
+# ---- PostgreSQL: keys parsed by the database while Python formats the results -------------------
+def test_postgres_keys_load_overlaps_results_and_every_row_lands(pg_warehouse: Any, tmp_path: Any) -> None:
+    """Thousands of rows (many spool chunks) with awkward text; the keys file is loaded alongside."""
+    n = 6000
+    path = write_keys(
+        tmp_path / "keys.jsonl", [{"custom_id": f"c{i}", "key": [i], "shard": 0} for i in range(n)]
+    )
+    lines = [
+        chat_line(f"c{i}", f"row {i}: tab\there\nnewline \\ backslash é 漢 \x00 end")
+        if i % 7
+        else error_line(f"c{i}", "x")
+        for i in range(n - 10)
+    ]
+    writer = ResultsWriter(pg_warehouse.hook, "overlap", key_columns=[Column("id", "integer")])
+    report = writer.merge(with_batch(lines), keys=path)
+    failed = len([i for i in range(n - 10) if i % 7 == 0])
+    assert report.result_lines == n - 10
+    assert report.counts["succeeded"] == n - 10 - failed
+    assert report.counts["failed"] == failed and report.counts["missing"] == 10
+    assert pg_warehouse.rows("SELECT COUNT(*), COUNT(DISTINCT id) FROM overlap") == [(n, n)]
+    assert pg_warehouse.rows("SELECT content FROM overlap WHERE id = 4001") == [
+        ("row 4001: tab\there\nnewline \\ backslash é 漢 \ufffd end",)
+    ]
+
+
+def test_postgres_results_failing_while_keys_load_rolls_back(pg_warehouse: Any, tmp_path: Any) -> None:
+    path = write_keys(
+        tmp_path / "keys.jsonl", [{"custom_id": f"c{i}", "key": [i], "shard": 0} for i in range(3000)]
+    )
+    writer = ResultsWriter(pg_warehouse.hook, "overlap_fail", key_columns=[Column("id", "integer")])
+    writer.merge(with_batch([chat_line(f"c{i}", "v1") for i in range(3000)]), keys=path)
+
+    def exploding() -> Iterator[tuple[ResultLine, str]]:
+        for i in range(3000):
+            if i == 2500:
+                raise RuntimeError("download dropped")
+            yield chat_line(f"c{i}", "v2"), "b2"
+
+    with pytest.raises(RuntimeError, match="download dropped"):
+        writer.merge(exploding(), keys=path)
+    assert pg_warehouse.rows("SELECT content, COUNT(*) FROM overlap_fail GROUP BY content") == [("v1", 3000)]
+
+
+def test_postgres_bad_keys_file_stops_the_results_stream(pg_warehouse: Any, tmp_path: Any) -> None:
+    """A keys error found by the database ends the merge with that error, not a hang or a COPY error."""
+    records: list[Any] = [{"custom_id": f"c{i}", "key": [i], "shard": 0} for i in range(100)]
+    records[41] = {"custom_id": "c41", "key": [41, 42], "shard": 0}
+    path = write_keys(tmp_path / "keys.jsonl", records)
+    writer = ResultsWriter(pg_warehouse.hook, "bad_keys", key_columns=[Column("id", "integer")])
+    lines = (chat_line(f"c{i % 100}", "x" * 200) for i in range(200_000))
+    with pytest.raises(WarehouseSchemaError, match="keys.jsonl line 42: custom_id 'c41': key has 2 value"):
+        writer.merge(((line, "b") for line in lines), keys=path)
+    assert (
+        ResultsWriter(pg_warehouse.hook, "bad_keys").dialect.probe_columns(
+            pg_warehouse.hook.get_conn(), "bad_keys", None
+        )
+        is None
+    )
+
+
+def test_postgres_non_utf8_connection_loads_serially(pg_warehouse: Any, tmp_path: Any) -> None:
+    """The spool is formatted as UTF-8; a connection in another encoding takes the plain COPY path."""
+    from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+    class Latin1Hook(PostgresHook):
+        def get_conn(self) -> Any:
+            conn = super().get_conn()
+            conn.execute("SET client_encoding TO 'LATIN1'")
+            conn.commit()
+            return conn
+
+    hook = Latin1Hook(postgres_conn_id=pg_warehouse.conn_id)
+    from airflow_batch_provider.warehouse import dialect as wd
+
+    assert not wd._utf8(hook.get_conn()) and wd._utf8(pg_warehouse.hook.get_conn())
+    path = write_keys(tmp_path / "keys.jsonl", [{"custom_id": "a", "key": [1], "shard": 0}])
+    writer = ResultsWriter(hook, "latin", key_columns=[Column("id", "integer")])
+    assert writer.merge(with_batch([chat_line("a", "café")]), keys=path).counts["succeeded"] == 1
+    assert pg_warehouse.rows("SELECT content FROM latin") == [("café",)]
+
+
+def test_spool_hands_every_byte_to_a_concurrent_reader_in_order() -> None:
+    import threading
+
+    from airflow_batch_provider.warehouse.dialect import _Spool, _SpoolAborted
+
+    spool = _Spool()
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.extend(spool.chunks(size=1000)))
+    reader.start()
+    expected = b"".join(f"{i:06d}\n".encode() for i in range(20_000))
+    for start in range(0, len(expected), 777):
+        spool.write(expected[start : start + 777])
+    spool.finish()
+    reader.join(10)
+    assert not reader.is_alive() and b"".join(received) == expected
+    spool.close()
+
+    # A failed side stops the other: the reader raises, and so does a later write.
+    spool = _Spool()
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            list(spool.chunks())
+        except _SpoolAborted as exc:
+            errors.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    spool.write(b"partial")
+    spool.fail()
+    reader.join(10)
+    assert len(errors) == 1
+    with pytest.raises(_SpoolAborted):
+        spool.write(b"more")
+    spool.close()
