@@ -45,6 +45,36 @@ def get_provider_info() -> dict[str, Any]:
                 "python-modules": ["airflow_batch_provider.triggers.batch"],
             },
         ],
+        "config": {
+            "batch_provider": {
+                "description": "Settings of the LLM batch provider.",
+                "options": {
+                    "staging_root": {
+                        "description": (
+                            "Where the build operator stages batch files when a task gives no "
+                            "staging_path: a local path or any ObjectStoragePath URL. Default: "
+                            "$AIRFLOW_HOME/batch-staging."
+                        ),
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "s3://my-bucket/batch-staging",
+                        "default": None,
+                    },
+                    "triggerer_gc_freeze": {
+                        "description": (
+                            "Call gc.freeze() once in the triggerer when the first BatchTrigger "
+                            "starts, so full garbage collections no longer walk Airflow's own "
+                            "modules and stall every trigger's event loop for 100+ ms. Changes "
+                            "the whole triggerer process; off by default."
+                        ),
+                        "version_added": "0.1.0",
+                        "type": "boolean",
+                        "example": "True",
+                        "default": "False",
+                    },
+                },
+            }
+        },
         "connection-types": [
             {
                 "hook-class-name": "airflow_batch_provider.hooks.batch.BatchApiHook",

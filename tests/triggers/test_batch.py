@@ -261,3 +261,38 @@ async def test_rebuilt_trigger_past_its_deadline_facing_errors_reports_timeout(
     trigger = MockTrigger(batch_ids=["b1"], submitted_at="2026-01-01T00:00:00+00:00", timeout=60)
     events = await events_of(trigger)
     assert [(e["status"], e["termination_reason"]) for e in events] == [("timeout", "deadline_exceeded")]
+
+
+@pytest.fixture
+def unfrozen(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Each test starts with a heap this module has not frozen, and leaves it unfrozen."""
+    import gc
+
+    from airflow_batch_provider.triggers import batch as trigger_module
+
+    monkeypatch.setattr(trigger_module, "_HEAP_FROZEN", False)
+    gc.unfreeze()
+    yield trigger_module
+    gc.unfreeze()
+
+
+async def test_heap_is_frozen_once_only_when_the_deployment_asks(
+    unfrozen: Any, server_conn: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+
+    server_conn()
+    batch = create_batch(tmp_path)
+    # Off by default: running a trigger leaves the collector alone.
+    await events_of(BatchTrigger(batch_ids=[batch.id], poll_interval=0.05))
+    assert gc.get_freeze_count() == 0 and unfrozen.freeze_triggerer_heap() is False
+
+    monkeypatch.setenv("AIRFLOW__BATCH_PROVIDER__TRIGGERER_GC_FREEZE", "True")
+    events = await events_of(BatchTrigger(batch_ids=[batch.id], poll_interval=0.05))
+    assert events[0]["status"] == "success"
+    frozen = gc.get_freeze_count()
+    assert frozen > 10_000  # Airflow's modules, at least
+    # Once per process: later triggers do not freeze again (their own state stays collectable).
+    assert unfrozen.freeze_triggerer_heap() is False
+    await events_of(BatchTrigger(batch_ids=[batch.id], poll_interval=0.05))
+    assert gc.get_freeze_count() == frozen
