@@ -12,8 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import time
+import weakref
 import zlib
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +61,38 @@ CANCEL_TIMEOUT = 20.0
 # A triggerer that restarts starts all its triggers at once; each waits a stable fraction of
 # its poll interval (at most this) before its first poll, so they do not all poll together.
 MAX_START_SPREAD = 10.0
+
+
+# Triggers of one event loop that read the same connection share one hook: one connection
+# lookup (in a triggerer, a round trip to the API server) and one client instead of one per
+# trigger, which also halves what every trigger adds to each full garbage collection. A hook
+# older than this is not handed to new triggers, so a rotated key reaches them within minutes
+# (a trigger keeps the hook it started with, as it would keep its own).
+SHARED_HOOK_MAX_AGE = 300.0
+
+
+@dataclass(eq=False)
+class _HookLease:
+    key: tuple[Any, ...]
+    hook: BatchApiHook
+    created: float
+    users: int = 0
+
+
+_LEASES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[Any, ...], _HookLease]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def _release_lease(lease: _HookLease) -> None:
+    """One user fewer; the last one closes the hook's client."""
+    lease.users -= 1
+    if lease.users > 0:
+        return
+    leases = _LEASES.get(asyncio.get_running_loop(), {})
+    if leases.get(lease.key) is lease:
+        del leases[lease.key]
+    await _close(lease.hook)
 
 
 _HEAP_FROZEN = False
@@ -155,7 +190,7 @@ class BatchTrigger(BaseTrigger):
         self.backoff = max(float(backoff), 1.0)
         self.max_consecutive_errors = int(max_consecutive_errors)
         self.cancel_on_kill = bool(cancel_on_kill)
-        self._hook: BatchApiHook | None = None
+        self._lease: _HookLease | None = None
         self._last: list[Batch] = []
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -190,6 +225,24 @@ class BatchTrigger(BaseTrigger):
             async_transport=shared_transport(),
         )
 
+    def _lease_hook(self) -> _HookLease:
+        """The loop's shared hook for this connection (see ``SHARED_HOOK_MAX_AGE``)."""
+        leases = _LEASES.setdefault(asyncio.get_running_loop(), {})
+        # The class is part of the key: a subclass may build its hook differently.
+        key = (type(self), self.batch_conn_id, self.dialect)
+        lease = leases.get(key)
+        now = time.monotonic()
+        if lease is None or now - lease.created > SHARED_HOOK_MAX_AGE:
+            # An older lease stays with the triggers holding it and closes with the last of them.
+            lease = leases[key] = _HookLease(key, self._new_hook(), now)
+        lease.users += 1
+        return lease
+
+    async def _release_hook(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            await _release_lease(lease)
+
     def start_delay(self) -> float:
         """Seconds to wait before the first poll: a stable spread in ``[0, poll_interval)``."""
         fraction = zlib.crc32(",".join(self.batch_ids).encode()) / 0xFFFFFFFF
@@ -209,7 +262,8 @@ class BatchTrigger(BaseTrigger):
     # ---- the loop ----------------------------------------------------------------------
     async def run(self) -> AsyncIterator[TriggerEvent]:
         freeze_triggerer_heap()
-        hook = self._hook = self._new_hook()
+        self._lease = self._lease_hook()
+        hook = self._lease.hook
         interval = self.poll_interval
         errors = 0
         last_key: tuple[Any, ...] | None = None
@@ -278,14 +332,11 @@ class BatchTrigger(BaseTrigger):
                     wait = min(wait, max((deadline - now).total_seconds(), 0.0) + 0.01)
                 await asyncio.sleep(wait)
         finally:
-            self._hook = None
-            await _close(hook)
+            await self._release_hook()
 
     async def cleanup(self) -> None:
         """Release the HTTP client when the trigger leaves this triggerer (never cancels work)."""
-        hook, self._hook = self._hook, None
-        if hook is not None:
-            await _close(hook)
+        await self._release_hook()
 
     async def on_kill(self) -> None:
         """A user killed the deferred task: cancel the batches that are still running."""

@@ -296,3 +296,65 @@ async def test_heap_is_frozen_once_only_when_the_deployment_asks(
     assert unfrozen.freeze_triggerer_heap() is False
     await events_of(BatchTrigger(batch_ids=[batch.id], poll_interval=0.05))
     assert gc.get_freeze_count() == frozen
+
+
+async def test_triggers_of_one_connection_share_one_hook_and_release_it(
+    server_conn: Any, tmp_path: Path
+) -> None:
+    server_conn()
+    ids = [create_batch(tmp_path, n).id for n in (1, 2, 3, 4, 5)]
+    built: list[BatchApiHook] = []
+
+    class CountingTrigger(BatchTrigger):
+        def _new_hook(self) -> BatchApiHook:
+            built.append(super()._new_hook())
+            return built[-1]
+
+    results = await asyncio.gather(
+        *(events_of(CountingTrigger(batch_ids=[i], poll_interval=0.05)) for i in ids)
+    )
+    assert [r[0]["status"] for r in results] == ["success"] * 5
+    # One hook (one connection lookup, one client) for the five, closed after the last one.
+    assert len(built) == 1 and built[0]._aclient is None
+    from airflow_batch_provider.triggers import batch as trigger_module
+
+    assert not trigger_module._LEASES.get(asyncio.get_running_loop())
+
+
+async def test_a_rotated_key_reaches_triggers_started_after_the_shared_hook_aged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from airflow_batch_provider.triggers import batch as trigger_module
+
+    def conn(key: str) -> str:
+        return json.dumps({"conn_type": "batch_api", "host": "http://mock/v1", "password": key})
+
+    seen: dict[str, set[str]] = {"b1": set(), "b2": set()}
+    release = asyncio.Event()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        batch_id = request.url.path.rsplit("/", 1)[-1]
+        seen[batch_id].add(request.headers["authorization"])
+        status = "completed" if release.is_set() else "in_progress"
+        return httpx.Response(
+            200, json={"id": batch_id, "status": status, "request_counts": {"total": 1, "completed": 1}}
+        )
+
+    class MockTrigger(BatchTrigger):
+        def _new_hook(self) -> BatchApiHook:
+            return BatchApiHook(self.batch_conn_id, async_transport=httpx.MockTransport(handler))
+
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", conn("sk-old"))
+    first = asyncio.create_task(events_of(MockTrigger(batch_ids=["b1"], poll_interval=0.01)))
+    while not seen["b1"]:
+        await asyncio.sleep(0.01)
+    # The key rotates and the shared hook is older than the limit: a new trigger gets a new hook.
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", conn("sk-new"))
+    monkeypatch.setattr(trigger_module, "SHARED_HOOK_MAX_AGE", 0.0)
+    second = asyncio.create_task(events_of(MockTrigger(batch_ids=["b2"], poll_interval=0.01)))
+    while not seen["b2"]:
+        await asyncio.sleep(0.01)
+    release.set()
+    assert [(await first)[0]["status"], (await second)[0]["status"]] == ["success", "success"]
+    assert seen == {"b1": {"Bearer sk-old"}, "b2": {"Bearer sk-new"}}
+    assert not trigger_module._LEASES.get(asyncio.get_running_loop())
