@@ -135,6 +135,7 @@ class ResultsWriter:
         self.manifest_mode = bool(self.key_columns)
         self._pk_pending = False
         self._fresh_table = False
+        self._replace = False
         # Target layout: keys, custom_id, result columns, merged_at.
         self.target_columns: list[Column] = [
             *self.key_columns,
@@ -180,6 +181,10 @@ class ResultsWriter:
             return
         have = {name.lower() for name in existing}
         missing = [c.name for c in self.target_columns if c.name.lower() not in have]
+        # Replacing rows is only the same as updating them when the table has no columns of
+        # its own, whose values an update keeps.
+        ours = {c.name.lower() for c in self.target_columns}
+        self._replace = self.dialect.upsert_by_replace and have == ours
         if missing:
             raise WarehouseSchemaError(
                 f"table {self.qtable} exists but lacks column(s) {', '.join(repr(m) for m in missing)}; "
@@ -229,7 +234,7 @@ class ResultsWriter:
         conn = self.hook.get_conn()
         created: list[str] = []
         try:
-            self._pk_pending = self._fresh_table = False
+            self._pk_pending = self._fresh_table = self._replace = False
             self.dialect.begin(conn)
             for name, value in self.session_settings.items():
                 self._execute(conn, self.dialect.set_setting(name, value))
@@ -349,6 +354,8 @@ class ResultsWriter:
                 f"LEFT JOIN {q(t_shards)} s ON s.{q('shard')} = k.{q('shard')}"
             )
 
+        # Every key of the manifest gets a row.
+        written_keys = f"SELECT {', '.join(select_cols[:nkeys])} FROM {q(t_keys)} k"
         from_clause, written, deduplicated = self._write_results(
             conn,
             report,
@@ -357,6 +364,7 @@ class ResultsWriter:
             target,
             stamp,
             from_clause_for,
+            lambda source: written_keys,
         )
 
         # Rejects: one row per rejected key, unless the build also wrote that key.
@@ -466,6 +474,7 @@ class ResultsWriter:
             target,
             [d.merged_at_value(merged_at)],
             lambda source: source,
+            lambda source: f"SELECT r.{q('custom_id')} FROM {source} r",
         )
         if written is not None:
             counts = list(written.items())
@@ -488,6 +497,7 @@ class ResultsWriter:
         target: list[str],
         params: list[Any],
         source_for: Callable[[str], str],
+        keys_for: Callable[[str], str],
     ) -> tuple[str, dict[str, int] | None, bool]:
         """Run the one upsert.
 
@@ -507,6 +517,10 @@ class ResultsWriter:
             select = select_for(source)
             if self._fresh_table:
                 # The table was created by this transaction, so it is empty: nothing to update.
+                sql = d.insert(self.qtable, target, select)
+            elif self._replace:
+                # Delete the rows about to be written, then insert (see upsert_by_replace).
+                self._execute(conn, d.delete_keys(self.qtable, self.target_keys, keys_for(source)))
                 sql = d.insert(self.qtable, target, select)
             else:
                 sql = d.upsert(self.qtable, target, self.target_keys, select)

@@ -635,3 +635,39 @@ def test_spool_hands_every_byte_to_a_concurrent_reader_in_order() -> None:
     with pytest.raises(_SpoolAborted):
         spool.write(b"more")
     spool.close()
+
+
+# ---- DuckDB: a re-merge replaces rows instead of updating them in memory -------------------------
+def test_duckdb_remerge_of_many_rows_fits_a_small_memory_limit(duckdb_warehouse: Any) -> None:
+    """DuckDB's ON CONFLICT DO UPDATE keeps every updated row's old version in memory; the merge
+    deletes the keys it writes and inserts them instead, so a re-merge needs no more than the first."""
+    # At 96MB with one thread, ON CONFLICT DO UPDATE of these 100k rows runs out of memory.
+    n = 100_000
+    keys = keys_for([(f"c{i}", i) for i in range(n)])
+    writer = ResultsWriter(
+        duckdb_warehouse.hook,
+        "big",
+        key_columns=[Column("id", "integer")],
+        session_settings={"memory_limit": "96MB", "threads": "1"},
+    )
+    for answer in ("first answer", "second answer"):
+        lines = (chat_line(f"c{i}", f"{answer} {i} " + "x" * 100) for i in range(n))
+        report = writer.merge(with_batch(lines), keys=keys)
+        assert report.counts["succeeded"] == n
+    assert duckdb_warehouse.rows("SELECT COUNT(*), COUNT(DISTINCT id) FROM big") == [(n, n)]
+    assert duckdb_warehouse.rows("SELECT content FROM big WHERE id = 7") == [
+        ("second answer 7 " + "x" * 100,)
+    ]
+
+
+def test_duckdb_table_with_columns_of_its_own_keeps_their_values_on_remerge(duckdb_warehouse: Any) -> None:
+    writer = ResultsWriter(duckdb_warehouse.hook, "reviewed", key_columns=[Column("id", "integer")])
+    keys = keys_for([("a", 1), ("b", 2)])
+    writer.merge(with_batch([chat_line("a", "v1"), chat_line("b", "v1")]), keys=keys)
+    duckdb_warehouse.run("ALTER TABLE reviewed ADD COLUMN reviewer VARCHAR")
+    duckdb_warehouse.run("UPDATE reviewed SET reviewer = 'ana' WHERE id = 1")
+    writer.merge(with_batch([chat_line("a", "v2"), chat_line("b", "v2")]), keys=keys)
+    assert duckdb_warehouse.rows("SELECT id, content, reviewer FROM reviewed ORDER BY id") == [
+        (1, "v2", "ana"),
+        (2, "v2", None),
+    ]
