@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import time
 import weakref
 import zlib
@@ -43,6 +44,8 @@ from airflow_batch_provider.outcome import (
 
 if TYPE_CHECKING:
     from airflow_batch_provider.hooks.batch import BatchApiHook
+
+log = logging.getLogger(__name__)
 
 # Errors worth another poll: the vendor or the network may recover. Anything else (401, 404,
 # 400, an unknown status) will not get better by asking again, so it ends the watch at once.
@@ -114,7 +117,14 @@ def freeze_triggerer_heap() -> bool:
         return False
     from airflow.sdk.configuration import conf
 
-    if not conf.getboolean("batch_provider", "triggerer_gc_freeze", fallback=False):
+    try:
+        wanted = conf.getboolean("batch_provider", "triggerer_gc_freeze", fallback=False)
+    except Exception as exc:
+        # A typo in a tuning knob must not fail every trigger: say so once and leave it off.
+        _HEAP_FROZEN = True
+        log.warning("[batch_provider] triggerer_gc_freeze is not a boolean (%s); leaving it off", exc)
+        return False
+    if not wanted:
         return False
     _HEAP_FROZEN = True
     gc.freeze()

@@ -459,10 +459,17 @@ class DuckDBWarehouseDialect(WarehouseDialect):
 
     # One process writes a DuckDB file at a time.
     exclusive_merge = True
-    # DuckDB's ON CONFLICT DO UPDATE keeps each updated row's old version in memory: re-merging
-    # 1M rows failed at memory_limit=256MB, while DELETE + INSERT in the same transaction
-    # (the insert is written to the file as it goes) used ~96 MB.
-    upsert_by_replace = True
+
+    @property
+    def upsert_by_replace(self) -> bool:  # type: ignore[override]
+        # DuckDB's ON CONFLICT DO UPDATE keeps each updated row's old version in memory:
+        # re-merging 1M rows failed at memory_limit=256MB, while DELETE + INSERT in the same
+        # transaction (the insert is written to the file as it goes) used ~96 MB. Before 1.2,
+        # DuckDB refused to re-insert a key deleted in the same transaction, and had no
+        # multi-column ``IN (SELECT ...)``.
+        import duckdb
+
+        return _version(duckdb.__version__) >= (1, 2)
 
     def probe_columns(self, conn: Any, table: str, schema: str | None) -> list[str] | None:
         # A failed statement would abort the transaction: look the table up first.
@@ -595,6 +602,17 @@ class _SameConnection:
         """The connection is closed by the merge, not by its cursors."""
 
 
+def _version(text: str) -> tuple[int, ...]:
+    """``(1, 2)`` from ``"1.2.0"`` or ``"1.2.0.dev1"`` (leading numeric parts only)."""
+    parts = []
+    for part in text.split("."):
+        digits = re.match(r"\d+", part)
+        if not digits:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts)
+
+
 def get_warehouse_dialect(hook: Any) -> WarehouseDialect:
     """Pick the dialect for a DbApiHook by its connection type / SQLAlchemy dialect name."""
     from airflow.providers.common.sql.hooks.sql import DbApiHook
@@ -626,61 +644,93 @@ class _SpoolAborted(Exception):
     """The other side of a spool gave up; the real error is reported by whoever failed."""
 
 
+#: Bytes per spool file: a file is deleted as soon as the COPY has read past it, so the disk
+#: holds what the COPY has not sent yet plus at most one file.
+SPOOL_SEGMENT = 64 << 20
+
+
 class _Spool:
-    """An append-only temp file one thread writes while another reads it from the start.
+    """Temp files one thread appends to while another reads them in order and then deletes them.
 
     It lets Python format COPY rows at full speed while the connection is still busy with
     earlier work, without holding the rows in memory: what is not yet sent waits on disk.
     The writer side is a psycopg ``copy.Writer`` (``write``/``finish``).
     """
 
-    def __init__(self) -> None:
-        self._file = tempfile.TemporaryFile(prefix="abp-copy-")  # noqa: SIM115 - closed by close()
-        self._fd = self._file.fileno()
-        self._written = 0
+    def __init__(self, segment: int = SPOOL_SEGMENT) -> None:
+        self._segment = segment
+        # Each entry: [file, bytes written]; the last one is being written.
+        self._files: list[list[Any]] = []
         self._done = False
         self._failed = False
+        #: Which side failed first: "writer" or "reader" (None while both are fine).
+        self.first_failure: str | None = None
         self._cond = threading.Condition()
 
     def write(self, data: Any) -> None:
         if self._failed:
             raise _SpoolAborted("the COPY reading this spool failed")
-        os.write(self._fd, data)  # a regular file: os.write writes it all
         with self._cond:
-            self._written += len(data)
+            if not self._files or self._files[-1][1] >= self._segment:
+                self._files.append([tempfile.TemporaryFile(prefix="abp-copy-"), 0])  # noqa: SIM115
+            current = self._files[-1]
+        view = memoryview(data)
+        fd = current[0].fileno()
+        while view:
+            # os.write may write less than asked (a full disk); never count what was not written.
+            view = view[os.write(fd, view) :]
+        with self._cond:
+            current[1] += len(data)
             self._cond.notify()
 
     def finish(self, exc: BaseException | None = None) -> None:
+        if exc is not None:
+            self.fail("writer")
         with self._cond:
             self._done = True
-            self._failed = self._failed or exc is not None
             self._cond.notify()
 
-    def fail(self) -> None:
-        """Stop both sides (called by the side that failed)."""
+    def fail(self, side: str) -> None:
+        """Stop both sides; ``side`` ("writer" or "reader") is the one that failed."""
         with self._cond:
             self._failed = True
-            self._cond.notify()
+            self.first_failure = self.first_failure or side
+            self._cond.notify_all()
 
     def chunks(self, size: int = 1 << 20) -> Iterator[bytes]:
         offset = 0
         while True:
             with self._cond:
-                while offset >= self._written and not self._done and not self._failed:
+                while (
+                    not self._failed
+                    and (not self._files or offset >= self._files[0][1])
+                    and not (self._done or len(self._files) > 1)
+                ):
                     self._cond.wait()
                 if self._failed:
                     raise _SpoolAborted("the rows could not all be produced")
-                available, done = self._written, self._done
-            if offset < available:
-                # pread: the writer's file position is never touched from this thread.
-                data = os.pread(self._fd, min(size, available - offset), offset)
-                offset += len(data)
-                yield data
-            elif done:
-                return
+                if not self._files:
+                    return  # done, nothing was ever written
+                handle, available = self._files[0]
+                if offset >= available:
+                    if len(self._files) > 1:
+                        # This file is complete and read: free it and go on with the next.
+                        self._files.pop(0)[0].close()
+                        offset = 0
+                        continue
+                    return  # done and everything read
+            # pread: the writer's file position is never touched from this thread.
+            data = os.pread(handle.fileno(), min(size, available - offset), offset)
+            if not data:
+                raise OSError(f"spool file ended at byte {offset} of {available}")
+            offset += len(data)
+            yield data
 
     def close(self) -> None:
-        self._file.close()
+        with self._cond:
+            for handle, _ in self._files:
+                handle.close()
+            self._files = []
 
 
 def _utf8(conn: Any) -> bool:
@@ -692,9 +742,10 @@ def _overlapped_copy(conn: Any, sql: str, rows: Iterable[Sequence[Any]], before:
     this thread formats ``rows`` into a spool the COPY reads as it grows.
 
     The connection is only ever used by the worker; this thread only formats (psycopg's
-    C formatter) and writes to a local file. ``before`` is typically PostgreSQL parsing the
-    keys file, which otherwise leaves Python idle for seconds per million keys. Either
-    side's error stops the other, and the first one is raised.
+    C formatter) and writes local files. ``before`` is typically PostgreSQL parsing the keys
+    file, which otherwise leaves Python idle for seconds per million keys. Either side's
+    error stops the other (a failure here also cancels the worker's statement), and the
+    error of the side that failed first is raised.
     """
     from psycopg import Copy
 
@@ -703,8 +754,9 @@ def _overlapped_copy(conn: Any, sql: str, rows: Iterable[Sequence[Any]], before:
     iterator = iter(rows)
     formatting = conn.cursor()
     try:
-        # Built before the worker starts, and the first row's dumpers with it: formatting
-        # then reads nothing from the connection the worker is using.
+        # Built before the worker starts, with the first row's dumpers: those read the
+        # connection's client encoding, which nothing changes during the merge; a type first
+        # seen later reads it once more, and that read touches no state the worker changes.
         formatter = Copy(formatting, writer=spool, binary=False)  # type: ignore[arg-type]
         first = next(iterator, None)
         if first is not None:
@@ -722,7 +774,7 @@ def _overlapped_copy(conn: Any, sql: str, rows: Iterable[Sequence[Any]], before:
                 finally:
                     cur.close()
             except BaseException:
-                spool.fail()
+                spool.fail("reader")
                 raise
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="abp-pg-load") as pool:
@@ -732,13 +784,22 @@ def _overlapped_copy(conn: Any, sql: str, rows: Iterable[Sequence[Any]], before:
                     for row in iterator:
                         formatter.write_row(row)
                         count += 1
-            except _SpoolAborted:
-                loading.result()  # the worker's own error says what went wrong
-                raise
-            except BaseException:
-                spool.fail()
-                with contextlib.suppress(BaseException):
+            except BaseException as exc:
+                if not isinstance(exc, _SpoolAborted):
+                    spool.fail("writer")
+                if spool.first_failure == "writer":
+                    # Do not wait for the worker's statement (keys can take minutes) to finish.
+                    cancel = getattr(conn, "cancel_safe", None) or getattr(conn, "cancel", None)
+                    if cancel is not None:
+                        with contextlib.suppress(Exception):
+                            cancel()
+                worker_error = None
+                try:
                     loading.result()
+                except Exception as error:
+                    worker_error = error
+                if spool.first_failure == "reader" and worker_error is not None:
+                    raise worker_error from (None if isinstance(exc, _SpoolAborted) else exc)
                 raise
             loading.result()
     finally:

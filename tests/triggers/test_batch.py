@@ -359,3 +359,10 @@ async def test_a_rotated_key_reaches_triggers_started_after_the_shared_hook_aged
     assert [(await first)[0]["status"], (await second)[0]["status"]] == ["success", "success"]
     assert seen == {"b1": {"Bearer sk-old"}, "b2": {"Bearer sk-new"}}
     assert not trigger_module._LEASES.get(asyncio.get_running_loop())
+
+
+def test_a_bad_freeze_setting_is_ignored_not_fatal(unfrozen: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    monkeypatch.setenv("AIRFLOW__BATCH_PROVIDER__TRIGGERER_GC_FREEZE", "sometimes")
+    assert unfrozen.freeze_triggerer_heap() is False and gc.get_freeze_count() == 0

@@ -599,12 +599,16 @@ def test_postgres_non_utf8_connection_loads_serially(pg_warehouse: Any, tmp_path
     assert pg_warehouse.rows("SELECT content FROM latin") == [("café",)]
 
 
-def test_spool_hands_every_byte_to_a_concurrent_reader_in_order() -> None:
+def test_spool_hands_every_byte_to_a_concurrent_reader_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
     import threading
 
-    from airflow_batch_provider.warehouse.dialect import _Spool, _SpoolAborted
+    from airflow_batch_provider.warehouse import dialect as wd
 
-    spool = _Spool()
+    # Short writes (as on a full disk) are completed, never counted as written.
+    real_write = os.write
+    monkeypatch.setattr(wd.os, "write", lambda fd, data: real_write(fd, bytes(data[:300])))
+    spool = wd._Spool(segment=10_000)  # many segment files, each freed once read
     received: list[bytes] = []
     reader = threading.Thread(target=lambda: received.extend(spool.chunks(size=1000)))
     reader.start()
@@ -614,9 +618,16 @@ def test_spool_hands_every_byte_to_a_concurrent_reader_in_order() -> None:
     spool.finish()
     reader.join(10)
     assert not reader.is_alive() and b"".join(received) == expected
+    # Every segment but the last was deleted while reading.
+    assert len(spool._files) == 1
     spool.close()
 
-    # A failed side stops the other: the reader raises, and so does a later write.
+
+def test_spool_failure_on_either_side_stops_the_other() -> None:
+    import threading
+
+    from airflow_batch_provider.warehouse.dialect import _Spool, _SpoolAborted
+
     spool = _Spool()
     errors: list[BaseException] = []
 
@@ -629,12 +640,37 @@ def test_spool_hands_every_byte_to_a_concurrent_reader_in_order() -> None:
     reader = threading.Thread(target=read)
     reader.start()
     spool.write(b"partial")
-    spool.fail()
+    spool.finish(RuntimeError("the results stream broke"))
     reader.join(10)
-    assert len(errors) == 1
+    assert len(errors) == 1 and spool.first_failure == "writer"
+    spool.close()
+
+    spool = _Spool()
+    spool.fail("reader")
     with pytest.raises(_SpoolAborted):
         spool.write(b"more")
+    spool.fail("writer")
+    assert spool.first_failure == "reader"
     spool.close()
+
+
+def test_postgres_results_failing_during_a_long_keys_load_cancel_it(pg_warehouse: Any, tmp_path: Any) -> None:
+    """The results break while PostgreSQL is still parsing the keys: that statement is cancelled,
+    the results' error is raised, and nothing is written."""
+    n = 300_000
+    path = write_keys(
+        tmp_path / "keys.jsonl", [{"custom_id": f"c{i}", "key": [i], "shard": 0} for i in range(n)]
+    )
+
+    def broken() -> Iterator[tuple[ResultLine, str]]:
+        yield chat_line("c0", "x"), "b"
+        yield chat_line("c1", "x"), "b"
+        raise RuntimeError("the output file download failed")
+
+    writer = ResultsWriter(pg_warehouse.hook, "cancelled", key_columns=[Column("id", "integer")])
+    with pytest.raises(RuntimeError, match="download failed"):
+        writer.merge(broken(), keys=path)
+    assert writer.dialect.probe_columns(pg_warehouse.hook.get_conn(), "cancelled", None) is None
 
 
 # ---- DuckDB: a re-merge replaces rows instead of updating them in memory -------------------------
@@ -671,3 +707,35 @@ def test_duckdb_table_with_columns_of_its_own_keeps_their_values_on_remerge(duck
         (1, "v2", "ana"),
         (2, "v2", None),
     ]
+
+
+def test_remerge_with_multi_column_typed_keys_replaces_each_row(warehouse: Any, tmp_path: Any) -> None:
+    """Text, date and JSON key columns together; a re-merge rewrites every row once (DuckDB deletes
+    and re-inserts them, the others update in place)."""
+    key_cols = [Column("region", "text"), Column("day", "date"), Column("attrs", "json")]
+    records = [
+        {
+            "custom_id": f"c{i}",
+            "key": [f"r{i % 3}", f"2026-01-0{1 + i % 5}", {"n": i, "tags": ["a"]}],
+            "shard": 0,
+        }
+        for i in range(30)
+    ]
+    path = write_keys(tmp_path / "keys.jsonl", records)
+    writer = ResultsWriter(warehouse.hook, "multi", key_columns=key_cols)
+    for answer in ("v1", "v2"):
+        report = writer.merge(with_batch([chat_line(f"c{i}", f"{answer}-{i}") for i in range(25)]), keys=path)
+        assert report.counts["succeeded"] == 25 and report.counts["missing"] == 5
+    rows = warehouse.rows(
+        f"SELECT custom_id, content, status FROM {warehouse.quote('multi')} ORDER BY custom_id"
+    )
+    assert len(rows) == 30
+    assert {r[0]: r[1] for r in rows}["c7"] == "v2-7"
+    assert sorted(r[2] for r in rows).count("missing") == 5
+
+
+def test_duckdb_version_gates_the_replace_upsert() -> None:
+    from airflow_batch_provider.warehouse.dialect import _version
+
+    assert _version("1.1.3") < (1, 2) <= _version("1.2.0") < _version("2.0.1")
+    assert _version("1.2.0.dev123") == (1, 2, 0)
