@@ -68,7 +68,7 @@ MAX_START_SPREAD = 10.0
 
 # Triggers of one event loop that read the same connection share one hook: one connection
 # lookup (in a triggerer, a round trip to the API server) and one client instead of one per
-# trigger, which also halves what every trigger adds to each full garbage collection. A hook
+# trigger, which also cuts each trigger's tracked objects by a quarter (73 -> 54). A hook
 # older than this is not handed to new triggers, so a rotated key reaches them within minutes
 # (a trigger keeps the hook it started with, as it would keep its own).
 SHARED_HOOK_MAX_AGE = 300.0
