@@ -208,7 +208,26 @@ class WarehouseDialect:
             loaded (e.g. staging the keys); a dialect may run it while the rows are produced.
         """
         if before is not None:
+            loaded = self._load_while(conn, table, columns, rows, before)
+            if loaded is not None:
+                return loaded
             before()
+        return self._load_rows(conn, table, columns, rows)
+
+    def _load_while(
+        self,
+        conn: Any,
+        table: str,
+        columns: Sequence[Column],
+        rows: Iterable[Sequence[Any]],
+        before: Callable[[], Any],
+    ) -> int | None:
+        """Run ``before`` and load the rows at the same time, or return None where that is not done."""
+        return None
+
+    def _load_rows(
+        self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]
+    ) -> int:
         names = [self.quote(c.name) for c in columns]
         sql = self.hook.dialect.generate_insert_sql(self.quote(table), names, names)
         count = 0
@@ -353,30 +372,34 @@ class PostgresWarehouseDialect(WarehouseDialect):
         finally:
             cur.close()
 
-    def bulk_load(
+    def _copy_sql(self, table: str, columns: Sequence[Column]) -> str:
+        return f"COPY {self.quote(table)} ({', '.join(self.quote(c.name) for c in columns)}) FROM STDIN"
+
+    def _load_while(
         self,
         conn: Any,
         table: str,
         columns: Sequence[Column],
         rows: Iterable[Sequence[Any]],
-        *,
-        before: Callable[[], Any] | None = None,
+        before: Callable[[], Any],
+    ) -> int | None:
+        # psycopg 3 only (psycopg2 has no COPY formatter to spool with), and UTF-8 only (the
+        # spool is formatted before the connection would transcode it).
+        if type(conn).__module__.split(".")[0] != "psycopg" or not _utf8(conn):
+            return None
+        return _overlapped_copy(conn, self._copy_sql(table, columns), _without_nul(rows), before)
+
+    def _load_rows(
+        self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]
     ) -> int:
-        names = ", ".join(self.quote(c.name) for c in columns)
-        sql = f"COPY {self.quote(table)} ({names}) FROM STDIN"
+        sql = self._copy_sql(table, columns)
         cur = conn.cursor()
         count = 0
         try:
             if not hasattr(cur, "copy"):  # psycopg2
-                if before is not None:
-                    before()
                 reader = _CopyTextReader(_without_nul(rows))
                 cur.copy_expert(sql, reader)
                 return reader.rows
-            if before is not None and _utf8(conn):
-                return _overlapped_copy(conn, sql, _without_nul(rows), before)
-            if before is not None:
-                before()
             with cur.copy(sql) as copy:
                 for row in _without_nul(rows):
                     copy.write_row(row)
@@ -484,17 +507,9 @@ class DuckDBWarehouseDialect(WarehouseDialect):
         cur = conn.execute(f"SELECT * FROM {self.table(table, schema)} WHERE 1=0")
         return [d[0] for d in cur.description or ()]
 
-    def bulk_load(
-        self,
-        conn: Any,
-        table: str,
-        columns: Sequence[Column],
-        rows: Iterable[Sequence[Any]],
-        *,
-        before: Callable[[], Any] | None = None,
+    def _load_rows(
+        self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]
     ) -> int:
-        if before is not None:
-            before()
         # Rows are written as JSON arrays (the cheapest thing to produce in Python) to chunk
         # files; DuckDB loads one chunk in a worker thread (it releases the GIL) while Python
         # writes the next, so parsing and loading overlap on two cores.
