@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import re
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -29,6 +31,8 @@ import orjson
 
 from airflow_batch_provider.exceptions import ConfigurationError
 from airflow_batch_provider.warehouse.rows import Column
+
+log = logging.getLogger(__name__)
 
 _BATCH_ROWS = 5000
 _SETTING_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
@@ -201,16 +205,22 @@ class WarehouseDialect:
         rows: Iterable[Sequence[Any]],
         *,
         before: Callable[[], Any] | None = None,
+        after_round: Callable[[str], Any] | None = None,
     ) -> int:
         """Load rows into a staging table; the generic path is batched ``executemany``.
 
         :param before: work on the same connection that must be done before the rows are
             loaded (e.g. staging the keys); a dialect may run it while the rows are produced.
+        :param after_round: where a dialect loads the rows in rounds while they are still being
+            produced (PostgreSQL), it calls this after each round, on the loading thread, with
+            the name of a table holding just that round's rows (they are also in ``table``).
+            Dialects that load in one go never call it.
         """
-        if before is not None:
-            loaded = self._load_while(conn, table, columns, rows, before)
+        if before is not None or after_round is not None:
+            loaded = self._load_while(conn, table, columns, rows, before or _nothing, after_round)
             if loaded is not None:
                 return loaded
+        if before is not None:
             before()
         return self._load_rows(conn, table, columns, rows)
 
@@ -221,6 +231,7 @@ class WarehouseDialect:
         columns: Sequence[Column],
         rows: Iterable[Sequence[Any]],
         before: Callable[[], Any],
+        after_round: Callable[[str], Any] | None,
     ) -> int | None:
         """Run ``before`` and load the rows at the same time, or return None where that is not done."""
         return None
@@ -382,12 +393,38 @@ class PostgresWarehouseDialect(WarehouseDialect):
         columns: Sequence[Column],
         rows: Iterable[Sequence[Any]],
         before: Callable[[], Any],
+        after_round: Callable[[str], Any] | None,
     ) -> int | None:
         # psycopg 3 only (psycopg2 has no COPY formatter to spool with), and UTF-8 only (the
         # spool is formatted before the connection would transcode it).
         if type(conn).__module__.split(".")[0] != "psycopg" or not _utf8(conn):
             return None
-        return _overlapped_copy(conn, self._copy_sql(table, columns), _without_nul(rows), before)
+        if after_round is None:
+            sql = self._copy_sql(table, columns)
+
+            def load(spool: _Spool) -> None:
+                _copy_from(conn, sql, spool.chunks())
+
+            return _overlapped_copy(conn, _without_nul(rows), before, load)
+
+        def load_rounds(spool: _Spool) -> None:
+            # One spool file is one round: its rows go into a child table of ``table`` (so
+            # ``table`` still reads every row), then the caller works on them while Python
+            # formats the next round.
+            for number, chunks in enumerate(spool.files(), start=1):
+                part = f"{table}_{number}"
+                cur = conn.cursor()
+                try:
+                    cur.execute(
+                        f"CREATE TEMP TABLE {self.quote(part)} () "
+                        f"INHERITS ({self.quote(table)}) ON COMMIT DROP"
+                    )
+                finally:
+                    cur.close()
+                _copy_from(conn, self._copy_sql(part, columns), chunks)
+                after_round(part)
+
+        return _overlapped_copy(conn, _without_nul(rows), before, load_rounds, segment=ROUND_BYTES)
 
     def _load_rows(
         self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]
@@ -662,6 +699,14 @@ class _SpoolAborted(Exception):
 #: Bytes per spool file: a file is deleted as soon as the COPY has read past it, so the disk
 #: holds what the COPY has not sent yet plus at most one file.
 SPOOL_SEGMENT = 64 << 20
+#: Bytes of COPY text per round when rows are loaded in rounds (one spool file each): small
+#: enough that the last round, the only one nothing overlaps, is short; large enough that
+#: per-round statements stay a small share of the work.
+ROUND_BYTES = 24 << 20
+
+
+def _nothing() -> None:
+    """No work before a load."""
 
 
 class _Spool:
@@ -712,7 +757,23 @@ class _Spool:
             self.first_failure = self.first_failure or side
             self._cond.notify_all()
 
-    def chunks(self, size: int = 1 << 20) -> Iterator[bytes]:
+    def files(self) -> Iterator[Iterator[bytes]]:
+        """The chunks of each spool file in turn, for a reader that loads every file on its own.
+
+        Each file holds whole rows: psycopg's formatter hands over its buffer only after a row.
+        """
+        while True:
+            with self._cond:
+                while not self._failed and not self._files and not self._done:
+                    self._cond.wait()
+                if self._failed:
+                    raise _SpoolAborted("the rows could not all be produced")
+                if not self._files:
+                    return
+            yield self.chunks(one_file=True)
+
+    def chunks(self, size: int = 1 << 20, *, one_file: bool = False) -> Iterator[bytes]:
+        """The spooled bytes in order as they are written; with ``one_file``, the next file's only."""
         offset = 0
         while True:
             with self._cond:
@@ -728,12 +789,12 @@ class _Spool:
                     return  # done, nothing was ever written
                 handle, available = self._files[0]
                 if offset >= available:
-                    if len(self._files) > 1:
-                        # This file is complete and read: free it and go on with the next.
-                        self._files.pop(0)[0].close()
+                    # Complete (another file follows, or the writer is done) and read: free it.
+                    self._files.pop(0)[0].close()
+                    if self._files and not one_file:
                         offset = 0
                         continue
-                    return  # done and everything read
+                    return
             # pread: the writer's file position is never touched from this thread.
             data = os.pread(handle.fileno(), min(size, available - offset), offset)
             if not data:
@@ -752,9 +813,26 @@ def _utf8(conn: Any) -> bool:
     return str(getattr(getattr(conn, "info", None), "encoding", "")).replace("_", "-").lower() == "utf-8"
 
 
-def _overlapped_copy(conn: Any, sql: str, rows: Iterable[Sequence[Any]], before: Callable[[], Any]) -> int:
-    """Run ``before`` and then ``sql`` (a COPY FROM STDIN) on ``conn`` in a worker thread while
-    this thread formats ``rows`` into a spool the COPY reads as it grows.
+def _copy_from(conn: Any, sql: str, chunks: Iterable[bytes]) -> None:
+    cur = conn.cursor()
+    try:
+        with cur.copy(sql) as copy:
+            for chunk in chunks:
+                copy.write(chunk)
+    finally:
+        cur.close()
+
+
+def _overlapped_copy(
+    conn: Any,
+    rows: Iterable[Sequence[Any]],
+    before: Callable[[], Any],
+    load: Callable[[_Spool], Any],
+    *,
+    segment: int = SPOOL_SEGMENT,
+) -> int:
+    """Run ``before`` and then ``load`` (COPYs reading the spool) on ``conn`` in a worker thread
+    while this thread formats ``rows`` into a spool the COPYs read as it grows.
 
     The connection is only ever used by the worker; this thread only formats (psycopg's
     C formatter) and writes local files. ``before`` is typically PostgreSQL parsing the keys
@@ -764,7 +842,7 @@ def _overlapped_copy(conn: Any, sql: str, rows: Iterable[Sequence[Any]], before:
     """
     from psycopg import Copy
 
-    spool = _Spool()
+    spool = _Spool(segment)
     count = 0
     iterator = iter(rows)
     formatting = conn.cursor()
@@ -778,27 +856,26 @@ def _overlapped_copy(conn: Any, sql: str, rows: Iterable[Sequence[Any]], before:
             formatter.write_row(first)
             count = 1
 
-        def load() -> None:
+        def work() -> None:
             try:
+                started = time.perf_counter()
                 before()
-                cur = conn.cursor()
-                try:
-                    with cur.copy(sql) as copy:
-                        for chunk in spool.chunks():
-                            copy.write(chunk)
-                finally:
-                    cur.close()
+                log.debug("%.2fs: staged before the rows", time.perf_counter() - started)
+                load(spool)
+                log.debug("%.2fs: loaded the rows", time.perf_counter() - started)
             except BaseException:
                 spool.fail("reader")
                 raise
 
+        formatted = time.perf_counter()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="abp-pg-load") as pool:
-            loading = pool.submit(load)
+            loading = pool.submit(work)
             try:
                 with formatter:
                     for row in iterator:
                         formatter.write_row(row)
                         count += 1
+                log.debug("%.2fs: %d rows formatted", time.perf_counter() - formatted, count)
             except BaseException as exc:
                 if not isinstance(exc, _SpoolAborted):
                     spool.fail("writer")

@@ -249,33 +249,45 @@ class ResultsWriter:
             self._create_temp(conn, t_results, res_cols, created)
             key_cols = self._key_staging_columns()
             load_keys = None
+            keyed: _Keyed | None = None
             if self.manifest_mode:
                 self._create_temp(conn, t_keys, key_cols, created)
 
                 def load_keys() -> None:
                     self._load_keys(conn, t_keys, key_cols, keys or ())
 
+                keyed = self._stage_keyed(
+                    conn,
+                    report,
+                    _Keyed(
+                        t_results,
+                        t_keys,
+                        t_rejects,
+                        t_shards,
+                        dict(shards or {}),
+                        quote=self.dialect.quote,
+                    ),
+                    created,
+                    rejects or (),
+                    merged_at,
+                )
+
             rows = (self.mapper.row(line, batch_id) for line, batch_id in results)
             # The keys are staged first; where the database parses them (PostgreSQL), that
-            # runs while Python is still reading the results.
-            report.result_lines = self.dialect.bulk_load(conn, t_results, res_cols, rows, before=load_keys)
+            # runs while Python is still reading the results, and so do rounds of the upsert.
+            report.result_lines = self.dialect.bulk_load(
+                conn,
+                t_results,
+                res_cols,
+                rows,
+                before=load_keys,
+                after_round=(lambda part: self._write_round(conn, keyed, part)) if keyed else None,
+            )
             report.prompt_tokens = self.mapper.prompt_tokens
             report.completion_tokens = self.mapper.completion_tokens
             report.total_tokens = self.mapper.total_tokens
-            if self.manifest_mode:
-                self._merge_keyed(
-                    conn,
-                    report,
-                    t_results,
-                    t_keys,
-                    t_rejects,
-                    t_shards,
-                    created,
-                    rejects or (),
-                    shards or {},
-                    merged_at,
-                    on_retry,
-                )
+            if keyed is not None:
+                self._merge_keyed(conn, report, keyed, on_retry)
             else:
                 self._merge_unkeyed(conn, report, t_results, merged_at)
             for name in created:
@@ -294,78 +306,238 @@ class ResultsWriter:
         return report
 
     # ---- manifest mode ----------------------------------------------------------------------
-    def _merge_keyed(
+    def _stage_keyed(
         self,
         conn: Any,
         report: MergeReport,
-        t_results: str,
-        t_keys: str,
-        t_rejects: str,
-        t_shards: str,
+        keyed: _Keyed,
         created: list[str],
         rejects: Iterable[Mapping[str, Any]],
-        shards: Mapping[int, ShardOutcome],
         merged_at: datetime,
-        on_retry: RetryCallback | None,
-    ) -> None:
+    ) -> _Keyed:
+        """Stage rejects and shards and build the keyed upsert's SELECT list (before the results)."""
         d = self.dialect
         q = d.quote
-        nkeys = len(self.key_columns)
-        key_names = [f"k{i}" for i in range(nkeys)]
+        key_names = [f"k{i}" for i in range(len(self.key_columns))]
         key_types = [self._staging_type(c.type) for c in self.key_columns]
-        d.analyze(conn, q(t_keys))
-
         rej_cols = self._staging_columns(
             ["custom_id", "seq", "code", "reason", *key_names],
             ["text", "integer", "text", "text", *key_types],
         )
-        self._create_temp(conn, t_rejects, rej_cols, created)
-        d.bulk_load(conn, t_rejects, rej_cols, self._reject_rows(rejects, report))
+        self._create_temp(conn, keyed.t_rejects, rej_cols, created)
+        d.bulk_load(conn, keyed.t_rejects, rej_cols, self._reject_rows(rejects, report))
 
         shard_cols = self._staging_columns(["shard", "batch_id", "absent"], ["integer", "text", "text"])
-        self._create_temp(conn, t_shards, shard_cols, created)
-        d.bulk_load(conn, t_shards, shard_cols, ((i, s.batch_id, s.absent_status) for i, s in shards.items()))
+        self._create_temp(conn, keyed.t_shards, shard_cols, created)
+        d.bulk_load(
+            conn,
+            keyed.t_shards,
+            shard_cols,
+            ((i, s.batch_id, s.absent_status) for i, s in keyed.shards.items()),
+        )
 
-        status_expr = (
+        keyed.status_expr = (
             f"CASE WHEN r.{q('custom_id')} IS NULL THEN COALESCE(s.{q('absent')}, 'missing') "
             f"ELSE r.{q('status')} END"
         )
-        target = [c.name for c in self.key_columns]
-        select_cols = [
+        keyed.target = [c.name for c in self.key_columns]
+        keyed.key_exprs = [
             self._cast_json(f"k.{q(n)}", c) for n, c in zip(key_names, self.key_columns, strict=True)
         ]
-        target.append("custom_id")
+        select_cols = list(keyed.key_exprs)
+        keyed.target.append("custom_id")
         select_cols.append(f"k.{q('custom_id')}")
         for col in self.mapper.columns:
-            target.append(col.name)
+            keyed.target.append(col.name)
             if col.name == "status":
-                select_cols.append(status_expr)
+                select_cols.append(keyed.status_expr)
             elif col.name == "batch_id":
                 select_cols.append(f"COALESCE(r.{q('batch_id')}, s.{q('batch_id')})")
             else:
                 select_cols.append(self._cast_json(f"r.{q(col.name)}", col))
-        target.append("merged_at")
+        keyed.target.append("merged_at")
         select_cols.append(d.cast(d.placeholder, "timestamp"))
-        stamp = [d.merged_at_value(merged_at)]
+        keyed.select = ", ".join(select_cols)
+        keyed.stamp = [d.merged_at_value(merged_at)]
+        keyed.key_names = key_names
+        return keyed
 
-        def from_clause_for(results_source: str) -> str:
-            return (
-                f"FROM {q(t_keys)} k LEFT JOIN {results_source} r ON r.{q('custom_id')} = k.{q('custom_id')} "
-                f"LEFT JOIN {q(t_shards)} s ON s.{q('shard')} = k.{q('shard')}"
+    def _write_round(self, conn: Any, keyed: _Keyed, part: str) -> None:
+        """Write the keys that have a result line in ``part`` (one round of staged results).
+
+        Runs on the loading thread while Python still reads later results. A custom_id with
+        two result lines in one round stops the rounds; one repeated across rounds is found
+        after the load (see ``_finish_rounds``). Either way the one ranked statement then
+        decides every key, as it does where rounds are not used.
+        """
+        d = self.dialect
+        q = d.quote
+        if keyed.rounds == 0:
+            self._prepare_rounds(conn, keyed)
+        keyed.rounds += 1
+        if keyed.repeated:
+            return
+        select = (
+            f"SELECT {keyed.select} FROM {q(keyed.t_keys)} k "
+            f"JOIN {q(part)} r ON r.{q('custom_id')} = k.{q('custom_id')} "
+            f"LEFT JOIN {q(keyed.t_shards)} s ON s.{q('shard')} = k.{q('shard')}"
+        )
+        if self._fresh_table:
+            # No primary key yet: a repeated custom_id shows when it is added after the load.
+            written = self._write_counted(conn, select, keyed)
+        else:
+            self._execute(conn, d.savepoint.format("abp_round"))  # type: ignore[union-attr]
+            try:
+                written = self._write_counted(conn, select, keyed)
+            except Exception as exc:
+                # 21000: one statement would update a row twice (a repeat within the round).
+                if _sqlstate(exc) != "21000":
+                    raise
+                self._execute(conn, "ROLLBACK TO SAVEPOINT abp_round")
+                keyed.repeated = True
+                return
+            self._execute(conn, "RELEASE SAVEPOINT abp_round")
+        for status, n in written:
+            keyed.counts[status] = keyed.counts.get(status, 0) + n
+
+    def _write_counted(self, conn: Any, select: str, keyed: _Keyed) -> list[tuple[str, int]]:
+        """Insert (a table this merge created) or upsert ``select``; the rows written per status."""
+        d = self.dialect
+        q = d.quote
+        if self._fresh_table:
+            sql = d.insert(self.qtable, keyed.target, select)
+        else:
+            sql = d.upsert(self.qtable, keyed.target, self.target_keys, select)
+        rows = self._fetchall(
+            conn,
+            f"WITH abp_written AS ({sql} RETURNING {q('status')}) "
+            f"SELECT {q('status')}, COUNT(*) FROM abp_written GROUP BY {q('status')}",
+            keyed.stamp,
+        )
+        return [(str(status), int(n)) for status, n in rows]
+
+    def _prepare_rounds(self, conn: Any, keyed: _Keyed) -> None:
+        """Before the first round (keys staged): statistics for the rounds' joins and, for an
+        existing table, a unique index on the staged keys, so that two custom_ids with one key
+        (a manifest no build writes) fail by line instead of updating one row in two rounds.
+        A table this merge created gets its primary key after the load, which finds that too.
+        """
+        q = self.dialect.quote
+        if not self._fresh_table:
+            cols = ", ".join(q(c) for c in keyed.key_names)
+            self._execute(conn, "SAVEPOINT abp_keys")
+            try:
+                self._execute(conn, f"CREATE UNIQUE INDEX ON {q(keyed.t_keys)} ({cols})")
+            except Exception as exc:
+                if _sqlstate(exc) != "23505":
+                    raise
+                self._execute(conn, "ROLLBACK TO SAVEPOINT abp_keys")
+                self._raise_repeated_key(conn, keyed)
+            self._execute(conn, "RELEASE SAVEPOINT abp_keys")
+        self.dialect.analyze(conn, q(keyed.t_keys))
+
+    def _raise_repeated_key(self, conn: Any, keyed: _Keyed) -> None:
+        """Raise naming the first two keys.jsonl lines with one key, if there are such lines."""
+        q = self.dialect.quote
+        cols = ", ".join(q(c) for c in keyed.key_names)
+        repeated = self._fetchall(
+            conn,
+            f"SELECT MIN({q('seq')}), MAX({q('seq')}) FROM {q(keyed.t_keys)} "
+            f"GROUP BY {cols} HAVING COUNT(*) > 1 ORDER BY 1 LIMIT 1",
+        )
+        if repeated:
+            first, second = repeated[0]
+            raise WarehouseSchemaError(
+                f"keys.jsonl lines {first} and {second} have the same key; every line of a build has "
+                f"a key of its own"
             )
 
-        # Every key of the manifest gets a row.
-        written_keys = f"SELECT {', '.join(select_cols[:nkeys])} FROM {q(t_keys)} k"
-        from_clause, written, deduplicated = self._write_results(
-            conn,
-            report,
-            t_results,
-            lambda source: f"SELECT {', '.join(select_cols)} {from_clause_for(source)}",
-            target,
-            stamp,
-            from_clause_for,
-            lambda source: written_keys,
-        )
+    def _finish_rounds(self, conn: Any, keyed: _Keyed) -> dict[str, int] | None:
+        """After rounds: write the keys without a result line and check that no custom_id
+        had two. Returns the rows written per status, or None when a repeat was found (the
+        rows of the rounds are then rewritten by the ranked statement)."""
+        d = self.dialect
+        q = d.quote
+        counts = dict(keyed.counts)
+        matched = sum(counts.values())
+        total_keys = int(self._fetchall(conn, f"SELECT COUNT(*) FROM {q(keyed.t_keys)}")[0][0])
+        unmatched = 0
+        # A new table without repeats has exactly ``matched`` keys with a result; an existing
+        # table's upsert may have written one key in two rounds, which only this count shows.
+        if total_keys > matched or not self._fresh_table:
+            without = (
+                f"(SELECT * FROM {q(keyed.t_keys)} x WHERE NOT EXISTS (SELECT 1 FROM {q(keyed.t_results)} v "
+                f"WHERE v.{q('custom_id')} = x.{q('custom_id')}))"
+            )
+            nothing = f"(SELECT * FROM {q(keyed.t_results)} WHERE 1=0)"
+            select = (
+                f"SELECT {keyed.select} FROM {without} k LEFT JOIN {nothing} r "
+                f"ON r.{q('custom_id')} = k.{q('custom_id')} "
+                f"LEFT JOIN {q(keyed.t_shards)} s ON s.{q('shard')} = k.{q('shard')}"
+            )
+            for status, n in self._write_counted(conn, select, keyed):
+                counts[status] = counts.get(status, 0) + n
+                unmatched += n
+            if matched > total_keys - unmatched:
+                # More result rows joined than keys have results: a custom_id repeated.
+                return None
+        if self._pk_pending:
+            self._execute(conn, "SAVEPOINT abp_pk")
+            try:
+                self._execute(conn, self._add_primary_key_sql())
+            except Exception as exc:
+                if _sqlstate(exc) != "23505":
+                    raise
+                self._execute(conn, "ROLLBACK TO SAVEPOINT abp_pk")
+                # Two rows with one key: a custom_id repeated (ranked below), or a bad manifest.
+                self._raise_repeated_key(conn, keyed)
+                return None
+            self._execute(conn, "RELEASE SAVEPOINT abp_pk")
+            self._pk_pending = False
+        return counts
+
+    def _merge_keyed(
+        self, conn: Any, report: MergeReport, keyed: _Keyed, on_retry: RetryCallback | None
+    ) -> None:
+        d = self.dialect
+        q = d.quote
+        t_results, t_keys, t_rejects = keyed.t_results, keyed.t_keys, keyed.t_rejects
+        shards = keyed.shards
+        status_expr = keyed.status_expr
+        target, stamp = keyed.target, keyed.stamp
+        key_names = keyed.key_names
+        from_clause_for = keyed.from_clause
+        if keyed.rounds == 0:
+            d.analyze(conn, q(t_keys))
+        matched_lines: int | None = None
+        written = self._finish_rounds(conn, keyed) if keyed.rounds and not keyed.repeated else None
+        if written is not None:
+            matched_lines = sum(keyed.counts.values())
+            from_clause, deduplicated = from_clause_for(q(t_results)), False
+            if on_retry is not None:
+                d.analyze(conn, q(t_results))
+        else:
+            if keyed.rounds:
+                keyed.repeated = True
+                log.info("A custom_id has more than one result line; keeping one per key")
+                if self._fresh_table:
+                    # The ranked statement below writes every key of this merge's new table
+                    # again, so the rows of the rounds go.
+                    self._execute(conn, f"TRUNCATE {self.qtable}")
+            # Every key of the manifest gets a row. (After stopped rounds on an existing table,
+            # this upsert rewrites each row those rounds wrote.)
+            written_keys = f"SELECT {', '.join(keyed.key_exprs)} FROM {q(t_keys)} k"
+            from_clause, written, deduplicated = self._write_results(
+                conn,
+                report,
+                t_results,
+                lambda source: f"SELECT {keyed.select} {from_clause_for(source)}",
+                target,
+                stamp,
+                from_clause_for,
+                lambda source: written_keys,
+                repeated=keyed.repeated,
+            )
 
         # Rejects: one row per rejected key, unless the build also wrote that key.
         rej_exprs = [
@@ -398,7 +570,10 @@ class ResultsWriter:
             for status, n in written.items():
                 report.counts[status] = report.counts.get(status, 0) + n
             known_orphans = None
-            if all(outcome.absent_status == "missing" for outcome in shards.values()):
+            if matched_lines is not None:
+                # Rounds counted only the keys that had a result line.
+                known_orphans = report.result_lines - matched_lines
+            elif all(outcome.absent_status == "missing" for outcome in shards.values()):
                 # No result line is ever "missing", so the keys with a result are all the others,
                 # and every other staged line matched no key: no anti-join needed to count them.
                 matched = sum(written.values()) - written.get("missing", 0)
@@ -498,6 +673,8 @@ class ResultsWriter:
         params: list[Any],
         source_for: Callable[[str], str],
         keys_for: Callable[[str], str],
+        *,
+        repeated: bool = False,
     ) -> tuple[str, dict[str, int] | None, bool]:
         """Run the one upsert.
 
@@ -542,7 +719,10 @@ class ResultsWriter:
             return counts
 
         d.analyze(conn, q(t_results))
-        if d.savepoint:
+        if repeated:
+            # Already known (rounds found a repeated custom_id): straight to the ranked source.
+            ranked = self._ranked_sql(t_results)
+        elif d.savepoint:
             self._execute(conn, d.savepoint.format("abp_merge"))
             try:
                 counts = write(q(t_results))
@@ -736,6 +916,37 @@ class ResultsWriter:
                     yield int(shard), str(custom_id), key
         finally:
             cur.close()
+
+
+@dataclass
+class _Keyed:
+    """One keyed merge's staging tables, its upsert's SELECT list and the state of its rounds."""
+
+    t_results: str
+    t_keys: str
+    t_rejects: str
+    t_shards: str
+    shards: dict[int, ShardOutcome]
+    target: list[str] = field(default_factory=list)
+    #: The SELECT list of the keyed upsert over ``k`` (keys), ``r`` (results), ``s`` (shards).
+    select: str = ""
+    key_exprs: list[str] = field(default_factory=list)
+    key_names: list[str] = field(default_factory=list)
+    status_expr: str = ""
+    stamp: list[Any] = field(default_factory=list)
+    #: Rounds of results loaded, rows they wrote per status, and whether a custom_id repeated.
+    rounds: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+    repeated: bool = False
+    quote: Callable[[str], str] = str
+
+    def from_clause(self, results_source: str) -> str:
+        q = self.quote
+        return (
+            f"FROM {q(self.t_keys)} k "
+            f"LEFT JOIN {results_source} r ON r.{q('custom_id')} = k.{q('custom_id')} "
+            f"LEFT JOIN {q(self.t_shards)} s ON s.{q('shard')} = k.{q('shard')}"
+        )
 
 
 #: keys.jsonl as parsed records, or the file itself (a path or ObjectStoragePath).

@@ -17,6 +17,27 @@ from airflow_batch_provider.warehouse.write import MergeReport, ResultsWriter, S
 OPENAI = get_dialect("openai")
 
 
+@pytest.fixture(params=["postgres", "postgres_rounds", "duckdb", "sqlite", "mysql"])
+def warehouse(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Every results database; ``postgres_rounds`` writes each result line in a round of its own."""
+    kind = request.param
+    if kind == "postgres_rounds":
+        round_per_line(monkeypatch)
+        kind = "postgres"
+    return request.getfixturevalue(f"{'pg' if kind == 'postgres' else kind}_warehouse")
+
+
+def round_per_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PostgreSQL loads results in rounds of about ROUND_BYTES; make every line a round of its own."""
+    import psycopg._copy_base
+
+    from airflow_batch_provider.warehouse import dialect as wd
+
+    # psycopg hands its buffer over after every row, and every hand-over is a round.
+    monkeypatch.setattr(psycopg._copy_base, "BUFFER_SIZE", 0)
+    monkeypatch.setattr(wd, "ROUND_BYTES", 1)
+
+
 def chat_line(custom_id: str, content: str, *, prompt: int = 10, completion: int = 5) -> ResultLine:
     raw = {
         "id": f"batch_req_{custom_id}",
@@ -618,8 +639,33 @@ def test_spool_hands_every_byte_to_a_concurrent_reader_in_order(monkeypatch: pyt
     spool.finish()
     reader.join(10)
     assert not reader.is_alive() and b"".join(received) == expected
-    # Every segment but the last was deleted while reading.
-    assert len(spool._files) == 1
+    # Every segment was deleted once read.
+    assert spool._files == []
+    spool.close()
+
+
+def test_spool_files_are_read_one_by_one_as_rounds() -> None:
+    """A reader taking one file at a time gets every byte in order, each file holding whole writes."""
+    import threading
+
+    from airflow_batch_provider.warehouse import dialect as wd
+
+    spool = wd._Spool(segment=5_000)
+    rounds: list[bytes] = []
+    reader = threading.Thread(target=lambda: rounds.extend(b"".join(f) for f in spool.files()))
+    reader.start()
+    writes = [f"{i:06d}\n".encode() * 10 for i in range(2_000)]  # 70-byte "rows" of 10 lines
+    for data in writes:
+        spool.write(data)
+    spool.finish()
+    reader.join(10)
+    assert not reader.is_alive()
+    assert b"".join(rounds) == b"".join(writes)
+    # A file is closed to writes once it reaches the segment size: 5,000 bytes rounded up to
+    # whole writes, so every round but the last is 72 writes.
+    assert [len(r) for r in rounds[:-1]] == [72 * 70] * (len(rounds) - 1)
+    assert len(rounds) == -(-len(writes) // 72)
+    assert spool._files == []
     spool.close()
 
 
@@ -739,3 +785,143 @@ def test_duckdb_version_gates_the_replace_upsert() -> None:
 
     assert _version("1.1.3") < (1, 2) <= _version("1.2.0") < _version("2.0.1")
     assert _version("1.2.0.dev123") == (1, 2, 0)
+
+
+# ---- PostgreSQL: results written in rounds while they load ------------------------------------
+def spy_rounds(monkeypatch: pytest.MonkeyPatch, writer: ResultsWriter, table: str) -> list[int]:
+    """Rows in ``table`` after each round, read on the loading thread inside the merge."""
+    after: list[int] = []
+    real = writer._write_round
+
+    def spy(conn: Any, keyed: Any, part: str) -> None:
+        real(conn, keyed, part)
+        cur = conn.cursor()
+        cur.execute(f'SELECT COUNT(*) FROM "{table}"')
+        after.append(cur.fetchone()[0])
+        cur.close()
+
+    monkeypatch.setattr(writer, "_write_round", spy)
+    return after
+
+
+def test_postgres_rounds_write_results_while_they_load(
+    pg_warehouse: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each round writes its keys as it lands; the keys without a result, orphans, absent
+    statuses of an expired batch and rejects are settled after the last round."""
+    round_per_line(monkeypatch)
+    writer = ResultsWriter(pg_warehouse.hook, "rounds", key_columns=[Column("id", "integer")])
+    after = spy_rounds(monkeypatch, writer, "rounds")
+    keys = keys_for([(f"c{i}", i) for i in range(17)], shard=0) + keys_for(
+        [(f"c{i}", i) for i in range(17, 20)], shard=1
+    )
+    lines = [chat_line(f"c{i}", f"answer {i}") for i in range(12)]
+    lines += [error_line("c12", "server_error"), http_error_line("c13"), error_line("c14", "batch_expired")]
+    lines.append(chat_line("stray", "not ours"))
+    report = writer.merge(
+        with_batch(lines),
+        keys=keys,
+        rejects=[{"custom_id": "r1", "key": [99], "code": "too_long", "reason": "over the limit"}],
+        shards={0: ShardOutcome("batch_0"), 1: ShardOutcome("batch_1", absent_status="expired")},
+    )
+    # One round per line, each writing its key (the stray line writes nothing) during the load.
+    assert len(after) == len(lines) == 16
+    assert after == [*range(1, 16), 15]
+    assert report.counts == {
+        "succeeded": 12,
+        "failed": 2,
+        "expired": 4,
+        "cancelled": 0,
+        "missing": 2,
+        "rejected": 1,
+        "invalid_output": 0,
+    }
+    assert report.orphan_results == 1 and report.orphan_samples == ["stray"]
+    assert report.duplicate_results == 0 and report.rows_written == 21
+    rows = dict(pg_warehouse.rows("SELECT id, status FROM rounds"))
+    assert len(rows) == 21
+    assert [rows[i] for i in (0, 12, 13, 14, 15, 16, 17, 18, 19, 99)] == [
+        "succeeded",
+        "failed",
+        "failed",
+        "expired",
+        "missing",
+        "missing",
+        "expired",
+        "expired",
+        "expired",
+        "rejected",
+    ]
+    assert pg_warehouse.rows("SELECT batch_id FROM rounds WHERE id = 17") == [("batch_1",)]
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new_table", "existing_table"])
+def test_postgres_custom_id_repeated_across_rounds_is_ranked(
+    pg_warehouse: Any, monkeypatch: pytest.MonkeyPatch, existing: bool
+) -> None:
+    """A custom_id whose lines land in different rounds: a success wins over an error in either
+    order, counted once, whether the table is new (rows of the rounds are dropped) or not (the
+    ranked upsert rewrites them)."""
+    writer = ResultsWriter(pg_warehouse.hook, "ranked", key_columns=[Column("id", "integer")])
+    keys = keys_for([(f"c{i}", i) for i in range(5)])
+    if existing:
+        writer.merge(with_batch([chat_line(f"c{i}", "v1") for i in range(5)]), keys=keys)
+    round_per_line(monkeypatch)
+    after = spy_rounds(monkeypatch, writer, "ranked")
+    lines = [
+        chat_line("c1", "v2"),
+        error_line("c3", "server_error"),
+        error_line("c1", "server_error"),
+        chat_line("c3", "fixed"),
+        chat_line("c4", "v2"),
+    ]
+    report = writer.merge(with_batch(lines, "b2"), keys=keys)
+    assert len(after) == 5
+    assert report.counts["succeeded"] == 3 and report.counts["missing"] == 2
+    assert report.duplicate_results == 2 and report.orphan_results == 0 and report.rows_written == 5
+    assert table_rows(pg_warehouse, "ranked", "id, status, content") == [
+        (0, "missing", None),
+        (1, "succeeded", "v2"),
+        (2, "missing", None),
+        (3, "succeeded", "fixed"),
+        (4, "succeeded", "v2"),
+    ]
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new_table", "existing_table"])
+def test_postgres_two_custom_ids_with_one_key_are_named(
+    pg_warehouse: Any, monkeypatch: pytest.MonkeyPatch, existing: bool
+) -> None:
+    """A manifest no build writes (two lines, one key) fails by line instead of one row taking
+    whichever line's round came last."""
+    writer = ResultsWriter(pg_warehouse.hook, "twice", key_columns=[Column("id", "integer")])
+    if existing:
+        writer.merge(with_batch([chat_line("c0", "v1")]), keys=keys_for([("c0", 0)]))
+    round_per_line(monkeypatch)
+    keys = keys_for([("c0", 0), ("c1", 1), ("c2", 1)])
+    with pytest.raises(WarehouseSchemaError, match="keys.jsonl lines 2 and 3 have the same key"):
+        writer.merge(with_batch([chat_line("c1", "a"), chat_line("c2", "b")]), keys=keys)
+    # Rolled back: the first merge's row, or no table at all.
+    assert pg_warehouse.rows("SELECT to_regclass('twice') IS NOT NULL") == [(existing,)]
+    if existing:
+        assert table_rows(pg_warehouse, "twice", "id, content") == [(0, "v1")]
+
+
+def test_postgres_round_failing_mid_load_rolls_back(
+    pg_warehouse: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round the database refuses (here the table's own CHECK) ends the merge with that error
+    and leaves the table as it was, rounds before it included."""
+    from airflow_batch_provider.warehouse import dialect as wd
+
+    writer = ResultsWriter(pg_warehouse.hook, "checked", key_columns=[Column("id", "integer")])
+    keys = keys_for([(f"c{i}", i) for i in range(3000)])
+    writer.merge(with_batch([chat_line(f"c{i}", "v1") for i in range(3000)]), keys=keys)
+    pg_warehouse.run("ALTER TABLE checked ADD CONSTRAINT polite CHECK (content IS DISTINCT FROM 'rude')")
+    monkeypatch.setattr(wd, "ROUND_BYTES", 64 << 10)  # a round per psycopg buffer or two
+    after = spy_rounds(monkeypatch, writer, "checked")
+    lines = [chat_line(f"c{i}", "rude" if i == 2500 else "v2") for i in range(3000)]
+    with pytest.raises(Exception, match="polite"):
+        writer.merge(with_batch(lines, "b2"), keys=keys)
+    assert len(after) >= 2  # rounds were written before the one that failed
+    assert pg_warehouse.rows("SELECT content, COUNT(*) FROM checked GROUP BY content") == [("v1", 3000)]
