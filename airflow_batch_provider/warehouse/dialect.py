@@ -17,7 +17,6 @@ import itertools
 import logging
 import os
 import re
-import shutil
 import tempfile
 import threading
 import time
@@ -491,19 +490,27 @@ class DuckDBWarehouseDialect(WarehouseDialect):
         return [frozenset(r[0]) for r in rows]
 
     def load_keys_jsonl(self, conn: Any, table: str, handle: IO[bytes], key_types: Sequence[str]) -> bool:
-        # The keys file may live on an object store: copy its bytes to a local temp file
-        # (no parsing in Python) and let read_json do the work.
+        # The keys file may live on an object store: its lines go to a local temp file, each
+        # wrapped with its line number as ``[n, line]`` (no parsing in Python), for read_json:
+        # it has no line numbers, and numbering in SQL (ROW_NUMBER() OVER ()) would hold every
+        # key in memory at once.
         fd, path = tempfile.mkstemp(prefix="abp-keys-", suffix=".jsonl")
         try:
-            with os.fdopen(fd, "wb") as out:
-                shutil.copyfileobj(handle, out, 1 << 20)
+            longest = 0
+            with os.fdopen(fd, "wb", buffering=1 << 20) as out:
+                write = out.write
+                for number, line in enumerate(handle, start=1):
+                    line = line.strip()
+                    if line:
+                        longest = max(longest, len(line))
+                        write(b"[%d,%s]\n" % (number, line))
             keys = ", ".join(self._key_expr(i, t) for i, t in enumerate(key_types))
             conn.execute(
-                f"INSERT INTO {self.quote(table)} SELECT custom_id, shard, seq, json_array_length(key)"
+                f"INSERT INTO {self.quote(table)} SELECT j->1->>'custom_id', CAST(j->1->>'shard' AS BIGINT), "
+                f"CAST(j->>0 AS BIGINT), json_array_length(j->1->'key')"
                 f"{', ' + keys if keys else ''} "
-                f"FROM (SELECT custom_id, shard, key, ROW_NUMBER() OVER () AS seq "
-                f"FROM read_json(?, format='newline_delimited', "
-                f"columns={{'custom_id': 'VARCHAR', 'shard': 'BIGINT', 'key': 'JSON'}}))",
+                f"FROM read_json(?, format='newline_delimited', records=false, columns={{'j': 'JSON'}}, "
+                f"maximum_object_size={_json_buffer(longest + 32)})",
                 [path],
             )
         finally:
@@ -511,11 +518,12 @@ class DuckDBWarehouseDialect(WarehouseDialect):
         return True
 
     def _key_expr(self, index: int, portable: str) -> str:
+        key = "j->1->'key'"
         if portable == "json":
-            return f"CAST(key->{index} AS VARCHAR)"
+            return f"CAST({key}->{index} AS VARCHAR)"
         if portable == "text":
-            return f"key->>{index}"
-        return f"CAST(key->>{index} AS {self.sql_type(portable)})"
+            return f"{key}->>{index}"
+        return f"CAST({key}->>{index} AS {self.sql_type(portable)})"
 
     # One process writes a DuckDB file at a time.
     exclusive_merge = True
@@ -550,13 +558,16 @@ class DuckDBWarehouseDialect(WarehouseDialect):
         # Rows are written as JSON arrays (the cheapest thing to produce in Python) to chunk
         # files; DuckDB loads one chunk in a worker thread (it releases the GIL) while Python
         # writes the next, so parsing and loading overlap on two cores.
+        # Read as a list of text values (JSON strings unescaped, numbers and booleans as their
+        # text, null as NULL) and cast per column: extracting from a JSON column instead held
+        # ~60 MB per statement outside what spills, whatever the chunk size.
         extract = ", ".join(
-            f"CAST(j->>{i} AS {self.sql_type(c.type)})" if c.type != "text" else f"j->>{i}"
+            f"CAST(j[{i + 1}] AS {self.sql_type(c.type)})" if c.type != "text" else f"j[{i + 1}]"
             for i, c in enumerate(columns)
         )
         sql = (
             f"INSERT INTO {self.quote(table)} SELECT {extract} FROM read_json(?, format='newline_delimited', "
-            f"records=false, columns={{'j': 'JSON'}})"
+            "records=false, columns={'j': 'VARCHAR[]'}, maximum_object_size=?)"
         )
         paths = []
         for _ in range(2):
@@ -571,11 +582,14 @@ class DuckDBWarehouseDialect(WarehouseDialect):
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="abp-duckdb-load") as loader:
                 for turn in itertools.count():
                     path = paths[turn % 2]
-                    written = 0
+                    written = longest = 0
                     with open(path, "wb", buffering=1 << 20) as fh:
                         write = fh.write
                         for row in islice(iterator, self.chunk_rows):
-                            write(dumps(row))
+                            line = dumps(row)
+                            if len(line) > longest:
+                                longest = len(line)
+                            write(line)
                             write(b"\n")
                             written += 1
                     if pending is not None:
@@ -583,7 +597,7 @@ class DuckDBWarehouseDialect(WarehouseDialect):
                         pending = None
                     if not written:
                         break
-                    pending = loader.submit(conn.execute, sql, [path])
+                    pending = loader.submit(conn.execute, sql, [path, _json_buffer(longest)])
                     count += written
                 if pending is not None:
                     pending.result()
@@ -592,6 +606,15 @@ class DuckDBWarehouseDialect(WarehouseDialect):
                 with contextlib.suppress(OSError):
                     os.unlink(path)
         return count
+
+
+def _json_buffer(longest: int) -> int:
+    """``maximum_object_size`` for read_json over lines no longer than ``longest`` bytes.
+
+    DuckDB sizes each reading thread's buffer from it (16 MB by default, two per thread),
+    memory the buffer manager's limit does not cover; the longest line is known here.
+    """
+    return max(1 << 20, 2 * longest)
 
 
 class MySqlWarehouseDialect(WarehouseDialect):

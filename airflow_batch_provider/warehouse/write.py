@@ -800,7 +800,7 @@ class ResultsWriter:
                 with _open_binary(keys) as handle:
                     d.bulk_load(conn, table, columns, self._key_rows(_jsonl_records(handle)))
         else:
-            d.bulk_load(conn, table, columns, self._key_rows(keys))  # type: ignore[arg-type]
+            d.bulk_load(conn, table, columns, self._key_rows(enumerate(keys, start=1)))
         nkeys = len(self.key_columns)
         null_key = " OR ".join(f"{q(f'k{i}')} IS NULL" for i in range(nkeys))
         bad = self._fetchall(
@@ -834,10 +834,11 @@ class ResultsWriter:
             for v, c in zip(key, self.key_columns, strict=True)
         )
 
-    def _key_rows(self, keys: Iterable[Mapping[str, Any]]) -> Iterator[tuple[Any, ...]]:
+    def _key_rows(self, keys: Iterable[tuple[int, Mapping[str, Any]]]) -> Iterator[tuple[Any, ...]]:
+        """Staged rows of ``(line number, record)`` pairs of keys.jsonl."""
         nkeys = len(self.key_columns)
         blank = (None,) * nkeys
-        for seq, record in enumerate(keys, start=1):
+        for seq, record in keys:
             custom_id = record.get("custom_id")
             shard = record.get("shard")
             key = record.get("key")
@@ -965,11 +966,12 @@ def _open_binary(source: Any) -> Any:
     return staging.open_read(staging.resolve_path(source))
 
 
-def _jsonl_records(handle: Any) -> Iterator[Mapping[str, Any]]:
+def _jsonl_records(handle: Any) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    """``(line number, record)`` of each line (blank lines are skipped, and counted)."""
     for number, obj in iter_objects(handle):
         if not isinstance(obj, dict):
             raise WarehouseSchemaError(f"keys.jsonl line {number} is not a JSON object")
-        yield obj
+        yield number, obj
 
 
 def _sqlstate(exc: BaseException) -> str | None:

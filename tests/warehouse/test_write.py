@@ -408,13 +408,44 @@ def test_keys_file_is_loaded_with_typed_keys(warehouse: Any, tmp_path: Any) -> N
         ({"custom_id": "b", "key": [1, 2], "shard": 0}, "line 2: custom_id 'b': key has 2 value"),
         ({"custom_id": "b", "key": [None], "shard": 0}, "line 2: custom_id 'b': a key value is null"),
         ({"key": [2], "shard": 0}, "line 2: no custom_id"),
+        (b"[1, 2]", "keys.jsonl line 2"),  # not an object: no custom_id, or said so
     ],
 )
-def test_bad_keys_line_is_named(warehouse: Any, tmp_path: Any, bad: dict[str, Any], message: str) -> None:
+def test_bad_keys_line_is_named(warehouse: Any, tmp_path: Any, bad: Any, message: str) -> None:
     path = write_keys(tmp_path / "keys.jsonl", [{"custom_id": "a", "key": [1], "shard": 0}, bad])
     writer = ResultsWriter(warehouse.hook, "results", key_columns=[Column("id", "integer")])
     with pytest.raises(WarehouseSchemaError, match=message):
         writer.merge(with_batch([chat_line("a", "A")]), keys=path)
+
+
+def test_keys_file_line_numbers_count_blank_lines(warehouse: Any, tmp_path: Any) -> None:
+    """A bad line is named by its line in the file, blank lines included."""
+    path = write_keys(
+        tmp_path / "keys.jsonl",
+        [{"custom_id": "a", "key": [1], "shard": 0}, b"", b"  ", {"custom_id": "b", "key": [], "shard": 0}],
+    )
+    writer = ResultsWriter(warehouse.hook, "results", key_columns=[Column("id", "integer")])
+    with pytest.raises(WarehouseSchemaError, match="keys.jsonl line 4: custom_id 'b': key has 0 value"):
+        writer.merge(with_batch([chat_line("a", "A")]), keys=path)
+
+
+def test_awkward_text_lands_exactly(warehouse: Any) -> None:
+    """Quotes, backslashes, control characters, non-ASCII and JSON-looking text survive staging."""
+    texts = [
+        'say "hi"\\n',
+        "tab\there\nnew line\r\n",
+        "ünïcödé 😀",
+        '{"a": [1, 2]}',
+        "null",
+        "",
+        "\\N",
+        "[1]",
+    ]
+    writer = ResultsWriter(warehouse.hook, "awkward", key_columns=[Column("id", "integer")])
+    keys = keys_for([(f"c{i}", i) for i in range(len(texts))])
+    writer.merge(with_batch([chat_line(f"c{i}", t) for i, t in enumerate(texts)]), keys=keys)
+    assert [r[0] for r in table_rows(warehouse, "awkward", "id, content")] == list(range(len(texts)))
+    assert [r[1] for r in table_rows(warehouse, "awkward", "id, content")] == texts
 
 
 def test_existing_table_without_a_unique_key_is_refused(warehouse: Any) -> None:
@@ -739,6 +770,25 @@ def test_duckdb_remerge_of_many_rows_fits_a_small_memory_limit(duckdb_warehouse:
     assert duckdb_warehouse.rows("SELECT COUNT(*), COUNT(DISTINCT id) FROM big") == [(n, n)]
     assert duckdb_warehouse.rows("SELECT content FROM big WHERE id = 7") == [
         ("second answer 7 " + "x" * 100,)
+    ]
+
+
+def test_duckdb_first_merge_fits_64mb(duckdb_warehouse: Any) -> None:
+    """Keys are numbered outside SQL and rows read as text lists: a first merge of many rows
+    runs at memory_limit 64MB (it needed 96MB when keys were numbered by a window function
+    and rows extracted from a JSON column)."""
+    n = 150_000
+    writer = ResultsWriter(
+        duckdb_warehouse.hook,
+        "small",
+        key_columns=[Column("id", "integer")],
+        session_settings={"memory_limit": "64MB", "threads": "1"},
+    )
+    lines = (chat_line(f"c{i}", f"answer {i} " + "x" * 100) for i in range(n))
+    report = writer.merge(with_batch(lines), keys=keys_for([(f"c{i}", i) for i in range(n)]))
+    assert report.counts["succeeded"] == n
+    assert duckdb_warehouse.rows("SELECT COUNT(*), MAX(content) FROM small WHERE id = 9") == [
+        (1, "answer 9 " + "x" * 100)
     ]
 
 
