@@ -123,6 +123,25 @@ class WarehouseDialect:
     #: Upsert by deleting the keys about to be written and inserting, where ``ON CONFLICT DO
     #: UPDATE`` holds every updated row in memory (only for tables with no columns of their own).
     upsert_by_replace = False
+    #: Whether a table the merge creates goes without a primary key, its rows being replaced by
+    #: key (``upsert_by_replace``) by merges that hold the table alone (``exclusive_merge``).
+    keyless_tables = False
+
+    def update_then_insert(
+        self, table: str, columns: Sequence[str], keys: Sequence[str], select: str
+    ) -> tuple[str, str]:
+        """An upsert as two statements that need no unique index: ``UPDATE ... FROM`` the rows
+        of ``select`` whose keys exist, then ``INSERT`` the others (each binds ``select``'s
+        parameters once)."""
+        source = f"({select}) AS abp_s({', '.join(self.quote(c) for c in columns)})"
+        match = " AND ".join(f"{table}.{self.quote(k)} = abp_s.{self.quote(k)}" for k in keys)
+        sets = ", ".join(f"{self.quote(c)} = abp_s.{self.quote(c)}" for c in columns if c not in keys)
+        exists = " AND ".join(f"abp_t.{self.quote(k)} = abp_s.{self.quote(k)}" for k in keys)
+        return (
+            f"UPDATE {table} SET {sets} FROM {source} WHERE {match}",
+            f"INSERT INTO {table} ({', '.join(self.quote(c) for c in columns)}) SELECT * FROM {source} "
+            f"WHERE NOT EXISTS (SELECT 1 FROM {table} abp_t WHERE {exists})",
+        )
 
     def delete_keys(self, table: str, keys: Sequence[str], select: str) -> str:
         """``DELETE`` the rows whose keys ``select`` returns (columns in the order of ``keys``)."""
@@ -423,7 +442,9 @@ class PostgresWarehouseDialect(WarehouseDialect):
                 _copy_from(conn, self._copy_sql(part, columns), chunks)
                 after_round(part)
 
-        return _overlapped_copy(conn, _without_nul(rows), before, load_rounds, segment=ROUND_BYTES)
+        return _overlapped_copy(
+            conn, _without_nul(rows), before, load_rounds, segment=ROUND_BYTES, double_every=ROUNDS_PER_SIZE
+        )
 
     def _load_rows(
         self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]
@@ -506,7 +527,10 @@ class DuckDBWarehouseDialect(WarehouseDialect):
                         write(b"[%d,%s]\n" % (number, line))
             keys = ", ".join(self._key_expr(i, t) for i, t in enumerate(key_types))
             conn.execute(
-                f"INSERT INTO {self.quote(table)} SELECT j->1->>'custom_id', CAST(j->1->>'shard' AS BIGINT), "
+                # A line that is not one JSON value (``{...},{...}``) wraps into a longer array:
+                # no custom_id, reported with its line number.
+                f"INSERT INTO {self.quote(table)} SELECT CASE WHEN json_array_length(j) = 2 "
+                f"THEN j->1->>'custom_id' END, CAST(j->1->>'shard' AS BIGINT), "
                 f"CAST(j->>0 AS BIGINT), json_array_length(j->1->'key')"
                 f"{', ' + keys if keys else ''} "
                 f"FROM read_json(?, format='newline_delimited', records=false, columns={{'j': 'JSON'}}, "
@@ -538,6 +562,14 @@ class DuckDBWarehouseDialect(WarehouseDialect):
         import duckdb
 
         return _version(duckdb.__version__) >= (1, 2)
+
+    @property
+    def keyless_tables(self) -> bool:  # type: ignore[override]
+        # DuckDB keeps a primary key's index (ART) in memory, and a merge loads and grows it: its
+        # memory would follow the table's size, and re-merging 1M rows needed over 96MB of
+        # memory_limit for it. Merges replace rows by key and run alone on a DuckDB file, so a
+        # table they create does not need it; a table created with one keeps it.
+        return self.upsert_by_replace
 
     def probe_columns(self, conn: Any, table: str, schema: str | None) -> list[str] | None:
         # A failed statement would abort the transaction: look the table up first.
@@ -726,6 +758,8 @@ SPOOL_SEGMENT = 64 << 20
 #: enough that the last round, the only one nothing overlaps, is short; large enough that
 #: per-round statements stay a small share of the work.
 ROUND_BYTES = 24 << 20
+#: Rounds of each size before the size doubles (each round is a table until commit).
+ROUNDS_PER_SIZE = 16
 
 
 def _nothing() -> None:
@@ -740,8 +774,13 @@ class _Spool:
     The writer side is a psycopg ``copy.Writer`` (``write``/``finish``).
     """
 
-    def __init__(self, segment: int = SPOOL_SEGMENT) -> None:
+    def __init__(self, segment: int = SPOOL_SEGMENT, *, double_every: int | None = None) -> None:
         self._segment = segment
+        # With ``double_every``, files get twice as large after that many: a reader that loads
+        # each file into a table of its own (rounds) then makes a few hundred tables for 100 GB,
+        # not thousands (each holds locks until commit).
+        self._double_every = double_every
+        self._created = 0
         # Each entry: [file, bytes written]; the last one is being written.
         self._files: list[list[Any]] = []
         self._done = False
@@ -754,8 +793,9 @@ class _Spool:
         if self._failed:
             raise _SpoolAborted("the COPY reading this spool failed")
         with self._cond:
-            if not self._files or self._files[-1][1] >= self._segment:
+            if not self._files or self._files[-1][1] >= self._segment_size():
                 self._files.append([tempfile.TemporaryFile(prefix="abp-copy-"), 0])  # noqa: SIM115
+                self._created += 1
             current = self._files[-1]
         view = memoryview(data)
         fd = current[0].fileno()
@@ -765,6 +805,12 @@ class _Spool:
         with self._cond:
             current[1] += len(data)
             self._cond.notify()
+
+    def _segment_size(self) -> int:
+        """Size at which the current file is complete."""
+        if not self._double_every:
+            return self._segment
+        return self._segment << ((self._created - 1) // self._double_every)
 
     def finish(self, exc: BaseException | None = None) -> None:
         if exc is not None:
@@ -853,6 +899,7 @@ def _overlapped_copy(
     load: Callable[[_Spool], Any],
     *,
     segment: int = SPOOL_SEGMENT,
+    double_every: int | None = None,
 ) -> int:
     """Run ``before`` and then ``load`` (COPYs reading the spool) on ``conn`` in a worker thread
     while this thread formats ``rows`` into a spool the COPYs read as it grows.
@@ -865,7 +912,7 @@ def _overlapped_copy(
     """
     from psycopg import Copy
 
-    spool = _Spool(segment)
+    spool = _Spool(segment, double_every=double_every)
     count = 0
     iterator = iter(rows)
     formatting = conn.cursor()

@@ -136,6 +136,7 @@ class ResultsWriter:
         self._pk_pending = False
         self._fresh_table = False
         self._replace = False
+        self._update_insert = False
         # Target layout: keys, custom_id, result columns, merged_at.
         self.target_columns: list[Column] = [
             *self.key_columns,
@@ -174,7 +175,8 @@ class ResultsWriter:
             # after the bulk insert: building the index once is cheaper than growing it row by
             # row, and a repeated key still fails (and falls back) before commit.
             self._pk_pending = bool(self.dialect.savepoint and self.dialect.exclusive_merge)
-            self._execute(conn, self._create_sql(primary_key=not self._pk_pending))
+            keyless = self.dialect.keyless_tables
+            self._execute(conn, self._create_sql(primary_key=not self._pk_pending and not keyless))
             report.created_table = True
             # Only a merge that holds the table alone knows the new table is still empty.
             self._fresh_table = self.dialect.exclusive_merge
@@ -190,7 +192,15 @@ class ResultsWriter:
                 f"table {self.qtable} exists but lacks column(s) {', '.join(repr(m) for m in missing)}; "
                 f"add them or merge into a new table"
             )
+        if self._replace and self.dialect.keyless_tables:
+            # Rows are replaced by key (see keyless_tables): no unique index is needed.
+            return
         unique = self.dialect.unique_key_sets(conn, self.table_name, self.schema)
+        if self.dialect.keyless_tables and (unique is None or frozenset(self.target_keys) not in unique):
+            # A table the merge created (no key) and then given columns of its own: update the
+            # rows by key, keeping those columns' values, and insert the new keys.
+            self._update_insert = True
+            return
         if unique is not None and frozenset(self.target_keys) not in unique:
             raise WarehouseSchemaError(
                 f"table {self.qtable} has no primary key or unique index on exactly "
@@ -234,7 +244,7 @@ class ResultsWriter:
         conn = self.hook.get_conn()
         created: list[str] = []
         try:
-            self._pk_pending = self._fresh_table = self._replace = False
+            self._pk_pending = self._fresh_table = self._replace = self._update_insert = False
             self.dialect.begin(conn)
             for name, value in self.session_settings.items():
                 self._execute(conn, self.dialect.set_setting(name, value))
@@ -424,7 +434,9 @@ class ResultsWriter:
         """
         q = self.dialect.quote
         if not self._fresh_table:
-            cols = ", ".join(q(c) for c in keyed.key_names)
+            # Compared as the target compares them (JSON keys as JSON: {"a":1,"b":2} is one key
+            # however its members are ordered).
+            cols = ", ".join(f"({e})" for e in self._typed_key_exprs(keyed))
             self._execute(conn, "SAVEPOINT abp_keys")
             try:
                 self._execute(conn, f"CREATE UNIQUE INDEX ON {q(keyed.t_keys)} ({cols})")
@@ -436,10 +448,14 @@ class ResultsWriter:
             self._execute(conn, "RELEASE SAVEPOINT abp_keys")
         self.dialect.analyze(conn, q(keyed.t_keys))
 
+    def _typed_key_exprs(self, keyed: _Keyed) -> list[str]:
+        q = self.dialect.quote
+        return [self._cast_json(q(n), c) for n, c in zip(keyed.key_names, self.key_columns, strict=True)]
+
     def _raise_repeated_key(self, conn: Any, keyed: _Keyed) -> None:
         """Raise naming the first two keys.jsonl lines with one key, if there are such lines."""
         q = self.dialect.quote
-        cols = ", ".join(q(c) for c in keyed.key_names)
+        cols = ", ".join(self._typed_key_exprs(keyed))
         repeated = self._fetchall(
             conn,
             f"SELECT MIN({q('seq')}), MAX({q('seq')}) FROM {q(keyed.t_keys)} "
@@ -509,6 +525,9 @@ class ResultsWriter:
         from_clause_for = keyed.from_clause
         if keyed.rounds == 0:
             d.analyze(conn, q(t_keys))
+        if d.keyless_tables:
+            # Nothing in a table without a key would refuse two rows for one key.
+            self._raise_repeated_key(conn, keyed)
         matched_lines: int | None = None
         written = self._finish_rounds(conn, keyed) if keyed.rounds and not keyed.repeated else None
         if written is not None:
@@ -521,6 +540,8 @@ class ResultsWriter:
                 keyed.repeated = True
                 log.info("A custom_id has more than one result line; keeping one per key")
                 if self._fresh_table:
+                    # Named by line before the primary key would fail on it without a line.
+                    self._raise_repeated_key(conn, keyed)
                     # The ranked statement below writes every key of this merge's new table
                     # again, so the rows of the rounds go.
                     self._execute(conn, f"TRUNCATE {self.qtable}")
@@ -561,9 +582,27 @@ class ResultsWriter:
             f"FROM {q(t_rejects)} x) j "
             f"WHERE j.abp_rn = 1 AND NOT EXISTS (SELECT 1 FROM {q(t_keys)} k WHERE {key_match})"
         )
-        rej_sql = d.upsert(self.qtable, target, self.target_keys, f"SELECT {', '.join(rej_exprs)} {rej_from}")
-        # The generic upsert appends its own WHERE; the reject select already has one.
-        self._execute(conn, rej_sql.replace(" WHERE 1=1 ON CONFLICT", " AND 1=1 ON CONFLICT"), stamp)
+        rej_select = f"SELECT {', '.join(rej_exprs)} {rej_from}"
+        if self._fresh_table:
+            # Rejected keys are not in keys.jsonl, so none was written above.
+            self._execute(conn, d.insert(self.qtable, target, rej_select), stamp)
+        elif self._update_insert:
+            for statement in d.update_then_insert(self.qtable, target, self.target_keys, rej_select):
+                self._execute(conn, statement, stamp)
+        elif self._replace:
+            self._execute(
+                conn,
+                d.delete_keys(
+                    self.qtable,
+                    self.target_keys,
+                    f"SELECT {', '.join(rej_exprs[: len(key_names)])} {rej_from}",
+                ),
+            )
+            self._execute(conn, d.insert(self.qtable, target, rej_select), stamp)
+        else:
+            rej_sql = d.upsert(self.qtable, target, self.target_keys, rej_select)
+            # The generic upsert appends its own WHERE; the reject select already has one.
+            self._execute(conn, rej_sql.replace(" WHERE 1=1 ON CONFLICT", " AND 1=1 ON CONFLICT"), stamp)
 
         if written is not None and not deduplicated:
             # Counted by the upsert itself; every key had at most one result line.
@@ -699,6 +738,9 @@ class ResultsWriter:
                 # Delete the rows about to be written, then insert (see upsert_by_replace).
                 self._execute(conn, d.delete_keys(self.qtable, self.target_keys, keys_for(source)))
                 sql = d.insert(self.qtable, target, select)
+            elif self._update_insert:
+                update, sql = d.update_then_insert(self.qtable, target, self.target_keys, select)
+                self._execute(conn, update, params)
             else:
                 sql = d.upsert(self.qtable, target, self.target_keys, select)
             counts: dict[str, int] | None = None

@@ -451,12 +451,53 @@ def test_awkward_text_lands_exactly(warehouse: Any) -> None:
 def test_existing_table_without_a_unique_key_is_refused(warehouse: Any) -> None:
     first = ResultsWriter(warehouse.hook, "results", key_columns=[Column("id", "integer")])
     first.merge(with_batch([chat_line("c1", "x")]), keys=keys_for([("c1", 1)]))
-    # The same columns without the primary key: an upsert could not find the row to update.
+    # The same columns plus one of its own, without a primary key: an upsert, which keeps that
+    # column's values, could not find the row to update.
     q = warehouse.quote
+    text = "VARCHAR(255)" if warehouse.kind == "mysql" else "TEXT"
     warehouse.run(f"CREATE TABLE {q('copy')} AS SELECT * FROM {q('results')}")
+    warehouse.run(f"ALTER TABLE {q('copy')} ADD COLUMN {q('note')} {text}")
     writer = ResultsWriter(warehouse.hook, "copy", key_columns=[Column("id", "integer")])
+    if warehouse.kind == "duckdb":
+        # DuckDB tables need no key (see keyless_tables): rows are updated by key, the new
+        # keys inserted, and the table's own column keeps its values.
+        warehouse.run(f"UPDATE {q('copy')} SET {q('note')} = 'seen'")
+        for answer in ("y", "z"):
+            writer.merge(
+                with_batch([chat_line("c1", answer), chat_line("c2", answer)]),
+                keys=keys_for([("c1", 1), ("c2", 2)]),
+            )
+        assert table_rows(warehouse, "copy", "id, content, note") == [(1, "z", "seen"), (2, "z", None)]
+        return
     with pytest.raises(WarehouseSchemaError, match=r"no primary key or unique index on exactly \(id\)"):
         writer.merge(with_batch([chat_line("c1", "y")]), keys=keys_for([("c1", 1)]))
+
+
+def test_duckdb_tables_are_replaced_by_key_without_a_primary_key(duckdb_warehouse: Any) -> None:
+    """A DuckDB table the merge creates has no primary key (its index would live in memory and
+    grow with the table); merges replace its rows by key, so re-runs never duplicate a row. A
+    table created with a primary key keeps it and merges into it the same way."""
+    wh = duckdb_warehouse
+    writer = ResultsWriter(wh.hook, "plain", key_columns=[Column("id", "integer")])
+    keys = keys_for([("c1", 1), ("c2", 2)])
+    rejects = [{"custom_id": "r9", "key": [9], "code": "too_long", "reason": "long"}]
+    for answer in ("x", "y", "z"):
+        writer.merge(with_batch([chat_line("c1", answer)]), keys=keys, rejects=rejects)
+    unique = (
+        "SELECT COUNT(*) FROM duckdb_constraints() WHERE table_name = ? AND constraint_type = 'PRIMARY KEY'"
+    )
+    assert wh.rows(unique, ["plain"]) == [(0,)]
+    assert table_rows(wh, "plain", "id, status, content") == [
+        (1, "succeeded", "z"),
+        (2, "missing", None),
+        (9, "rejected", None),
+    ]
+    first = ResultsWriter(wh.hook, "keyed", key_columns=[Column("id", "integer")])
+    wh.run(first._create_sql(primary_key=True))
+    for answer in ("x", "y"):
+        first.merge(with_batch([chat_line("c1", answer)]), keys=keys, rejects=rejects)
+    assert table_rows(wh, "keyed", "id, content") == [(1, "y"), (2, None), (9, None)]
+    assert wh.rows(unique, ["keyed"]) == [(1,)]
 
 
 def test_existing_table_with_the_key_as_unique_index_is_accepted(warehouse: Any) -> None:
@@ -754,14 +795,15 @@ def test_postgres_results_failing_during_a_long_keys_load_cancel_it(pg_warehouse
 def test_duckdb_remerge_of_many_rows_fits_a_small_memory_limit(duckdb_warehouse: Any) -> None:
     """DuckDB's ON CONFLICT DO UPDATE keeps every updated row's old version in memory; the merge
     deletes the keys it writes and inserts them instead, so a re-merge needs no more than the first."""
-    # At 96MB with one thread, ON CONFLICT DO UPDATE of these 100k rows runs out of memory.
+    # At 96MB with one thread, ON CONFLICT DO UPDATE of these 100k rows runs out of memory;
+    # so did delete + insert at 64MB while the table had a primary key (its index in memory).
     n = 100_000
     keys = keys_for([(f"c{i}", i) for i in range(n)])
     writer = ResultsWriter(
         duckdb_warehouse.hook,
         "big",
         key_columns=[Column("id", "integer")],
-        session_settings={"memory_limit": "96MB", "threads": "1"},
+        session_settings={"memory_limit": "64MB", "threads": "1"},
     )
     for answer in ("first answer", "second answer"):
         lines = (chat_line(f"c{i}", f"{answer} {i} " + "x" * 100) for i in range(n))
@@ -975,3 +1017,60 @@ def test_postgres_round_failing_mid_load_rolls_back(
         writer.merge(with_batch(lines, "b2"), keys=keys)
     assert len(after) >= 2  # rounds were written before the one that failed
     assert pg_warehouse.rows("SELECT content, COUNT(*) FROM checked GROUP BY content") == [("v1", 3000)]
+
+
+@pytest.mark.parametrize("kind", ["postgres", "duckdb"])
+@pytest.mark.parametrize("existing", [False, True], ids=["new_table", "existing_table"])
+def test_one_key_on_two_lines_is_named_where_no_constraint_would(
+    kind: str, existing: bool, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """JSON keys compare as JSON (member order aside); a repeated custom_id on top of the
+    repeated key still gets the lines named, not a bare constraint error; DuckDB tables the
+    merge creates have no key, so the check is the merge's own."""
+    wh = request.getfixturevalue("pg_warehouse" if kind == "postgres" else "duckdb_warehouse")
+    writer = ResultsWriter(wh.hook, "jkeys", key_columns=[Column("attrs", "json")])
+    if existing:
+        writer.merge(
+            with_batch([chat_line("c0", "v1")]), keys=[{"custom_id": "c0", "key": [{"z": 0}], "shard": 0}]
+        )
+    if kind == "postgres":
+        round_per_line(monkeypatch)
+    keys = [
+        {"custom_id": "c1", "key": [{"a": 1, "b": 2}], "shard": 0},
+        # PostgreSQL's JSONB ignores member order; DuckDB's JSON compares as (minified) text.
+        {
+            "custom_id": "c2",
+            "key": [{"b": 2, "a": 1} if kind == "postgres" else {"a": 1, "b": 2}],
+            "shard": 0,
+        },
+        {"custom_id": "c3", "key": [{"a": 3}], "shard": 0},
+        {"custom_id": "c4", "key": [{"a": 4}], "shard": 0},
+    ]
+    lines = [chat_line("c1", "a"), chat_line("c2", "b"), chat_line("c2", "again")]
+    with pytest.raises(WarehouseSchemaError, match="keys.jsonl lines 1 and 2 have the same key"):
+        writer.merge(with_batch(lines), keys=keys)
+    if existing:  # rolled back to the first merge's row
+        assert wh.rows("SELECT COUNT(*) FROM jkeys") == [(1,)]
+
+
+def test_duckdb_keys_line_of_two_values_is_named(duckdb_warehouse: Any, tmp_path: Any) -> None:
+    path = write_keys(
+        tmp_path / "keys.jsonl",
+        [{"custom_id": "a", "key": [1], "shard": 0}, b'{"custom_id": "b", "key": [2], "shard": 0},{"x": 1}'],
+    )
+    writer = ResultsWriter(duckdb_warehouse.hook, "two", key_columns=[Column("id", "integer")])
+    with pytest.raises(WarehouseSchemaError, match="keys.jsonl line 2: no custom_id"):
+        writer.merge(with_batch([chat_line("a", "A")]), keys=path)
+
+
+def test_spool_rounds_double_in_size_every_n_files() -> None:
+    """Rounds grow (each becomes a table held until commit): 100 GB makes hundreds, not thousands."""
+    from airflow_batch_provider.warehouse import dialect as wd
+
+    spool = wd._Spool(segment=100, double_every=2)
+    for _ in range(100):
+        spool.write(b"x" * 10)
+    spool.finish()
+    sizes = [len(b"".join(f)) for f in spool.files()]
+    assert sizes == [100, 100, 200, 200, 400]
+    spool.close()
