@@ -151,7 +151,7 @@ def child(mode: str, db: str, directory: Path, target: str, baseline_lines: int)
     writer = ResultsWriter(hook, table, key_columns=[Column("id", "integer")], session_settings=settings)
     cold_rss = rss_mb()
     # A one-line merge first, into a table of its own: the database client's start-up (DuckDB's
-    # instance and JSON reader: ~37 MB, the same for one line or millions) is paid before the
+    # instance and JSON reader: ~27 MB, the same for one line or millions) is paid before the
     # measured merge, whose growth is then what the lines themselves cost.
     warm = ResultsWriter(hook, "warm_up", key_columns=[Column("id", "integer")], session_settings=settings)
     first = next(iter(result_lines(directory)))
