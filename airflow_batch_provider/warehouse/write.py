@@ -407,24 +407,56 @@ class ResultsWriter:
                 keyed.repeated = True
                 return
             self._execute(conn, "RELEASE SAVEPOINT abp_round")
-        for status, n in written:
+        for status, n in written.items():
             keyed.counts[status] = keyed.counts.get(status, 0) + n
 
-    def _write_counted(self, conn: Any, select: str, keyed: _Keyed) -> list[tuple[str, int]]:
-        """Insert (a table this merge created) or upsert ``select``; the rows written per status."""
+    def _write_counted(self, conn: Any, select: str, keyed: _Keyed) -> dict[str, int]:
+        """Write ``select`` (keyed rows) into the target; the rows written per status."""
+        written = self._write_select(conn, select, keyed.target, keyed.stamp)
+        assert written is not None, "rounds run only where the database counts while writing"
+        return written
+
+    def _write_select(
+        self,
+        conn: Any,
+        select: str,
+        target: Sequence[str],
+        params: Sequence[Any],
+        keys_select: str | None = None,
+    ) -> dict[str, int] | None:
+        """Write the rows of ``select`` as this merge writes: insert into a table it created,
+        replace by key (``keys_select`` returns the keys), update then insert, or upsert.
+
+        Returns the rows written per status where the database counts them while writing
+        (RETURNING), else None.
+        """
         d = self.dialect
         q = d.quote
         if self._fresh_table:
-            sql = d.insert(self.qtable, keyed.target, select)
+            # The table was created by this transaction, so it is empty: nothing to update.
+            sql = d.insert(self.qtable, target, select)
+        elif self._replace:
+            # Delete the rows about to be written, then insert (see upsert_by_replace).
+            if keys_select is None:
+                raise ValueError("replacing rows needs the keys they are replaced by")
+            self._execute(conn, d.delete_keys(self.qtable, self.target_keys, keys_select))
+            sql = d.insert(self.qtable, target, select)
+        elif self._update_insert:
+            update, sql = d.update_then_insert(self.qtable, target, self.target_keys, select)
+            self._execute(conn, update, params)
         else:
-            sql = d.upsert(self.qtable, keyed.target, self.target_keys, select)
+            sql = d.upsert(self.qtable, target, self.target_keys, select)
+        if not d.returning_counts:
+            self._execute(conn, sql, params)
+            return None
+        # Count the written rows per status in the same statement, not a second join.
         rows = self._fetchall(
             conn,
             f"WITH abp_written AS ({sql} RETURNING {q('status')}) "
             f"SELECT {q('status')}, COUNT(*) FROM abp_written GROUP BY {q('status')}",
-            keyed.stamp,
+            params,
         )
-        return [(str(status), int(n)) for status, n in rows]
+        return {str(status): int(n) for status, n in rows}
 
     def _prepare_rounds(self, conn: Any, keyed: _Keyed) -> None:
         """Before the first round (keys staged): statistics for the rounds' joins and, for an
@@ -491,7 +523,7 @@ class ResultsWriter:
                 f"ON r.{q('custom_id')} = k.{q('custom_id')} "
                 f"LEFT JOIN {q(keyed.t_shards)} s ON s.{q('shard')} = k.{q('shard')}"
             )
-            for status, n in self._write_counted(conn, select, keyed):
+            for status, n in self._write_counted(conn, select, keyed).items():
                 counts[status] = counts.get(status, 0) + n
                 unmatched += n
             if matched > total_keys - unmatched:
@@ -730,31 +762,7 @@ class ResultsWriter:
         q = d.quote
 
         def write(source: str) -> dict[str, int] | None:
-            select = select_for(source)
-            if self._fresh_table:
-                # The table was created by this transaction, so it is empty: nothing to update.
-                sql = d.insert(self.qtable, target, select)
-            elif self._replace:
-                # Delete the rows about to be written, then insert (see upsert_by_replace).
-                self._execute(conn, d.delete_keys(self.qtable, self.target_keys, keys_for(source)))
-                sql = d.insert(self.qtable, target, select)
-            elif self._update_insert:
-                update, sql = d.update_then_insert(self.qtable, target, self.target_keys, select)
-                self._execute(conn, update, params)
-            else:
-                sql = d.upsert(self.qtable, target, self.target_keys, select)
-            counts: dict[str, int] | None = None
-            if d.returning_counts:
-                # Count the written rows per status in the same statement, not a second join.
-                rows = self._fetchall(
-                    conn,
-                    f"WITH abp_written AS ({sql} RETURNING {q('status')}) "
-                    f"SELECT {q('status')}, COUNT(*) FROM abp_written GROUP BY {q('status')}",
-                    params,
-                )
-                counts = {str(status): int(n) for status, n in rows}
-            else:
-                self._execute(conn, sql, params)
+            counts = self._write_select(conn, select_for(source), target, params, keys_for(source))
             if self._pk_pending:
                 self._execute(conn, self._add_primary_key_sql())
                 self._pk_pending = False
