@@ -415,15 +415,9 @@ class PostgresWarehouseDialect(WarehouseDialect):
     ) -> int | None:
         # psycopg 3 only (psycopg2 has no COPY formatter to spool with), and UTF-8 only (the
         # spool is formatted before the connection would transcode it).
-        if type(conn).__module__.split(".")[0] != "psycopg" or not _utf8(conn):
+        # Without rounds to run, there is nothing to overlap but ``before``: load plainly.
+        if after_round is None or type(conn).__module__.split(".")[0] != "psycopg" or not _utf8(conn):
             return None
-        if after_round is None:
-            sql = self._copy_sql(table, columns)
-
-            def load(spool: _Spool) -> None:
-                _copy_from(conn, sql, spool.chunks())
-
-            return _overlapped_copy(conn, _without_nul(rows), before, load)
 
         def load_rounds(spool: _Spool) -> None:
             # One spool file is one round: its rows go into a child table of ``table`` (so

@@ -608,33 +608,22 @@ class ResultsWriter:
                 rej_exprs.append(self._cast_json("NULL", col) if col.type == "json" else "NULL")
         rej_exprs.append(d.cast(d.placeholder, "timestamp"))
         partition = ", ".join(f"x.{q(n)}" for n in key_names)
-        key_match = " AND ".join(f"k.{q(n)} = j.{q(n)}" for n in key_names)
+        key_match = " AND ".join(f"k.{q(n)} = y.{q(n)}" for n in key_names)
+        # The filter sits inside the derived table, so the SELECT has no WHERE of its own and
+        # writes like any other (see _write_select).
         rej_from = (
-            f"FROM (SELECT x.*, ROW_NUMBER() OVER (PARTITION BY {partition} ORDER BY x.{q('seq')}) AS abp_rn "
-            f"FROM {q(t_rejects)} x) j "
-            f"WHERE j.abp_rn = 1 AND NOT EXISTS (SELECT 1 FROM {q(t_keys)} k WHERE {key_match})"
+            f"FROM (SELECT y.* FROM (SELECT x.*, ROW_NUMBER() OVER (PARTITION BY {partition} "
+            f"ORDER BY x.{q('seq')}) AS abp_rn FROM {q(t_rejects)} x) y "
+            f"WHERE y.abp_rn = 1 AND NOT EXISTS (SELECT 1 FROM {q(t_keys)} k WHERE {key_match})) j"
         )
-        rej_select = f"SELECT {', '.join(rej_exprs)} {rej_from}"
-        if self._fresh_table:
-            # Rejected keys are not in keys.jsonl, so none was written above.
-            self._execute(conn, d.insert(self.qtable, target, rej_select), stamp)
-        elif self._update_insert:
-            for statement in d.update_then_insert(self.qtable, target, self.target_keys, rej_select):
-                self._execute(conn, statement, stamp)
-        elif self._replace:
-            self._execute(
-                conn,
-                d.delete_keys(
-                    self.qtable,
-                    self.target_keys,
-                    f"SELECT {', '.join(rej_exprs[: len(key_names)])} {rej_from}",
-                ),
-            )
-            self._execute(conn, d.insert(self.qtable, target, rej_select), stamp)
-        else:
-            rej_sql = d.upsert(self.qtable, target, self.target_keys, rej_select)
-            # The generic upsert appends its own WHERE; the reject select already has one.
-            self._execute(conn, rej_sql.replace(" WHERE 1=1 ON CONFLICT", " AND 1=1 ON CONFLICT"), stamp)
+        # Rejected keys are not in keys.jsonl, so none of them was written above.
+        self._write_select(
+            conn,
+            f"SELECT {', '.join(rej_exprs)} {rej_from}",
+            target,
+            stamp,
+            f"SELECT {', '.join(rej_exprs[: len(key_names)])} {rej_from}",
+        )
 
         if written is not None and not deduplicated:
             # Counted by the upsert itself; every key had at most one result line.
