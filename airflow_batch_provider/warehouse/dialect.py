@@ -745,12 +745,10 @@ class _SpoolAborted(Exception):
     """The other side of a spool gave up; the real error is reported by whoever failed."""
 
 
-#: Bytes per spool file: a file is deleted as soon as the COPY has read past it, so the disk
-#: holds what the COPY has not sent yet plus at most one file.
-SPOOL_SEGMENT = 64 << 20
 #: Bytes of COPY text per round when rows are loaded in rounds (one spool file each): small
 #: enough that the last round, the only one nothing overlaps, is short; large enough that
-#: per-round statements stay a small share of the work.
+#: per-round statements stay a small share of the work. A file is deleted once its round is
+#: loaded, so the disk holds what is not loaded yet.
 ROUND_BYTES = 24 << 20
 #: Rounds of each size before the size doubles (each round is a table until commit).
 ROUNDS_PER_SIZE = 16
@@ -768,7 +766,7 @@ class _Spool:
     The writer side is a psycopg ``copy.Writer`` (``write``/``finish``).
     """
 
-    def __init__(self, segment: int = SPOOL_SEGMENT, *, double_every: int | None = None) -> None:
+    def __init__(self, segment: int, *, double_every: int | None = None) -> None:
         self._segment = segment
         # With ``double_every``, files get twice as large after that many: a reader that loads
         # each file into a table of its own (rounds) then makes a few hundred tables for 100 GB,
@@ -833,10 +831,10 @@ class _Spool:
                     raise _SpoolAborted("the rows could not all be produced")
                 if not self._files:
                     return
-            yield self.chunks(one_file=True)
+            yield self._file_chunks()
 
-    def chunks(self, size: int = 1 << 20, *, one_file: bool = False) -> Iterator[bytes]:
-        """The spooled bytes in order as they are written; with ``one_file``, the next file's only."""
+    def _file_chunks(self, size: int = 1 << 20) -> Iterator[bytes]:
+        """The next file's bytes as they are written, until it is complete; it is then freed."""
         offset = 0
         while True:
             with self._cond:
@@ -854,9 +852,6 @@ class _Spool:
                 if offset >= available:
                     # Complete (another file follows, or the writer is done) and read: free it.
                     self._files.pop(0)[0].close()
-                    if self._files and not one_file:
-                        offset = 0
-                        continue
                     return
             # pread: the writer's file position is never touched from this thread.
             data = os.pread(handle.fileno(), min(size, available - offset), offset)
@@ -892,7 +887,7 @@ def _overlapped_copy(
     before: Callable[[], Any],
     load: Callable[[_Spool], Any],
     *,
-    segment: int = SPOOL_SEGMENT,
+    segment: int,
     double_every: int | None = None,
 ) -> int:
     """Run ``before`` and then ``load`` (COPYs reading the spool) on ``conn`` in a worker thread

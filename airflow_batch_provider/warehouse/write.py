@@ -387,11 +387,7 @@ class ResultsWriter:
         keyed.rounds += 1
         if keyed.repeated:
             return
-        select = (
-            f"SELECT {keyed.select} FROM {q(keyed.t_keys)} k "
-            f"JOIN {q(part)} r ON r.{q('custom_id')} = k.{q('custom_id')} "
-            f"LEFT JOIN {q(keyed.t_shards)} s ON s.{q('shard')} = k.{q('shard')}"
-        )
+        select = f"SELECT {keyed.select} {keyed.from_clause(q(part), join='JOIN')}"
         if self._fresh_table:
             # No primary key yet: a repeated custom_id shows when it is added after the load.
             written = self._write_counted(conn, select, keyed)
@@ -518,11 +514,7 @@ class ResultsWriter:
                 f"WHERE v.{q('custom_id')} = x.{q('custom_id')}))"
             )
             nothing = f"(SELECT * FROM {q(keyed.t_results)} WHERE 1=0)"
-            select = (
-                f"SELECT {keyed.select} FROM {without} k LEFT JOIN {nothing} r "
-                f"ON r.{q('custom_id')} = k.{q('custom_id')} "
-                f"LEFT JOIN {q(keyed.t_shards)} s ON s.{q('shard')} = k.{q('shard')}"
-            )
+            select = f"SELECT {keyed.select} {keyed.from_clause(nothing, keys=without)}"
             for status, n in self._write_counted(conn, select, keyed).items():
                 counts[status] = counts.get(status, 0) + n
                 unmatched += n
@@ -980,11 +972,12 @@ class _Keyed:
     repeated: bool = False
     quote: Callable[[str], str] = str
 
-    def from_clause(self, results_source: str) -> str:
+    def from_clause(self, results_source: str, *, keys: str | None = None, join: str = "LEFT JOIN") -> str:
+        """``FROM`` keys ``k`` (the staged keys, or ``keys``) joined to results ``r`` and shards ``s``."""
         q = self.quote
         return (
-            f"FROM {q(self.t_keys)} k "
-            f"LEFT JOIN {results_source} r ON r.{q('custom_id')} = k.{q('custom_id')} "
+            f"FROM {keys or q(self.t_keys)} k "
+            f"{join} {results_source} r ON r.{q('custom_id')} = k.{q('custom_id')} "
             f"LEFT JOIN {q(self.t_shards)} s ON s.{q('shard')} = k.{q('shard')}"
         )
 

@@ -703,7 +703,7 @@ def test_spool_hands_every_byte_to_a_concurrent_reader_in_order(monkeypatch: pyt
     monkeypatch.setattr(wd.os, "write", lambda fd, data: real_write(fd, bytes(data[:300])))
     spool = wd._Spool(segment=10_000)  # many segment files, each freed once read
     received: list[bytes] = []
-    reader = threading.Thread(target=lambda: received.extend(spool.chunks(size=1000)))
+    reader = threading.Thread(target=lambda: received.extend(c for f in spool.files() for c in f))
     reader.start()
     expected = b"".join(f"{i:06d}\n".encode() for i in range(20_000))
     for start in range(0, len(expected), 777):
@@ -746,12 +746,13 @@ def test_spool_failure_on_either_side_stops_the_other() -> None:
 
     from airflow_batch_provider.warehouse.dialect import _Spool, _SpoolAborted
 
-    spool = _Spool()
+    spool = _Spool(segment=1000)
     errors: list[BaseException] = []
 
     def read() -> None:
         try:
-            list(spool.chunks())
+            for file in spool.files():
+                list(file)
         except _SpoolAborted as exc:
             errors.append(exc)
 
@@ -763,7 +764,7 @@ def test_spool_failure_on_either_side_stops_the_other() -> None:
     assert len(errors) == 1 and spool.first_failure == "writer"
     spool.close()
 
-    spool = _Spool()
+    spool = _Spool(segment=1000)
     spool.fail("reader")
     with pytest.raises(_SpoolAborted):
         spool.write(b"more")
