@@ -72,6 +72,45 @@ class WarehouseDialect:
             raise ConfigurationError(f"invalid identifier {name!r}")
         return self._quote_format.format(name.replace(self._close, self._close * 2))
 
+    #: Longest identifier in bytes the database keeps whole (PostgreSQL cuts longer ones).
+    max_identifier_bytes: int | None = None
+
+    def check_identifiers(self, names: Sequence[tuple[str, str]], *, distinct: bool = True) -> None:
+        """Refuse names this database would not keep as given, before any work.
+
+        :param names: ``(what, name)`` pairs, e.g. ``("key column", "id")``.
+        :param distinct: also refuse two names that differ only by case (columns of one table:
+            DuckDB, SQLite and MySQL match column names without regard to case).
+        """
+        limit = self.max_identifier_bytes
+        seen: dict[str, tuple[str, str]] = {}
+        for what, name in names:
+            if limit is not None and len(name.encode("utf-8")) > limit:
+                raise ConfigurationError(
+                    f"{what} {name!r} is {len(name.encode('utf-8'))} bytes long; {self.name} cuts "
+                    f"identifiers at {limit} bytes, so use a shorter name"
+                )
+            if not distinct:
+                continue
+            other = seen.get(name.casefold())
+            if other is not None and other[1] != name:
+                raise ConfigurationError(
+                    f"{other[0]} {other[1]!r} and {what} {name!r} differ only by case; "
+                    "not every database tells them apart, so rename one"
+                )
+            seen[name.casefold()] = (what, name)
+
+    def bound(self, sql: str) -> str:
+        """``sql`` ready to run with parameters.
+
+        Where the driver's placeholder is ``%s`` (psycopg, MySQL drivers), a ``%`` inside a
+        quoted identifier would be read as a placeholder once parameters are passed, so it is
+        doubled there (and only there: the statement's own placeholders are never quoted).
+        """
+        if "%" not in self.placeholder or "%" not in sql:
+            return sql
+        return _double_percent_in_quotes(sql, self._quote_format[0], self._close)
+
     def table(self, table: str, schema: str | None = None) -> str:
         """The quoted (optionally schema-qualified) table name; the table name is never split on dots."""
         return f"{self.quote(schema)}.{self.quote(table)}" if schema else self.quote(table)
@@ -157,7 +196,7 @@ class WarehouseDialect:
     def _rows(self, conn: Any, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         cur = self.cursor(conn)
         try:
-            cur.execute(sql, tuple(params)) if params else cur.execute(sql)
+            cur.execute(self.bound(sql), tuple(params)) if params else cur.execute(sql)
             return [tuple(r) for r in cur.fetchall()]
         finally:
             cur.close()
@@ -258,7 +297,7 @@ class WarehouseDialect:
         self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]
     ) -> int:
         names = [self.quote(c.name) for c in columns]
-        sql = self.hook.dialect.generate_insert_sql(self.quote(table), names, names)
+        sql = self.bound(self.hook.dialect.generate_insert_sql(self.quote(table), names, names))
         count = 0
         cur = self.cursor(conn)
         try:
@@ -311,6 +350,7 @@ class PostgresWarehouseDialect(WarehouseDialect):
     """PostgreSQL: COPY into an ON COMMIT DROP temp table, then one ``INSERT ... ON CONFLICT``."""
 
     name = "postgres"
+    max_identifier_bytes = 63
     temp_table = "CREATE TEMP TABLE {} ({}) ON COMMIT DROP"
     types = {**WarehouseDialect.types, "json": "JSONB"}
     merged_at_type = "TIMESTAMP WITH TIME ZONE"
@@ -701,6 +741,25 @@ class _SameConnection:
 
     def close(self) -> None:
         """The connection is closed by the merge, not by its cursors."""
+
+
+def _double_percent_in_quotes(sql: str, open_quote: str, close_quote: str) -> str:
+    """Double every ``%`` inside quoted identifiers (and string literals) of ``sql``."""
+    out: list[str] = []
+    closing: str | None = None  # the character ending the quoted part we are in
+    for char in sql:
+        if closing is None:
+            if char == open_quote:
+                closing = close_quote
+            elif char == "'":
+                closing = "'"
+        elif char == closing:
+            # A doubled quote closes and reopens at once, which leaves the state as it was.
+            closing = None
+        elif char == "%":
+            out.append("%")
+        out.append(char)
+    return "".join(out)
 
 
 def _version(text: str) -> tuple[int, ...]:

@@ -145,6 +145,24 @@ class ResultsWriter:
             Column("merged_at", "timestamp"),
         ]
         self.target_keys = [c.name for c in self.key_columns] if self.manifest_mode else ["custom_id"]
+        self.dialect.check_identifiers(
+            [("target_table", table), *([("target_schema", schema)] if schema else [])], distinct=False
+        )
+        extra = {c.name for c in self.mapper.extra_columns}
+        keys = {c.name for c in self.key_columns}
+        self.dialect.check_identifiers(
+            [
+                (
+                    "key column"
+                    if c.name in keys
+                    else "extra column"
+                    if c.name in extra
+                    else "results column",
+                    c.name,
+                )
+                for c in self.target_columns
+            ]
+        )
 
     # ---- DDL --------------------------------------------------------------------------------
     def _create_sql(self, *, primary_key: bool = True) -> str:
@@ -912,7 +930,7 @@ class ResultsWriter:
             if params is None:
                 cur.execute(sql)
             else:
-                cur.execute(sql, tuple(params))
+                cur.execute(self.dialect.bound(sql), tuple(params))
         finally:
             cur.close()
         log.debug("%.2fs: %s", time.perf_counter() - started, sql[:120])
@@ -925,7 +943,7 @@ class ResultsWriter:
             if params is None:
                 cur.execute(sql)
             else:
-                cur.execute(sql, tuple(params))
+                cur.execute(self.dialect.bound(sql), tuple(params))
             return [tuple(r) for r in cur.fetchall()]
         finally:
             cur.close()
