@@ -26,6 +26,7 @@ from airflow_batch_provider.exceptions import (
 )
 from airflow_batch_provider.jsonl import LineValidator
 from airflow_batch_provider.models import Manifest
+from airflow_batch_provider.warehouse.dialect import WarehouseDialect, get_warehouse_dialect
 from airflow_batch_provider.warehouse.read import stream_rows, value_type
 
 if TYPE_CHECKING:
@@ -232,7 +233,9 @@ class SqlToBatchJsonlOperator(BaseOperator):
 
     :param conn_id: connection of the source database (any ``DbApiHook``) (templated).
     :param sql: the query (templated; ``.sql`` files are read). Give ``sql`` or ``table``.
-    :param table: a table to read whole (templated); used as written, so quote it yourself if needed.
+    :param table: a table to read whole (templated): one identifier, quoted (a dot or ``%`` in
+        it is part of the name), like the merge's ``target_table``. Use ``sql`` for anything custom.
+    :param schema: the schema / database of ``table`` (templated), quoted the same way.
     :param where: optional filter for ``table`` (templated).
     :param parameters: query parameters, in the driver's style (templated).
     :param key_columns: column(s) whose values identify a row; they make the custom_id.
@@ -269,6 +272,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
         "dialect",
         "sql",
         "table",
+        "schema",
         "where",
         "parameters",
         "staging_path",
@@ -287,6 +291,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
         key_columns: str | Sequence[str],
         sql: str | None = None,
         table: str | None = None,
+        schema: str | None = None,
         where: str | None = None,
         parameters: Sequence[Any] | Mapping[str, Any] | None = None,
         messages: Sequence[Mapping[str, Any]] | str | None = None,
@@ -313,6 +318,8 @@ class SqlToBatchJsonlOperator(BaseOperator):
         super().__init__(**kwargs)
         if (sql is None) == (table is None):
             raise ConfigurationError("give exactly one of sql or table")
+        if schema is not None and table is None:
+            raise ConfigurationError("schema applies to table; qualify the names in sql instead")
         if where is not None and table is None:
             raise ConfigurationError("where applies to table; put the filter in sql instead")
         modes = [
@@ -342,6 +349,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
         self.conn_id = conn_id
         self.sql = sql
         self.table = table
+        self.schema = schema
         self.where = where
         self.parameters = parameters
         self.key_columns = key_list
@@ -384,11 +392,24 @@ class SqlToBatchJsonlOperator(BaseOperator):
             max_lines=self.max_lines, max_file_bytes=self.max_file_bytes, max_line_bytes=self.max_line_bytes
         )
 
-    def _query(self) -> str:
+    def _query(self, hook: Any) -> str:
         if self.sql is not None:
             return self.sql
-        query = f"SELECT * FROM {self.table}"
+        assert self.table is not None
+        quoting = _identifiers(hook)
+        source = quoting.table(self.table, self.schema)
+        if self.parameters is not None:
+            source = quoting.bound(source)  # a % in a name must not read as a placeholder
+        query = f"SELECT * FROM {source}"
         return f"{query} WHERE {self.where}" if self.where else query
+
+    def _check_names(self, hook: Any) -> None:
+        """Names the source database would not keep as given fail here, before any work."""
+        quoting = _identifiers(hook)
+        if self.table is not None:
+            names = [("table", self.table), *([("schema", self.schema)] if self.schema else [])]
+            quoting.check_identifiers(names, distinct=False)
+        quoting.check_identifiers([("key column", k) for k in self.key_columns])
 
     def _staging_dir(self, context: Context | Mapping[str, Any]) -> ObjectStoragePath:
         if self.staging_path:
@@ -508,14 +529,15 @@ class SqlToBatchJsonlOperator(BaseOperator):
         limits = self._limits(dialect)
         rules = dataclasses.replace(dialect.validation_rules(limits), unique_custom_ids=False)
         prefix = keymod.check_prefix(self.custom_id_prefix or "")
+        hook = self._hook()
+        self._check_names(hook)
+        query = self._query(hook)
         directory = self._staging_dir(context)
         staging.mkdirs(directory)
         # A manifest left by an earlier try would describe shards this try is about to replace.
         manifest_file = directory / staging.MANIFEST_NAME
         if manifest_file.exists():
             manifest_file.unlink()
-        hook = self._hook()
-        query = self._query()
         self.log.info(
             "Building %s batch lines for %s from %s into %s", dialect.name, endpoint, self.conn_id, directory
         )
@@ -580,6 +602,15 @@ class SqlToBatchJsonlOperator(BaseOperator):
                     f"{build.rows_rejected} of {build.rows_read} rows rejected ({ratio:.1%}), over "
                     f"max_reject_ratio {self.max_reject_ratio:.1%} ({summary}); {where}"
                 )
+
+
+def _identifiers(hook: Any) -> WarehouseDialect:
+    """Identifier quoting (and limits) for the source database: the merge's own for the databases
+    it writes to, the hook's quote format for any other."""
+    try:
+        return get_warehouse_dialect(hook)
+    except ConfigurationError:
+        return WarehouseDialect(hook)
 
 
 def _one_line(sql: str, limit: int = 200) -> str:

@@ -672,3 +672,62 @@ def test_session_sql_runs_on_the_source_connection(duckdb_warehouse: Any, tmp_pa
     )
     content = all_lines(out, staging.read_manifest(out))[0]["body"]["messages"][0]["content"]
     assert content == "117.3 MiB"  # DuckDB reports 123 MB in MiB
+
+
+# ---- identifiers (issue #13 points 16-17) ------------------------------------------------------
+
+PCT_TABLE = 'Tick%s "ets" 100%'
+PCT_KEY = "Key %s"
+PCT_TEXT = "Body %(x)s"
+
+
+def test_table_and_schema_are_quoted_like_the_merge_on_each_database(warehouse: Any, tmp_path: Path) -> None:
+    q = warehouse.quote
+    text = "TEXT" if warehouse.kind != "mysql" else "LONGTEXT"
+    warehouse.run(f"CREATE TABLE {q(PCT_TABLE)} ({q(PCT_KEY)} INTEGER, {q(PCT_TEXT)} {text})")
+    ph = warehouse.placeholder
+    seeded = q(PCT_TABLE).replace("%", "%%") if ph == "%s" else q(PCT_TABLE)
+    warehouse.run_many(f"INSERT INTO {seeded} VALUES ({ph}, {ph})", [(1, "one"), (2, "two"), (3, "3")])
+    schema = warehouse.schema or "main"
+    result, out = build(
+        warehouse,
+        tmp_path,
+        table=PCT_TABLE,
+        schema=schema,
+        # With parameters the driver reads % as a placeholder marker: the table name must not break
+        # it. ``where`` is SQL as written, in the driver's style (so %% there on PostgreSQL/MySQL).
+        where=f"{q(PCT_KEY).replace('%', '%%') if ph == '%s' else q(PCT_KEY)} > {ph}",
+        parameters=[1],
+        key_columns=PCT_KEY,
+        messages=[{"role": "user", "content": "{{ row['Body %(x)s'] }}"}],
+    )
+    lines = all_lines(out, staging.read_manifest(out))
+    assert sorted(line["body"]["messages"][0]["content"] for line in lines) == ["3", "two"]
+    assert result["rows_read"] == 2
+    # Without parameters as well.
+    _, out = build(warehouse, tmp_path, table=PCT_TABLE, key_columns=PCT_KEY, input_column=PCT_TEXT)
+    assert staging.read_manifest(out).rows_written == 3
+
+
+def test_table_is_one_identifier_never_split_on_dots(sqlite_warehouse: Any, tmp_path: Path) -> None:
+    seed(sqlite_warehouse, [(1, "a", "b")], table="my.tickets")
+    _, out = build(sqlite_warehouse, tmp_path, table="my.tickets", messages=MESSAGES)
+    assert staging.read_manifest(out).rows_written == 1
+
+
+def test_postgres_names_the_database_would_cut_fail_before_any_work(
+    pg_warehouse: Any, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigurationError, match=r"table 'é+' is 64 bytes long; postgres cuts"):
+        build(pg_warehouse, tmp_path, table="é" * 32, messages=MESSAGES)
+    with pytest.raises(ConfigurationError, match="key column 'k+' is 64 bytes long"):
+        build(pg_warehouse, tmp_path, key_columns="k" * 64, messages=MESSAGES)
+    assert not (tmp_path / "staging").exists()
+
+
+def test_key_columns_differing_only_by_case_fail_before_any_work(
+    sqlite_warehouse: Any, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigurationError, match="key column 'ID' and key column 'id' differ only by case"):
+        build(sqlite_warehouse, tmp_path, key_columns=["ID", "id"], messages=MESSAGES)
+    assert not (tmp_path / "staging").exists()

@@ -53,7 +53,7 @@ def seed(pipeline: Pipeline) -> None:
 
 
 BUILD = {
-    "table": '"tickets ""raw"" select"',
+    "table": SOURCE,  # quoted by the build, like the merge's target_table
     "key_columns": KEY,
     "messages": [{"role": "user", "content": "{{ select }}{{ row['my col'] }}"}],
 }
