@@ -63,15 +63,47 @@ class RowRejected(Exception):
 # ---------------------------------------------------------------------------------------------
 
 
-def _jinja_env() -> Any:
+class _JsonValue(str):
+    """Text that already is one JSON value (the ``tojson`` filter's output): written as is."""
+
+
+def json_text_value(value: Any) -> str:
+    """How one ``{{ ... }}`` output lands in a template that renders JSON text.
+
+    Escaped as the inside of a JSON string (``"`` -> ``\\"``, ``\\`` -> ``\\\\``, newline -> ``\\n``),
+    so a row value can only ever be text inside a string: it cannot close the string and add
+    keys (``model``, ``n``, ``max_tokens``...). Outside a string, escaped text that is not a
+    JSON value of its own (a number) leaves invalid JSON, and the row is rejected. ``tojson``
+    output is kept as is: it is one JSON value.
+    """
+    if type(value) is _JsonValue:
+        return value
+    text = value if isinstance(value, str) else str(value)
+    return orjson.dumps(text)[1:-1].decode()
+
+
+def _tojson(value: Any, indent: int | None = None) -> _JsonValue:
+    import json
+
+    return _JsonValue(json.dumps(value, ensure_ascii=False, default=str, indent=indent))
+
+
+def _jinja_env(*, json_text: bool = False) -> Any:
     from jinja2 import StrictUndefined
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     # Sandboxed: templates come from DAG authors but render warehouse data; StrictUndefined
     # turns a misspelt column into an error instead of an empty prompt.
-    return ImmutableSandboxedEnvironment(
-        undefined=StrictUndefined, autoescape=False, keep_trailing_newline=True
+    if not json_text:
+        return ImmutableSandboxedEnvironment(
+            undefined=StrictUndefined, autoescape=False, keep_trailing_newline=True
+        )
+    # A template rendering JSON text: every expression's output is JSON-escaped (finalize).
+    env = ImmutableSandboxedEnvironment(
+        undefined=StrictUndefined, autoescape=False, keep_trailing_newline=True, finalize=json_text_value
     )
+    env.filters["tojson"] = _tojson
+    return env
 
 
 class RowTemplate:
@@ -79,10 +111,12 @@ class RowTemplate:
 
     :param source: the template text.
     :param columns: the result's column names (a reference to anything else is an error).
-    :param env: the sandboxed Jinja environment.
+    :param env: the sandboxed Jinja environment (``_jinja_env(json_text=...)``).
+    :param json_text: the template renders JSON text: each value is JSON-escaped (see
+        :func:`json_text_value`); ``env`` must be the matching environment.
     """
 
-    def __init__(self, source: str, columns: Sequence[str], env: Any) -> None:
+    def __init__(self, source: str, columns: Sequence[str], env: Any, *, json_text: bool = False) -> None:
         from jinja2 import meta, nodes
         from jinja2.exceptions import SecurityError, TemplateError
 
@@ -122,7 +156,10 @@ class RowTemplate:
             # "%s" % value is str(value), exactly what Jinja outputs for a bare name.
             fmt = "".join(p.replace("%", "%%") if isinstance(p, str) else "%s" for p in parts)
             idx = [p for p in parts if isinstance(p, int)]
-            if len(idx) == 1:
+            if json_text:
+                escape = json_text_value
+                self.render = lambda row: fmt % tuple(escape(row[i]) for i in idx)
+            elif len(idx) == 1:
                 only = idx[0]
                 self.render = lambda row: fmt % (row[only],)
             else:
@@ -241,7 +278,11 @@ class SqlToBatchJsonlOperator(BaseOperator):
     :param key_columns: column(s) whose values identify a row; they make the custom_id.
     :param messages: chat messages whose strings are Jinja row templates (a list of
         ``{"role", "content"}``), or one template string rendering a JSON list of messages.
-    :param body_template: a Jinja row template rendering the whole body as a JSON object.
+    :param body_template: a Jinja row template rendering the whole body as a JSON object. In it
+        (and in a string ``messages``) every ``{{ ... }}`` output is JSON-escaped, so write
+        ``"content": "{{ text }}"`` (or ``"content": {{ text | tojson }}``): a row value never
+        changes the JSON structure. A ``model`` it renders that differs from ``model`` rejects
+        the row (``model_conflict``); its other keys take precedence over ``body``.
     :param body_callable: a Python callable ``row dict -> body dict``.
     :param input_column: for embeddings: the column holding the text to embed.
     :param body: body defaults merged into every line (max_tokens, temperature, response_format...).
@@ -466,8 +507,9 @@ class SqlToBatchJsonlOperator(BaseOperator):
             return BodyBuilder(build_callable, [])
         env = _jinja_env()
         templates: list[RowTemplate] = []
+        model = self.model
         if self.body_template is not None:
-            tpl = RowTemplate(self.body_template, columns, env)
+            tpl = RowTemplate(self.body_template, columns, _jinja_env(json_text=True), json_text=True)
             templates.append(tpl)
 
             def build_from_template(row: Sequence[Any]) -> dict[str, Any]:
@@ -480,13 +522,20 @@ class SqlToBatchJsonlOperator(BaseOperator):
                     raise RowRejected(
                         "invalid_body", f"body_template rendered a {type(parsed).__name__}, not an object"
                     )
+                if model and "model" in parsed and parsed["model"] != model:
+                    raise RowRejected(
+                        "model_conflict",
+                        f"body_template sets model {parsed['model']!r} but the operator's model is "
+                        f"{model!r}; set the model in one place only",
+                        "model",
+                    )
                 return {**defaults, **parsed}
 
             builder = build_from_template
         else:
             field = "input" if endpoint == RESPONSES_ENDPOINT else "messages"
             if isinstance(self.messages, str):
-                tpl = RowTemplate(self.messages, columns, env)
+                tpl = RowTemplate(self.messages, columns, _jinja_env(json_text=True), json_text=True)
                 templates.append(tpl)
 
                 def build_from_text(row: Sequence[Any]) -> dict[str, Any]:
