@@ -51,11 +51,14 @@ class NullValueError(BatchProviderError):
 class RowRejected(Exception):
     """A row cannot become a valid line; carries what goes into ``rejects.jsonl``."""
 
-    def __init__(self, code: str, reason: str, column: str | None = None) -> None:
+    def __init__(
+        self, code: str, reason: str, column: str | None = None, cause: BaseException | None = None
+    ) -> None:
         super().__init__(reason)
         self.code = code
         self.reason = reason
         self.column = column
+        self.cause = cause
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,8 +176,14 @@ class RowTemplate:
                 values = dict(zip(names_, row, strict=False))
                 try:
                     return str(template.render(values, row=values))
-                except SecurityError:
-                    raise  # an unsafe template fails the task, whatever the row
+                except SecurityError as exc:
+                    # A safe template can still hit the sandbox through one row's value (a
+                    # format string in the data reaching for attributes): that row is
+                    # rejected. A template unsafe on every row still fails the task (see
+                    # _Build.run).
+                    raise RowRejected(
+                        "template_unsafe", f"template blocked by the sandbox: SecurityError: {exc}", cause=exc
+                    ) from None
                 except (TemplateError, TypeError, ValueError, ArithmeticError, LookupError) as exc:
                     # Data-dependent failures (a filter given NULL, a missing key in a JSON
                     # column) reject the row and say why.
@@ -725,6 +734,7 @@ class _Build:
         self.key_types: list[str] = []
         self.column_names: list[str] = []
         self._hashes = HashBuckets()
+        self.first_cause: BaseException | None = None
 
     def run(self, rows: Any) -> None:
         op = self.op
@@ -760,6 +770,8 @@ class _Build:
             def reject(row_no: int, key: list[Any] | None, cid: str | None, err: RowRejected) -> None:
                 self.rows_rejected += 1
                 self.reject_codes[err.code] += 1
+                if err.cause is not None and self.first_cause is None:
+                    self.first_cause = err.cause
                 record = {
                     "row": row_no,
                     "key": key,
@@ -888,6 +900,10 @@ class _Build:
             self.rows_written = written
             self.shards = writer.close()
         self.key_types = [t or "text" for t in types]
+        unsafe = self.reject_codes.get("template_unsafe", 0)
+        if unsafe and unsafe == self.rows_read and self.first_cause is not None:
+            # Every row was blocked: the template itself is unsafe, not one row's data.
+            raise self.first_cause
         self._check_duplicates()
 
     def _check_duplicates(self) -> None:

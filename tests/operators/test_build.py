@@ -809,3 +809,24 @@ def test_a_template_model_never_overrides_the_operator_model_silently(
     # Without an operator model, the template's model is the model.
     _, out = build(sqlite_warehouse, tmp_path, body_template=template)
     assert [line["body"]["model"] for line in all_lines(out, staging.read_manifest(out))] == ["m", "other"]
+
+
+# ---- a data-triggered template error (issue #13 point 18) -------------------------------------
+
+
+def test_a_sandbox_error_caused_by_one_rows_value_rejects_only_that_row(
+    sqlite_warehouse: Any, tmp_path: Path
+) -> None:
+    # The template is safe; one row's text is a format string reaching for unsafe attributes.
+    seed(
+        sqlite_warehouse, [(1, "Hello {0}", "Ann"), (2, "{0.__class__.__mro__}", "Bob"), (3, "Hi {0}", "Cy")]
+    )
+    result, out = build(
+        sqlite_warehouse, tmp_path, messages=[{"role": "user", "content": "{{ title.format(body) }}"}]
+    )
+    rejects = read_jsonl(out / "rejects.jsonl")
+    assert [(r["key"], r["code"]) for r in rejects] == [([2], "template_unsafe")]
+    assert "SecurityError" in rejects[0]["reason"] and "__class__" in rejects[0]["reason"]
+    contents = [line["body"]["messages"][0]["content"] for line in all_lines(out, staging.read_manifest(out))]
+    assert contents == ["Hello Ann", "Hi Cy"]
+    assert result["extra"]["rejects_by_code"] == {"template_unsafe": 1}
