@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,44 @@ def normalize_batches(value: Any) -> list[tuple[str, int | None]]:
     raise ConfigurationError(f"batches: cannot read batch ids from a {type(value).__name__}")
 
 
+def manifest_reference(value: Any) -> Any:
+    """The manifest path (or staging directory) in ``manifest_path``: a path, or the build's XCom.
+
+    The build's XCom (a dict, or its rendering as text) carries ``manifest_path`` and
+    ``staging_path``; anything else that is not a path is an error naming what to pass.
+    """
+    if isinstance(value, str):
+        text = value.strip()
+        if not text.startswith("{"):
+            return text or None
+        try:
+            value = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            # A templated XCom rendered without native objects arrives as its repr.
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                raise ConfigurationError(
+                    f"manifest_path: cannot read {text[:200]!r}; pass the build's XCom, its "
+                    "manifest_path, or the staging directory"
+                ) from None
+    if isinstance(value, Mapping):
+        ref = value.get("manifest_path") or value.get("staging_path")
+        if not ref:
+            raise ConfigurationError(
+                "manifest_path got a mapping without 'manifest_path' or 'staging_path' "
+                f"(keys: {', '.join(sorted(map(str, value))[:20])}); pass the build task's XCom "
+                "(e.g. build.output), its ['manifest_path'], or the staging directory"
+            )
+        return ref
+    if value is None or isinstance(value, os.PathLike) or hasattr(value, "protocol"):
+        return value  # a local path or an ObjectStoragePath
+    raise ConfigurationError(
+        f"manifest_path: cannot use a {type(value).__name__}; pass the build task's XCom, its "
+        "['manifest_path'], or the staging directory"
+    )
+
+
 def _unique(pairs: list[tuple[str, int | None]]) -> list[tuple[str, int | None]]:
     seen: dict[str, int | None] = {}
     for batch_id, shard in pairs:
@@ -90,7 +129,7 @@ class MergeBatchResultsOperator(BaseOperator):
     :param conn_id: connection of the warehouse (any common-sql ``DbApiHook``). (templated)
     :param batches: batch ids, the submit task's XCom, or the trigger's terminal event;
         default: the return value of the upstream task ``submit_task_id``. (templated)
-    :param manifest_path: the build's staging directory or manifest.json; default: the
+    :param manifest_path: the build's XCom, staging directory or manifest.json; default: the
         ``manifest_path`` in the submit XCom; without one ``custom_id`` is the only key. (templated)
     :param submit_task_id: task whose XCom is read when ``batches`` is not given.
     :param batch_conn_id: the batch API connection (templated).
@@ -128,7 +167,7 @@ class MergeBatchResultsOperator(BaseOperator):
         target_table: str,
         conn_id: str,
         batches: Any = None,
-        manifest_path: str | None = None,
+        manifest_path: Any = None,
         submit_task_id: str | None = None,
         batch_conn_id: str = "batch_api_default",
         dialect: str | None = None,
@@ -191,7 +230,7 @@ class MergeBatchResultsOperator(BaseOperator):
         pairs = normalize_batches(raw)
         if not pairs:
             raise ConfigurationError(f"no batch ids found in batches={raw!r}")
-        manifest_ref = self.manifest_path
+        manifest_ref = manifest_reference(self.manifest_path)
         if manifest_ref is None and isinstance(raw, Mapping):
             manifest_ref = raw.get("manifest_path")
         manifest: Manifest | None = None

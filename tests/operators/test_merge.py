@@ -314,3 +314,40 @@ def test_normalize_batches_reads_a_mapped_tasks_lazy_sequence() -> None:
         ]
     )
     assert normalize_batches(value) == [("b0", 0), ("b1", 1)]
+
+
+# ---- manifest_path given the build's XCom (issue #13 point 19) --------------------------------
+
+
+def test_manifest_path_accepts_the_build_xcom(server: Any, sqlite_warehouse: Any, tmp_path: Path) -> None:
+    from airflow_batch_provider.operators.build import manifest_xcom
+
+    manifest_file = stage(tmp_path / "stage", [(1, "x"), (2, "y")], lost=[2])
+    xcom = submit_and_wait(manifest_file)
+    build_xcom = manifest_xcom(
+        staging.read_manifest(str(manifest_file)), staging.resolve_path(str(manifest_file.parent))
+    )
+    # The dict itself, and its repr (a templated XCom rendered without native objects).
+    for given in (build_xcom, str(build_xcom)):
+        result = merge(sqlite_warehouse, xcom["batch_ids"], manifest_path=given)
+        assert result["counts"]["succeeded"] == 1 and result["counts"]["missing"] == 1
+    q = sqlite_warehouse.quote
+    assert sqlite_warehouse.rows(f"SELECT ticket_id, status FROM {q('ticket results')} ORDER BY 1") == [
+        (1, "succeeded"),
+        (2, "missing"),
+    ]
+
+
+def test_manifest_path_given_something_else_names_what_to_pass(
+    server: Any, sqlite_warehouse: Any, tmp_path: Path
+) -> None:
+    from airflow_batch_provider.exceptions import ConfigurationError
+
+    manifest_file = stage(tmp_path / "stage", [(1, "x")])
+    xcom = submit_and_wait(manifest_file)
+    with pytest.raises(
+        ConfigurationError, match=r"without 'manifest_path' or 'staging_path' .*build task's XCom"
+    ):
+        merge(sqlite_warehouse, xcom["batch_ids"], manifest_path={"shards": []})
+    with pytest.raises(ConfigurationError, match="cannot use a int; pass the build task's XCom"):
+        merge(sqlite_warehouse, xcom["batch_ids"], manifest_path=7)
