@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -626,7 +627,8 @@ class BatchApiHook(BaseHook):
         for _, obj in self._iter_jsonl(file_id):
             yield obj
 
-    def _iter_jsonl(self, file_id: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    def _iter_jsonl(self, file_id: str, *, lenient: bool = False) -> Iterator[tuple[int, Any]]:
+        """``(line number, object)``; with ``lenient`` a bad line gives its error instead of raising."""
         settings = self.get_settings()
         where = f"file {file_id!r}"
         action = f"reading file {file_id}"
@@ -642,7 +644,7 @@ class BatchApiHook(BaseHook):
                     for chunk in response.iter_bytes(DOWNLOAD_CHUNK):
                         for number, data in splitter.feed(chunk):
                             if number > done:
-                                item = _line_object(data, number, where)
+                                item = _line_object(data, number, where, lenient)
                                 done = number
                                 if item is not None:
                                     yield number, item
@@ -650,7 +652,7 @@ class BatchApiHook(BaseHook):
                     response.close()
                 for number, data in splitter.close():
                     if number > done:
-                        item = _line_object(data, number, where)
+                        item = _line_object(data, number, where, lenient)
                         done = number
                         if item is not None:
                             yield number, item
@@ -1009,7 +1011,9 @@ class BatchApiHook(BaseHook):
             return "results_endpoint"
         return "files"
 
-    def iter_results(self, batch: Batch | str, *, mode: str | None = None) -> Iterator[ResultLine]:
+    def iter_results(
+        self, batch: Batch | str, *, mode: str | None = None, on_bad_line: str = "fail"
+    ) -> Iterator[ResultLine]:
         """Every result line of a batch, normalised and streamed.
 
         Reads the output file then the error file when the batch has them (and the dialect
@@ -1017,6 +1021,9 @@ class BatchApiHook(BaseHook):
 
         :param batch: the batch or its id.
         :param mode: force ``files`` or ``results_endpoint``.
+        :param on_bad_line: a result file line that is not JSON, not an object or unreadable by
+            the dialect: ``fail`` (raise naming it) or ``record`` (yield it as a failed line with
+            code ``invalid_result_line``, the reason, file and line, and the custom_id it has, or "").
         """
         dialect = self.dialect
         if isinstance(batch, str):
@@ -1025,8 +1032,11 @@ class BatchApiHook(BaseHook):
             for file_id, source in ((batch.output_file_id, "output"), (batch.error_file_id, "error")):
                 if not file_id:
                     continue
-                for number, obj in self._iter_jsonl(file_id):
-                    yield _result_line(dialect, obj, source, file_id, number)
+                for number, obj in self._iter_jsonl(file_id, lenient=on_bad_line == "record"):
+                    if on_bad_line == "record":
+                        yield _result_line_or_bad(dialect, obj, source, file_id, number)
+                    else:
+                        yield _result_line(dialect, obj, source, file_id, number)
             return
         params: dict[str, Any] | None = dialect.results_params()
         pages: set[bytes] = set()
@@ -1104,13 +1114,50 @@ def _with_note(error: BatchApiError, note: str) -> BatchApiError:
     )
 
 
-def _line_object(data: bytes, number: int, where: str) -> dict[str, Any] | None:
+def _line_object(data: bytes, number: int, where: str, lenient: bool = False) -> Any:
     if not data.strip():
         return None
-    obj = parse_json_line(data, number, where)
-    if not isinstance(obj, dict):
-        raise BatchApiResponseError(f"{where} line {number} is not a JSON object")
+    try:
+        obj = parse_json_line(data, number, where)
+        if not isinstance(obj, dict):
+            raise BatchApiResponseError(f"{where} line {number} is not a JSON object")
+    except BatchApiResponseError as exc:
+        if lenient:
+            found = _CUSTOM_ID_TEXT.search(data)
+            return _BadLine(exc, found.group(1).decode("utf-8", "replace") if found else None)
+        raise
     return obj
+
+
+# The custom_id of a line too damaged to parse (truncated, say) when it is still legible.
+_CUSTOM_ID_TEXT = re.compile(rb'"custom_id"\s*:\s*"([^"\\]{1,64})"')
+
+
+@dataclass(frozen=True)
+class _BadLine:
+    """A result file line that cannot be read (``on_bad_line="record"``)."""
+
+    error: BatchApiResponseError
+    custom_id: str | None
+
+
+def _result_line_or_bad(dialect: Dialect, obj: Any, source: Any, file_id: str, number: int) -> ResultLine:
+    """``_result_line``, or for a line that cannot be read a failed line saying why."""
+    from airflow_batch_provider.models import LineError
+
+    if isinstance(obj, _BadLine):
+        error, custom_id = obj.error, obj.custom_id
+    else:
+        try:
+            return _result_line(dialect, obj, source, file_id, number)
+        except BatchApiResponseError as exc:
+            error, custom_id = exc, obj.get("custom_id")
+    return ResultLine(
+        custom_id=custom_id if isinstance(custom_id, str) else "",
+        ok=False,
+        error=LineError(code="invalid_result_line", message=_message_of(error)),
+        source=source,
+    )
 
 
 def _result_line(

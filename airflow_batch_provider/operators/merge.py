@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from airflow_batch_provider.hooks.batch import BatchApiHook
 
+BAD_RESULT_LINE_CHOICES = ("fail", "record")
 #: Batch metadata key naming the shard a batch was submitted for (set by the submit operator).
 SHARD_METADATA = "airflow_shard"
 
@@ -149,6 +150,10 @@ class MergeBatchResultsOperator(BaseOperator):
     :param results_mode: force ``files`` or ``results_endpoint`` when reading results.
     :param session_settings: settings for the merge's own database session, e.g.
         ``{"memory_limit": "256MB"}`` on DuckDB (which runs inside the worker process).
+    :param on_bad_result_line: a line of a result file that is not JSON, not an object or has
+        no custom_id: ``fail`` the merge naming it (default), or ``record`` it as
+        ``invalid_output`` with the reason (file and line) and go on; one whose custom_id is
+        not in the manifest is counted with the orphan results.
     """
 
     template_fields: Sequence[str] = (
@@ -182,6 +187,7 @@ class MergeBatchResultsOperator(BaseOperator):
         max_attempts: int = 3,
         results_mode: str | None = None,
         session_settings: Mapping[str, str] | None = None,
+        on_bad_result_line: str = "fail",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -205,6 +211,12 @@ class MergeBatchResultsOperator(BaseOperator):
         self.max_attempts = max_attempts
         self.results_mode = results_mode
         self.session_settings = dict(session_settings or {})
+        if on_bad_result_line not in BAD_RESULT_LINE_CHOICES:
+            raise ConfigurationError(
+                f"on_bad_result_line must be one of {', '.join(BAD_RESULT_LINE_CHOICES)}, "
+                f"not {on_bad_result_line!r}"
+            )
+        self.on_bad_result_line = on_bad_result_line
 
     # ---- inputs -----------------------------------------------------------------------------
     def _batch_input(self, context: Context) -> Any:
@@ -293,7 +305,9 @@ class MergeBatchResultsOperator(BaseOperator):
         def results() -> Iterator[tuple[ResultLine, str]]:
             for batch in batches.values():
                 count = 0
-                for line in hook.iter_results(batch, mode=self.results_mode):
+                for line in hook.iter_results(
+                    batch, mode=self.results_mode, on_bad_line=self.on_bad_result_line
+                ):
                     count += 1
                     yield line, batch.id
                 self.log.info("Read %d result line(s) of batch %s", count, batch.id)
@@ -447,6 +461,19 @@ class MergeBatchResultsOperator(BaseOperator):
             self.log.warning(
                 "%d rejected row(s) have no key and cannot be written to the table; see the rejects file",
                 report.unkeyed_rejects,
+            )
+        if report.bad_result_lines:
+            self.log.warning(
+                "%d result line(s) could not be read and were recorded as invalid_output: %s",
+                report.bad_result_lines,
+                "; ".join(report.bad_result_samples),
+            )
+        if report.bad_token_counts:
+            self.log.warning(
+                "%d result line(s) had negative, absurd or non-integer token counts, stored as NULL "
+                "(e.g. %s)",
+                report.bad_token_counts,
+                "; ".join(report.bad_token_samples),
             )
         if report.duplicate_results:
             self.log.warning(

@@ -34,6 +34,12 @@ RETRYABLE_STATUSES: frozenset[str] = frozenset({"failed", "expired", "cancelled"
 
 # Error codes a vendor writes for lines a batch never ran because the batch itself ended.
 _ERROR_CODE_STATUS = {"batch_expired": "expired", "batch_cancelled": "cancelled"}
+#: Error code of a result line that could not be read (``on_bad_result_line="record"``).
+INVALID_RESULT_LINE = "invalid_result_line"
+_ERROR_CODE_STATUS[INVALID_RESULT_LINE] = "invalid_output"
+#: A token count above this is not believed (recorded as NULL with a warning).
+MAX_TOKEN_COUNT = 10**9
+_SAMPLES = 5
 
 
 @dataclass(frozen=True)
@@ -250,10 +256,7 @@ class ResultMapper:
                 )
             seen.add(col.name)
         self._empty_schema = (None,) * len(output_schema.columns) if output_schema else ()
-        self.lines = 0
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.total_tokens = 0
+        self.reset()
 
     def reset(self) -> None:
         """Start counting lines and tokens afresh (one mapper may serve several merges)."""
@@ -261,6 +264,12 @@ class ResultMapper:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.total_tokens = 0
+        #: Result lines that could not be read, recorded as ``invalid_output``; a few reasons.
+        self.bad_lines = 0
+        self.bad_line_samples: list[str] = []
+        #: Lines whose token counts were negative, absurd or not integers (stored as NULL).
+        self.bad_token_lines = 0
+        self.bad_token_samples: list[str] = []
 
     def row(self, line: ResultLine, batch_id: str | None) -> tuple[Any, ...]:
         """The staged row of one result line."""
@@ -274,6 +283,12 @@ class ResultMapper:
             if type(model) is not str:
                 model = None
             prompt, completion, total = extract_usage(body)
+            if prompt is None or completion is None or total is None:
+                dropped = unusable_token_counts(body)
+                if dropped:
+                    self.bad_token_lines += 1
+                    if len(self.bad_token_samples) < _SAMPLES:
+                        self.bad_token_samples.append(f"{line.custom_id}: {dropped}")
             if prompt:
                 self.prompt_tokens += prompt
             if completion:
@@ -295,6 +310,10 @@ class ResultMapper:
         else:
             code = line.error.code if line.error else None
             status = _ERROR_CODE_STATUS.get(code or "", "failed")
+            if code == INVALID_RESULT_LINE:
+                self.bad_lines += 1
+                if len(self.bad_line_samples) < _SAMPLES and line.error is not None:
+                    self.bad_line_samples.append(str(line.error.message))
             error_code = code
             error_message = line.error.message if line.error else None
         if not self.extra_paths:
@@ -385,10 +404,26 @@ def extract_usage(body: dict[str, Any]) -> tuple[int | None, int | None, int | N
     if completion is None:
         completion = usage.get("output_tokens")
     total = usage.get("total_tokens")
-    # ``type(...) is int`` also keeps booleans (an int subclass) out of the token counts.
-    prompt = prompt if type(prompt) is int else None
-    completion = completion if type(completion) is int else None
-    total = total if type(total) is int else None
-    if total is None and (prompt is not None or completion is not None):
+    # ``type(...) is int`` also keeps booleans (an int subclass) out of the token counts; a
+    # negative or absurd count is not believed either (see unusable_token_counts).
+    prompt = prompt if type(prompt) is int and 0 <= prompt <= MAX_TOKEN_COUNT else None
+    completion = completion if type(completion) is int and 0 <= completion <= MAX_TOKEN_COUNT else None
+    given_total = total is not None
+    total = total if type(total) is int and 0 <= total <= MAX_TOKEN_COUNT else None
+    if not given_total and (prompt is not None or completion is not None):
         total = (prompt or 0) + (completion or 0)
     return prompt, completion, total
+
+
+def unusable_token_counts(body: dict[str, Any]) -> dict[str, Any]:
+    """The token counts of ``usage`` that are given but not believed: not an integer, below 0
+    or over ``MAX_TOKEN_COUNT`` (``extract_usage`` returns None for them)."""
+    usage = body.get("usage")
+    if type(usage) is not dict:
+        return {}
+    return {
+        name: value
+        for name in ("prompt_tokens", "input_tokens", "completion_tokens", "output_tokens", "total_tokens")
+        if (value := usage.get(name)) is not None
+        and not (type(value) is int and 0 <= value <= MAX_TOKEN_COUNT)
+    }

@@ -66,6 +66,10 @@ class MergeReport:
     completion_tokens: int = 0
     total_tokens: int = 0
     created_table: bool = False
+    bad_result_lines: int = 0
+    bad_result_samples: list[str] = field(default_factory=list)
+    bad_token_counts: int = 0
+    bad_token_samples: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -80,6 +84,10 @@ class MergeReport:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
             "created_table": self.created_table,
+            "bad_result_lines": self.bad_result_lines,
+            "bad_result_samples": list(self.bad_result_samples),
+            "bad_token_counts": self.bad_token_counts,
+            "bad_token_samples": list(self.bad_token_samples),
         }
 
 
@@ -314,6 +322,10 @@ class ResultsWriter:
             report.prompt_tokens = self.mapper.prompt_tokens
             report.completion_tokens = self.mapper.completion_tokens
             report.total_tokens = self.mapper.total_tokens
+            report.bad_result_lines = self.mapper.bad_lines
+            report.bad_result_samples = list(self.mapper.bad_line_samples)
+            report.bad_token_counts = self.mapper.bad_token_lines
+            report.bad_token_samples = list(self.mapper.bad_token_samples)
             if keyed is not None:
                 self._merge_keyed(conn, report, keyed, on_retry)
             else:

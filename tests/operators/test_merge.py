@@ -351,3 +351,89 @@ def test_manifest_path_given_something_else_names_what_to_pass(
         merge(sqlite_warehouse, xcom["batch_ids"], manifest_path={"shards": []})
     with pytest.raises(ConfigurationError, match="cannot use a int; pass the build task's XCom"):
         merge(sqlite_warehouse, xcom["batch_ids"], manifest_path=7)
+
+
+# ---- corrupt result lines and absurd token counts (issue #13 point 20) ------------------------
+
+
+def corrupt_output(server: Any, xcom: dict[str, Any]) -> str:
+    """Damage the server's stored output file the way a vendor glitch would; returns its file id."""
+    batch = BatchApiHook().get_batch(xcom["batch_ids"][0])
+    assert batch.output_file_id
+    path = Path(server.config.data_dir) / "files" / batch.output_file_id
+    lines = {orjson.loads(raw)["custom_id"]: raw for raw in path.read_bytes().splitlines() if raw.strip()}
+    assert sorted(lines) == [f"t-{i}" for i in range(1, 7)]
+    fine = orjson.loads(lines["t-5"])
+    fine["response"]["body"]["usage"] = {
+        "prompt_tokens": -5,
+        "completion_tokens": 10**12,
+        "total_tokens": "many",
+    }
+    damaged = [
+        lines["t-1"],
+        lines["t-2"][: lines["t-2"].index(b'"response"') + 20],  # cut short; its custom_id is legible
+        b"[1, 2]",  # not an object
+        orjson.dumps({k: v for k, v in orjson.loads(lines["t-4"]).items() if k != "custom_id"}),
+        orjson.dumps(fine),
+        lines["t-6"],
+        b'{"custom_id": "t-999", "response": {"status_',  # cut short, and no key of the manifest
+    ]
+    path.write_bytes(b"\n".join(damaged) + b"\n")
+    return batch.output_file_id
+
+
+def test_bad_result_lines_fail_the_merge_by_default(
+    server: Any, sqlite_warehouse: Any, tmp_path: Path
+) -> None:
+    from airflow_batch_provider.exceptions import BatchApiResponseError
+
+    xcom = submit_and_wait(stage(tmp_path / "stage", [(i, f"text {i}") for i in range(1, 7)]))
+    file_id = corrupt_output(server, xcom)
+    with pytest.raises(BatchApiResponseError, match=f"file '{file_id}' line 2 is not valid JSON"):
+        merge(sqlite_warehouse, xcom)
+
+
+def test_bad_result_lines_are_recorded_and_the_merge_goes_on(
+    server: Any, warehouse: Any, tmp_path: Path
+) -> None:
+    xcom = submit_and_wait(stage(tmp_path / "stage", [(i, f"text {i}") for i in range(1, 7)]))
+    file_id = corrupt_output(server, xcom)
+    result = merge(warehouse, xcom, on_bad_result_line="record")
+    # Every input row is accounted for: the legible bad line lands on its key, the others leave
+    # their keys missing and are counted (the unknown custom_id with the orphans).
+    assert result["counts"] == {
+        "succeeded": 3,
+        "failed": 0,
+        "expired": 0,
+        "cancelled": 0,
+        "missing": 2,
+        "rejected": 0,
+        "invalid_output": 1,
+    }
+    assert result["rows_written"] == 6 and result["bad_result_lines"] == 4
+    assert "t-999" in result["orphan_samples"]
+    assert result["bad_token_counts"] == 1
+    q = warehouse.quote
+    got = {
+        r[0]: r[1:]
+        for r in warehouse.rows(
+            f"SELECT ticket_id, status, error_code, error_message, prompt_tokens, completion_tokens, "
+            f"total_tokens FROM {q('ticket results')}"
+        )
+    }
+    assert got[2][:2] == ("invalid_output", "invalid_result_line")
+    assert f"file '{file_id}' line 2 is not valid JSON" in got[2][2]
+    assert got[3][0] == got[4][0] == "missing"
+    assert got[5] == ("succeeded", None, None, None, None, None)
+    assert got[1][0] == "succeeded" and got[1][3] > 0
+    # The reasons (also logged as warnings) name the file and line.
+    assert f"file '{file_id}' line 3 is not a JSON object" in result["bad_result_samples"]
+    assert f"file '{file_id}' line 4: result line has no custom_id" in result["bad_result_samples"]
+    assert "'prompt_tokens': -5" in result["bad_token_samples"][0]
+
+
+def test_on_bad_result_line_is_checked() -> None:
+    from airflow_batch_provider.exceptions import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="on_bad_result_line must be one of fail, record"):
+        MergeBatchResultsOperator(task_id="m", target_table="t", conn_id="c", on_bad_result_line="skip")

@@ -221,3 +221,29 @@ def test_invalid_structured_answer_is_invalid_output_with_reason() -> None:
     row = as_dict(mapper.row(ok(body), None), mapper)
     assert row["status"] == "invalid_output" and row["error_code"] == "invalid_output"
     assert row["label"] is None and "Triage" in row["error_message"]
+
+
+def test_negative_absurd_or_non_integer_token_counts_are_null_and_counted() -> None:
+    from airflow_batch_provider.warehouse.rows import unusable_token_counts
+
+    body = {"usage": {"prompt_tokens": -1, "completion_tokens": 10**9 + 1, "total_tokens": 2.5}}
+    assert extract_usage(body) == (None, None, None)
+    assert unusable_token_counts(body) == {
+        "prompt_tokens": -1,
+        "completion_tokens": 10**9 + 1,
+        "total_tokens": 2.5,
+    }
+    # A bad total is not replaced by a sum; a missing one still is.
+    assert extract_usage({"usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": -7}}) == (
+        3,
+        4,
+        None,
+    )
+    assert extract_usage({"usage": {"input_tokens": 3, "output_tokens": 4}}) == (3, 4, 7)
+    assert extract_usage({"usage": {"prompt_tokens": 10**9, "completion_tokens": 0}}) == (10**9, 0, 10**9)
+    assert unusable_token_counts({"usage": {"prompt_tokens": 3, "total_tokens": None}}) == {}
+    mapper = ResultMapper()
+    line = ResultLine(custom_id="c", ok=True, status_code=200, body={"model": "m", **body})
+    row = mapper.row(line, "b")
+    assert row[7:10] == (None, None, None)  # prompt, completion, total
+    assert mapper.bad_token_lines == 1 and mapper.total_tokens == 0
