@@ -299,8 +299,16 @@ class ResultMapper:
             body = None
         error_code = error_message = None
         schema_values = self._empty_schema
-        if line.ok:
+        if line.ok and body is None:
+            # Never a success with nothing in it.
+            status, error_code = "invalid_output", "empty_response"
+            error_message = "the response has no JSON object body to read an answer from"
+        elif line.ok:
             status = "succeeded"
+            if content is None and embedding is None:
+                # No answer this mapper knows (moderations, images, a vendor's own endpoint...):
+                # the whole response body is the answer, as JSON text.
+                content = orjson.dumps(body).decode()
             if self.output_schema is not None:
                 values, reason = self.output_schema.parse(content)
                 if values is None:

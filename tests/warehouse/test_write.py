@@ -1075,3 +1075,42 @@ def test_spool_rounds_double_in_size_every_n_files() -> None:
     sizes = [len(b"".join(f)) for f in spool.files()]
     assert sizes == [100, 100, 200, 200, 400]
     spool.close()
+
+
+# ---- answers the merge has no reader for (issue #13 point 6) ----------------------------------
+
+
+def ok_line(custom_id: str, body: Any) -> ResultLine:
+    raw = {"custom_id": custom_id, "response": {"status_code": 200, "body": body}, "error": None}
+    return OPENAI.parse_result_line(raw, "output")
+
+
+MODERATION = {
+    "id": "modr-1",
+    "model": "omni-moderation-latest",
+    "results": [{"flagged": True, "categories": {"violence": True}, "category_scores": {"violence": 0.91}}],
+}
+IMAGE = {"created": 1700000000, "data": [{"url": "https://example.invalid/a.png", "revised_prompt": "a cat"}]}
+
+
+def test_answers_of_other_endpoints_land_whole_as_json(warehouse: Any) -> None:
+    writer = ResultsWriter(warehouse.hook, "results", key_columns=[Column("id", "integer")])
+    keys = keys_for([("c1", 1), ("c2", 2), ("c3", 3), ("c4", 4)])
+    results = [
+        ok_line("c1", MODERATION),
+        ok_line("c2", IMAGE),
+        ok_line("c3", None),  # a 200 without a body: nothing to land
+        chat_line("c4", "plain chat"),
+    ]
+    report = writer.merge(with_batch(results), keys=keys)
+    assert report.counts["succeeded"] == 3 and report.counts["invalid_output"] == 1
+    rows = {r[0]: r[1:] for r in table_rows(warehouse, "results", "id, status, content, model, error_code")}
+    assert rows[1][0] == "succeeded" and orjson.loads(rows[1][1]) == MODERATION
+    assert rows[1][2] == "omni-moderation-latest"
+    assert rows[2][0] == "succeeded" and orjson.loads(rows[2][1]) == IMAGE
+    assert rows[3] == ("invalid_output", None, None, "empty_response")
+    assert rows[4] == ("succeeded", "plain chat", "gpt-test", None)
+    # Never a success without content.
+    assert warehouse.rows(
+        f"SELECT COUNT(*) FROM {warehouse.quote('results')} WHERE status = 'succeeded' AND content IS NULL"
+    ) == [(0,)]
