@@ -70,3 +70,26 @@ def test_postgres_names_over_63_bytes_are_refused_before_any_work(pg_warehouse: 
     writer = ResultsWriter(pg_warehouse.hook, "t" * 63, key_columns=[Column("k" * 63, "integer")])
     writer.merge(with_batch([chat_line("c1", "hi")]), keys=keys_for([("c1", 1)]))
     assert pg_warehouse.rows(f"SELECT {'k' * 63}, content FROM {'t' * 63}") == [(1, "hi")]
+
+
+def test_percent_in_names_through_psycopg2(pg_warehouse: Any) -> None:
+    """psycopg2 reads % the same way (older PostgresHook installs)."""
+    psycopg2 = pytest.importorskip("psycopg2")
+    from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+    class Psycopg2Hook(PostgresHook):
+        def get_conn(self) -> Any:
+            return psycopg2.connect(
+                host="127.0.0.1",
+                user="postgres",
+                dbname="test",
+                options=f"-c search_path={pg_warehouse.schema}",
+            )
+
+    hook = Psycopg2Hook(postgres_conn_id=pg_warehouse.conn_id)
+    writer = ResultsWriter(hook, PCT_TABLE, key_columns=[Column(PCT_KEY, "integer")])
+    for _ in range(2):
+        report = writer.merge(with_batch([chat_line("c1", "hello")]), keys=keys_for([("c1", 1)]))
+        assert report.counts["succeeded"] == 1
+    q = pg_warehouse.quote
+    assert pg_warehouse.rows(f"SELECT {q(PCT_KEY)}, content FROM {q(PCT_TABLE)}") == [(1, "hello")]
