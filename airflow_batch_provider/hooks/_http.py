@@ -299,6 +299,7 @@ class _BodyReader:
         self.limit = limit
         self.action = action
         self.body = bytearray()
+        self.started = False
         encoding = response.headers.get("content-encoding", "").strip().lower()
         self.encoding = encoding
         if encoding in ("gzip", "x-gzip"):
@@ -315,8 +316,7 @@ class _BodyReader:
     def _too_large(self) -> BatchApiResponseTooLargeError:
         how = " decompressed" if self.inflater is not None else ""
         return BatchApiResponseTooLargeError(
-            f"{self.action}: the answer is larger than {self.limit:,} bytes{how}; refused "
-            "(a batch, file or list object is far smaller)"
+            f"{self.action}: the answer is larger than {self.limit:,} bytes{how}; refused"
         )
 
     def feed(self, raw: bytes) -> None:
@@ -329,9 +329,15 @@ class _BodyReader:
                 try:
                     self.body += self.inflater.decompress(data, room)
                 except zlib.error as exc:
+                    if self.encoding == "deflate" and not self.started:
+                        # Some servers send "deflate" without its zlib wrapper (as httpx accepts too).
+                        self.inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+                        self.started = True
+                        continue
                     raise BatchApiResponseError(
                         f"{self.action}: the {self.encoding} body is corrupt ({exc})"
                     ) from None
+                self.started = True
                 if len(self.body) > self.limit:
                     break
                 data = self.inflater.unconsumed_tail

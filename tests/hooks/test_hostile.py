@@ -8,6 +8,7 @@ async client, over real sockets.
 from __future__ import annotations
 
 import tracemalloc
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -223,6 +224,29 @@ async def test_small_gzip_answer_still_reads(
     hook = hostile_hook(api, retry=NO_RETRY)
     assert hook.get_batch("b1").id == "b1"
     assert (await hook.aget_batch("b1")).id == "b1"
+    await hook.aclose()
+    hook.close()
+
+
+@pytest.mark.parametrize("wbits", [15, -15], ids=["zlib", "raw"])
+async def test_deflate_answer_reads_and_is_capped(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], wbits: int
+) -> None:
+    def deflate(data: bytes) -> bytes:
+        packer = zlib.compressobj(9, zlib.DEFLATED, wbits)
+        return packer.compress(data) + packer.flush()
+
+    api = hostile_server()
+    api.route("/v1/batches/b1", reply(200, deflate(orjson.dumps(BATCH)), Content_Encoding="deflate"))
+    bomb = deflate(b" " * (16 << 20) + orjson.dumps(BATCH))
+    api.route("/v1/batches/b2", reply(200, bomb, Content_Encoding="deflate"))
+    hook = hostile_hook(api, retry=NO_RETRY)
+    assert hook.get_batch("b1").id == "b1"
+    assert (await hook.aget_batch("b1")).id == "b1"
+    with pytest.raises(BatchApiResponseTooLargeError, match="decompressed"):
+        hook.get_batch("b2")
+    with pytest.raises(BatchApiResponseTooLargeError, match="decompressed"):
+        await hook.aget_batch("b2")
     await hook.aclose()
     hook.close()
 
