@@ -174,6 +174,25 @@ async def test_dripped_result_file_fails_its_progress_deadline(
     assert not (tmp_path / "sync.jsonl").exists() and not (tmp_path / "async.jsonl").exists()
 
 
+async def test_slow_but_moving_upload_outlives_the_call_deadline(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], tmp_path: Path
+) -> None:
+    # The server takes the 24 MiB body at ~10 MiB/s (over 2 s in all), far past the 1 s total
+    # deadline: each 1 MiB chunk sent renews it, so the upload succeeds. (The last renewal must
+    # also cover the few MB the kernel still buffers, ~0.4 s here.)
+    api = hostile_server()
+    api.read_pace = (512 << 10, 0.05)
+    api.route("POST /v1/files", reply(200, {"id": "file-up", "object": "file"}))
+    source = tmp_path / "big.jsonl"
+    source.write_bytes(b"x" * (24 << 20))
+    hook = hostile_hook(api, retry=NO_RETRY, timeout=1.0)
+    assert hook.upload_file(source) == "file-up"
+    assert await hook.aupload_file(source) == "file-up"
+    await hook.aclose()
+    hook.close()
+    assert [len(r.body) > 24 << 20 for r in api.requests] == [True, True]
+
+
 # ---- 12: bounded control-plane bodies --------------------------------------------------------
 
 
