@@ -37,6 +37,7 @@ from airflow_batch_provider.exceptions import (
 )
 from airflow_batch_provider.hooks._http import (
     MAX_CONTROL_BODY,
+    REDACTED,
     CallDeadline,
     LineSplitter,
     MultipartUpload,
@@ -751,6 +752,7 @@ class BatchApiHook(BaseHook):
         settings = self.get_settings()
         where = f"file {file_id!r}"
         action = f"reading file {file_id}"
+        hidden = tuple(secret.encode() for secret in settings.secrets)
         done = 0
         retry = 0
         while True:
@@ -768,7 +770,7 @@ class BatchApiHook(BaseHook):
                     for chunk in iter_with_progress(response.iter_bytes(DOWNLOAD_CHUNK), settings.timeout):
                         for number, data in splitter.feed(chunk):
                             if number > done:
-                                item = _line_object(data, number, where)
+                                item = _line_object(data, number, where, hidden)
                                 done = number
                                 if item is not None:
                                     yield number, item
@@ -776,7 +778,7 @@ class BatchApiHook(BaseHook):
                     response.close()
                 for number, data in splitter.close():
                     if number > done:
-                        item = _line_object(data, number, where)
+                        item = _line_object(data, number, where, hidden)
                         done = number
                         if item is not None:
                             yield number, item
@@ -794,6 +796,7 @@ class BatchApiHook(BaseHook):
         settings = await self.aget_settings()
         where = f"file {file_id!r}"
         action = f"reading file {file_id}"
+        hidden = tuple(secret.encode() for secret in settings.secrets)
         done = 0
         retry = 0
         while True:
@@ -813,7 +816,7 @@ class BatchApiHook(BaseHook):
                     ):
                         for number, data in splitter.feed(chunk):
                             if number > done:
-                                item = _line_object(data, number, where)
+                                item = _line_object(data, number, where, hidden)
                                 done = number
                                 if item is not None:
                                     yield number, item
@@ -821,7 +824,7 @@ class BatchApiHook(BaseHook):
                     await response.aclose()
                 for number, data in splitter.close():
                     if number > done:
-                        item = _line_object(data, number, where)
+                        item = _line_object(data, number, where, hidden)
                         done = number
                         if item is not None:
                             yield number, item
@@ -1239,9 +1242,15 @@ def _with_note(error: BatchApiError, note: str) -> BatchApiError:
     )
 
 
-def _line_object(data: bytes, number: int, where: str) -> dict[str, Any] | None:
+def _line_object(
+    data: bytes, number: int, where: str, hidden: tuple[bytes, ...] = ()
+) -> dict[str, Any] | None:
     if not data.strip():
         return None
+    for secret in hidden:
+        # A vendor may quote the key back in an error line; it must not reach the results table.
+        if secret in data:
+            data = data.replace(secret, REDACTED.encode())
     obj = parse_json_line(data, number, where)
     if not isinstance(obj, dict):
         raise BatchApiResponseError(f"{where} line {number} is not a JSON object")
@@ -1258,15 +1267,21 @@ def _result_line(
 
 
 def _results_body(response: httpx.Response, action: str, settings: BatchApiSettings | None) -> Any:
-    """A results page as the dialect takes it: parsed JSON, or raw bytes for a JSONL body."""
+    """A results page as the dialect takes it: parsed JSON, or raw bytes for a JSONL body.
+
+    A key the vendor quoted back (an error item) is removed before anything reads the page.
+    """
+    content = response.content
+    for secret in settings.secrets if settings else ():
+        content = content.replace(secret.encode(), REDACTED.encode())
     content_type = response.headers.get("content-type", "")
     if "ndjson" in content_type or "jsonl" in content_type:
-        return response.content
+        return content
     try:
-        return orjson.loads(response.content)
+        return orjson.loads(content)
     except orjson.JSONDecodeError:
-        if b"\n" in response.content.strip():
-            return response.content
+        if b"\n" in content.strip():
+            return content
         return parse_json_body(response, action, settings.secrets if settings else None)
 
 

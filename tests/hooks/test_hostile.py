@@ -354,3 +354,55 @@ async def test_key_echoed_in_batch_errors_is_redacted(
         assert batch.errors and "***" in batch.errors[0].message
         assert SECRET not in text and CUSTOM_SECRET not in text, text
     assert credentials_in(api)  # the server did receive them, so the echo was real
+
+
+async def test_key_echoed_in_a_result_file_is_redacted(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    def error_file(ex: Exchange) -> None:
+        auth = ex.request.headers.get("authorization", "")
+        line = {
+            "custom_id": "a",
+            "response": None,
+            "error": {"code": "invalid_api_key", "message": f"Incorrect API key provided: {auth}"},
+        }
+        ex.respond(200, orjson.dumps(line) + b"\n")
+
+    api = hostile_server()
+    api.route("/v1/files/file-err/content", error_file)
+    hook = hostile_hook(api)
+    batch = openai_batch("b1", "completed", error_file_id="file-err")
+    api.route("/v1/batches/b1", reply(200, batch))
+    lines = [*hook.iter_results("b1"), *[line async for line in hook.aiter_results("b1")]]
+    await hook.aclose()
+    hook.close()
+    assert len(lines) == 2
+    for line in lines:
+        assert line.error is not None and line.error.message == "Incorrect API key provided: Bearer ***"
+
+
+@pytest.mark.parametrize("jsonl", [False, True], ids=["json", "jsonl"])
+async def test_key_echoed_in_a_results_page_is_redacted(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], jsonl: bool
+) -> None:
+    def results_page(ex: Exchange) -> None:
+        auth = ex.request.headers.get("authorization", "")
+        item = {"custom_id": "a", "status": "failed", "error": {"code": "auth", "message": f"bad {auth}"}}
+        if jsonl:
+            ex.respond(200, orjson.dumps(item) + b"\n", {"Content-Type": "application/jsonl"})
+        else:
+            ex.respond(200, {"data": [item]})
+
+    api = hostile_server()
+    api.route("/v1/batches/b1/results", results_page)
+    api.route("/v1/batches/b1", reply(200, openai_batch("b1", "completed")))
+    hook = hostile_hook(api, dialect="doubleword")
+    lines = [
+        *hook.iter_results("b1", mode="results_endpoint"),
+        *[line async for line in hook.aiter_results("b1", mode="results_endpoint")],
+    ]
+    await hook.aclose()
+    hook.close()
+    assert len(lines) == 2
+    for line in lines:
+        assert line.error is not None and line.error.message == "bad Bearer ***"
