@@ -95,6 +95,14 @@ class BatchApiResponseError(BatchApiError):
     """The vendor answered 2xx with a body this provider cannot parse."""
 
 
+class BatchApiRedirectError(BatchApiError):
+    """A redirect was not followed: to another origin (credentials stay home), or too many of them."""
+
+
+class BatchApiResponseTooLargeError(BatchApiResponseError):
+    """A control-plane answer (batch, file, list) was larger than the cap, after decompression."""
+
+
 class JsonlValidationError(BatchProviderError):
     """A batch JSONL file breaks the dialect's rules; the message names the line."""
 

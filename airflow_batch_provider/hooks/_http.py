@@ -6,13 +6,18 @@ Nothing here knows a vendor; the dialect supplies paths, form fields and parsing
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import os
 import secrets
 import ssl
+import time
 import weakref
-from collections.abc import AsyncIterator, Iterator
+import zlib
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import IO, TYPE_CHECKING, Any, Union
 
+import httpcore
 import httpx
 import orjson
 
@@ -23,7 +28,9 @@ from airflow_batch_provider.exceptions import (
     BatchApiError,
     BatchApiNotFoundError,
     BatchApiRateLimitError,
+    BatchApiRedirectError,
     BatchApiResponseError,
+    BatchApiResponseTooLargeError,
     BatchApiServerError,
 )
 from airflow_batch_provider.hooks.retry import retry_after_seconds
@@ -94,14 +101,18 @@ def shared_transport() -> httpx.AsyncBaseTransport:
     return _SharedTransport(inner)
 
 
-def redact(text: str, secret: str | None) -> str:
-    """Remove a secret from text (a server may echo a header back in its error body)."""
-    if secret and secret in text:
-        return text.replace(secret, REDACTED)
+Secrets = str | Iterable[str] | None
+
+
+def redact(text: str, secret: Secrets) -> str:
+    """Remove a secret (or each of several) from text: a server may echo a header back."""
+    for one in (secret,) if isinstance(secret, str) or secret is None else secret:
+        if one and one in text:
+            text = text.replace(one, REDACTED)
     return text
 
 
-def _redact_value(value: Any, secret: str | None) -> Any:
+def _redact_value(value: Any, secret: Secrets) -> Any:
     if not secret:
         return value
     if isinstance(value, str):
@@ -111,6 +122,330 @@ def _redact_value(value: Any, secret: str | None) -> Any:
     if isinstance(value, list):
         return [_redact_value(v, secret) for v in value]
     return value
+
+
+def redact_json(value: Any, secret: Secrets) -> Any:
+    """A parsed JSON answer with every secret removed from its keys and strings.
+
+    A vendor may quote the request's key back in a 200 answer (a batch's ``errors``); what the
+    hook parses from it reaches exceptions, XCom, trigger events and logs, so it is cleaned once here.
+    """
+    return _redact_value(value, secret)
+
+
+# ---- a deadline per call ---------------------------------------------------------------------
+# httpx's timeouts bound each socket operation, so a server that sends one byte a second keeps
+# a call alive for as long as it likes. Every exchange gets a total deadline: the async client
+# runs it under ``asyncio.timeout``; the sync client's sockets cap each read and write to the
+# time left (``arm_total_deadline``). An upload pushes the deadline on after every chunk sent,
+# and a streamed download gets a fresh one per chunk read (a progress deadline), so large
+# files are bounded by their progress rather than their size.
+
+
+class CallDeadline:
+    """The wall-clock limit of one HTTP exchange (connect, send, every read), renewable on progress.
+
+    :param seconds: how long the exchange may take (and each renewal grants).
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+        self.timer: asyncio.Timeout | None = None
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+    def renew(self) -> None:
+        """Progress was made: grant ``seconds`` again from now."""
+        self.at = time.monotonic() + self.seconds
+        if self.timer is not None:
+            self.timer.reschedule(asyncio.get_running_loop().time() + self.seconds)
+
+
+_DEADLINE: contextvars.ContextVar[CallDeadline | None] = contextvars.ContextVar(
+    "batch_call_deadline", default=None
+)
+
+
+def renew_call_deadline() -> None:
+    """Renew the deadline of the exchange in progress, if any (an upload sent another chunk)."""
+    deadline = _DEADLINE.get()
+    if deadline is not None:
+        deadline.renew()
+
+
+@contextlib.contextmanager
+def deadline_scope(deadline: CallDeadline) -> Iterator[CallDeadline]:
+    """Make ``deadline`` the current exchange's deadline (sync sockets read it; uploads renew it)."""
+    token = _DEADLINE.set(deadline)
+    try:
+        yield deadline
+    finally:
+        _DEADLINE.reset(token)
+
+
+def _capped(timeout: float | None, error: type[Exception]) -> float | None:
+    deadline = _DEADLINE.get()
+    if deadline is None:
+        return timeout
+    left = deadline.left()
+    if left <= 0:
+        raise error(f"the call's total deadline of {deadline.seconds:g}s passed")
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A socket stream whose reads and writes never wait past the current exchange's deadline."""
+
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, _capped(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, _capped(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(
+        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.NetworkStream:
+        tls = self._inner.start_tls(ssl_context, server_hostname, _capped(timeout, httpcore.ConnectTimeout))
+        return _DeadlineStream(tls)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    def __init__(self, inner: httpcore.NetworkBackend) -> None:
+        self._inner = inner
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        stream = self._inner.connect_tcp(
+            host, port, _capped(timeout, httpcore.ConnectTimeout), local_address, socket_options
+        )
+        return _DeadlineStream(stream)
+
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+    ) -> httpcore.NetworkStream:
+        stream = self._inner.connect_unix_socket(
+            path, _capped(timeout, httpcore.ConnectTimeout), socket_options
+        )
+        return _DeadlineStream(stream)
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+def arm_total_deadline(client: httpx.Client) -> None:
+    """Make the sockets of ``client``'s own transports honour ``deadline_scope``.
+
+    httpx offers no public way to hand its connection pool a network backend, so the pool's
+    backend (one attribute of httpcore's ``ConnectionPool``, proxies included) is wrapped. A
+    transport given by the caller (tests, custom proxies) is left as it is.
+    """
+    for transport in (getattr(client, "_transport", None), *getattr(client, "_mounts", {}).values()):
+        pool = getattr(transport, "_pool", None)
+        backend = getattr(pool, "_network_backend", None)
+        if backend is not None and not isinstance(backend, _DeadlineBackend):
+            pool._network_backend = _DeadlineBackend(backend)  # type: ignore[union-attr]
+
+
+def iter_with_progress(chunks: Iterator[bytes], seconds: float) -> Iterator[bytes]:
+    """Chunks of a streamed download, each of which must arrive within ``seconds`` (sync client)."""
+    while True:
+        with deadline_scope(CallDeadline(seconds)):
+            chunk = next(chunks, None)
+        if chunk is None:
+            return
+        yield chunk
+
+
+async def aiter_with_progress(chunks: AsyncIterator[bytes], seconds: float) -> AsyncIterator[bytes]:
+    """Async twin of ``iter_with_progress``; a late chunk raises ``httpx.ReadTimeout``."""
+    while True:
+        try:
+            async with asyncio.timeout(seconds):
+                chunk = await anext(chunks, None)
+        except TimeoutError:
+            raise httpx.ReadTimeout(f"no data for {seconds:g}s while streaming a file") from None
+        if chunk is None:
+            return
+        yield chunk
+
+
+# ---- bounded bodies --------------------------------------------------------------------------
+# Control-plane answers (batch, file and list objects) are small; a larger one is refused
+# while it is read, after decompression, so neither a huge body nor a gzip bomb fills memory.
+MAX_CONTROL_BODY = 8 << 20
+
+
+class _BodyReader:
+    """Collect a response body up to ``limit`` decoded bytes, inflating gzip with bounded output."""
+
+    def __init__(self, response: httpx.Response, limit: int, action: str) -> None:
+        self.limit = limit
+        self.action = action
+        self.body = bytearray()
+        self.started = False
+        encoding = response.headers.get("content-encoding", "").strip().lower()
+        self.encoding = encoding
+        if encoding in ("gzip", "x-gzip"):
+            self.inflater: Any = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        elif encoding in ("deflate",):
+            self.inflater = zlib.decompressobj(zlib.MAX_WBITS)
+        elif encoding in ("", "identity"):
+            self.inflater = None
+        else:
+            raise BatchApiResponseError(
+                f"{action}: the server answered with content-encoding {encoding!r}, which was not asked for"
+            )
+
+    def _too_large(self) -> BatchApiResponseTooLargeError:
+        how = " decompressed" if self.inflater is not None else ""
+        return BatchApiResponseTooLargeError(
+            f"{self.action}: the answer is larger than {self.limit:,} bytes{how}; refused"
+        )
+
+    def feed(self, raw: bytes) -> None:
+        if self.inflater is None:
+            self.body += raw
+        else:
+            data = raw
+            while data:
+                room = self.limit - len(self.body) + 1
+                try:
+                    self.body += self.inflater.decompress(data, room)
+                except zlib.error as exc:
+                    if self.encoding == "deflate" and not self.started:
+                        # Some servers send "deflate" without its zlib wrapper (as httpx accepts too).
+                        self.inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+                        self.started = True
+                        continue
+                    raise BatchApiResponseError(
+                        f"{self.action}: the {self.encoding} body is corrupt ({exc})"
+                    ) from None
+                self.started = True
+                if len(self.body) > self.limit:
+                    break
+                data = self.inflater.unconsumed_tail
+        if len(self.body) > self.limit:
+            raise self._too_large()
+
+    def finish(self) -> bytes:
+        if self.inflater is not None and not self.inflater.eof:
+            raise BatchApiResponseError(
+                f"{self.action}: the {self.encoding} body ended before its end marker"
+            )
+        return bytes(self.body)
+
+
+def _already_read(response: httpx.Response, limit: int, action: str) -> bool:
+    """Whether the body is in memory already (a transport that answers with ready content)."""
+    try:
+        size = len(response.content)
+    except httpx.ResponseNotRead:
+        return False
+    if size > limit:
+        raise BatchApiResponseTooLargeError(f"{action}: the answer is larger than {limit:,} bytes; refused")
+    return True
+
+
+def read_capped(response: httpx.Response, limit: int, action: str) -> None:
+    """Read ``response``'s body (sync) into ``response.content``, refusing more than ``limit`` bytes."""
+    if _already_read(response, limit, action):
+        return
+    try:
+        reader = _BodyReader(response, limit, action)
+        for raw in response.iter_raw():
+            reader.feed(raw)
+        # What httpx's own ``read()`` stores; ``content``, ``text`` and ``json()`` read it.
+        response._content = reader.finish()
+    finally:
+        response.close()
+
+
+async def aread_capped(response: httpx.Response, limit: int, action: str) -> None:
+    """Async twin of ``read_capped``."""
+    if _already_read(response, limit, action):
+        return
+    try:
+        reader = _BodyReader(response, limit, action)
+        async for raw in response.aiter_raw():
+            reader.feed(raw)
+        response._content = reader.finish()
+    finally:
+        await response.aclose()
+
+
+# ---- redirects -------------------------------------------------------------------------------
+MAX_REDIRECTS = 5
+
+
+def origin_of(url: httpx.URL) -> str:
+    """``scheme://host:port`` of a URL (no path, no query: a signed URL's signature stays out)."""
+    port = url.port or {"http": 80, "https": 443}.get(url.scheme)
+    return f"{url.scheme}://{url.host}:{port}"
+
+
+def next_hop(
+    request: httpx.Request, response: httpx.Response, *, hops: int, action: str, foreign: bool
+) -> httpx.Request:
+    """The request that follows ``response``'s redirect, or a ``BatchApiRedirectError``.
+
+    Within the same origin (scheme, host, port) the request is repeated as httpx would.
+    To another origin it is refused, unless ``foreign`` (a result file's content, which a vendor
+    may serve from a signed object-store URL): then it goes with no credentials and none of
+    the connection's headers.
+    """
+    here = origin_of(request.url)
+    if hops >= MAX_REDIRECTS:
+        raise BatchApiRedirectError(
+            f"{action}: more than {MAX_REDIRECTS} redirects, last from {here}; not followed"
+        )
+    try:
+        url = request.url.join(response.headers["location"])
+    except (httpx.InvalidURL, UnicodeError) as exc:
+        raise BatchApiRedirectError(f"{action}: {here} redirected to an invalid location ({exc})") from None
+    there = origin_of(url)
+    if url.scheme not in ("http", "https"):
+        raise BatchApiRedirectError(f"{action}: {here} redirected to a {url.scheme!r} URL; not followed")
+    method = request.method
+    status = response.status_code
+    if (status == 303 and method != "HEAD") or (status in (301, 302) and method == "POST"):
+        method, stream = "GET", None
+    else:
+        stream = request.stream
+        if not isinstance(stream, httpx.ByteStream):
+            raise BatchApiRedirectError(
+                f"{action}: {here} answered {status} to a streamed upload, which cannot be sent again"
+            )
+    if there == here:
+        headers = httpx.Headers(request.headers)
+    elif foreign:
+        headers = httpx.Headers({"User-Agent": request.headers.get("User-Agent", ""), "Accept": "*/*"})
+    else:
+        raise BatchApiRedirectError(
+            f"{action}: {here} redirected to another origin, {there}; not followed, so the API key "
+            "and the connection's headers are never sent there"
+        )
+    if stream is None:
+        for name in ("content-length", "content-type", "transfer-encoding"):
+            headers.pop(name, None)
+    headers["Host"] = url.netloc.decode("ascii")
+    return httpx.Request(method, url, headers=headers, stream=stream, extensions=request.extensions)
 
 
 def is_object_storage_path(value: Any) -> bool:
@@ -220,6 +555,7 @@ class MultipartUpload:
             while chunk := handle.read(UPLOAD_CHUNK):
                 sent += len(chunk)
                 yield chunk
+                renew_call_deadline()
         self._check(sent)
         yield self.tail
 
@@ -233,6 +569,7 @@ class MultipartUpload:
             while chunk := await asyncio.to_thread(handle.read, UPLOAD_CHUNK):
                 sent += len(chunk)
                 yield chunk
+                renew_call_deadline()
         finally:
             await asyncio.to_thread(handle.close)
         self._check(sent)
@@ -297,7 +634,7 @@ def parse_json_line(data: bytes, number: int, where: str) -> Any:
         raise BatchApiResponseError(f"{where} line {number} is not valid JSON: {exc}") from None
 
 
-def parse_json_body(response: httpx.Response, action: str, secret: str | None) -> Any:
+def parse_json_body(response: httpx.Response, action: str, secret: Secrets) -> Any:
     """The JSON body of a successful response; anything else is a ``BatchApiResponseError``."""
     try:
         return orjson.loads(response.content)
@@ -319,7 +656,7 @@ def request_id_of(response: httpx.Response) -> str | None:
     return None
 
 
-def body_of(response: httpx.Response, secret: str | None) -> Any:
+def body_of(response: httpx.Response, secret: Secrets) -> Any:
     """The error body (parsed JSON if possible, else text), truncated and with the key removed."""
     if not response.content:
         return None
@@ -344,7 +681,7 @@ def _vendor_message(body: Any) -> str | None:
 
 
 def status_error(
-    response: httpx.Response, *, action: str, what: str | None, base_url: str, secret: str | None
+    response: httpx.Response, *, action: str, what: str | None, base_url: str, secret: Secrets
 ) -> BatchApiError:
     """The typed exception for a non-2xx response (the body must already be read)."""
     status = response.status_code
@@ -388,7 +725,7 @@ def status_error(
     return BatchApiError(redact(f"{action}: HTTP {status}{detail}", secret), **kwargs)
 
 
-def transport_error(exc: Exception, *, action: str, secret: str | None) -> BatchApiConnectionError:
+def transport_error(exc: Exception, *, action: str, secret: Secrets) -> BatchApiConnectionError:
     kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
     return BatchApiConnectionError(
         redact(f"{action}: the connection {kind}: {type(exc).__name__}: {exc}", secret)

@@ -37,12 +37,23 @@ from airflow_batch_provider.exceptions import (
     ConfigurationError,
 )
 from airflow_batch_provider.hooks._http import (
+    MAX_CONTROL_BODY,
+    REDACTED,
+    CallDeadline,
     LineSplitter,
     MultipartUpload,
     PathSource,
+    aiter_with_progress,
+    aread_capped,
+    arm_total_deadline,
+    deadline_scope,
+    iter_with_progress,
+    next_hop,
     parse_json_body,
     parse_json_line,
+    read_capped,
     redact,
+    redact_json,
     shared_ssl_context,
     status_error,
     transport_error,
@@ -67,6 +78,8 @@ DOWNLOAD_CHUNK = 1 << 20
 AMBIGUOUS_LOOKUPS = 2
 # Result lines are far smaller than this; the cap only stops a broken server from filling memory.
 MAX_RESULT_LINE_BYTES = 256 * 1024 * 1024
+# Header names whose values are treated as secrets (redacted from vendor text like the key).
+SECRET_HEADER_WORDS = ("auth", "key", "token", "secret", "password", "cookie", "signature", "credential")
 
 
 def normalize_base_url(
@@ -126,8 +139,22 @@ class BatchApiSettings:
 
     __str__ = __repr__
 
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """Every value to keep out of logs, exceptions and XCom: the key and secret-named headers."""
+        found = [self.api_key] if self.api_key else []
+        for name, value in self.headers.items():
+            if value and any(word in name.lower() for word in SECRET_HEADER_WORDS):
+                found.append(value)
+        return tuple(found)
+
     def client_headers(self) -> dict[str, str]:
-        headers = {"User-Agent": f"airflow-batch-provider/{__version__}", "Accept": "application/json"}
+        # Only the encodings the bounded reader can inflate without letting a bomb fill memory.
+        headers = {
+            "User-Agent": f"airflow-batch-provider/{__version__}",
+            "Accept": "application/json",
+            "Accept-Encoding": "gzip, deflate",
+        }
         headers.update({str(k): str(v) for k, v in self.headers.items()})
         # Authentication last, so a stray extra header can never replace the key's header.
         headers.update(self.dialect.auth_headers(self.api_key, self.extra))
@@ -141,7 +168,8 @@ class BatchApiSettings:
             "base_url": self.base_url + "/",
             "headers": self.client_headers(),
             "timeout": self.httpx_timeout(),
-            "follow_redirects": True,
+            # Redirects are followed by the hook itself, within one origin (see ``next_hop``).
+            "follow_redirects": False,
             "verify": shared_ssl_context(),
         }
 
@@ -311,6 +339,8 @@ class BatchApiHook(BaseHook):
         """The sync ``httpx.Client`` (created on first use)."""
         if self._client is None:
             self._client = httpx.Client(transport=self._transport, **self.get_settings().client_kwargs())
+            if self._transport is None:
+                arm_total_deadline(self._client)
         return self._client
 
     async def aget_conn(self) -> httpx.AsyncClient:
@@ -358,11 +388,15 @@ class BatchApiHook(BaseHook):
         upload: MultipartUpload | None = None,
         stream: bool = False,
         create: bool = False,
+        foreign_redirects: bool = False,
+        max_body: int = MAX_CONTROL_BODY,
     ) -> httpx.Response:
         """Send with retries; return a 2xx response (open if ``stream``) or raise a typed error.
 
         ``create`` marks a non-idempotent request: only provably unsent or refused attempts
-        are repeated here; other failures raise ``_AmbiguousCreate``.
+        are repeated here; other failures raise ``_AmbiguousCreate``. Each attempt has a total
+        deadline of the connection's timeout; a body read whole may be ``max_body`` bytes at
+        most; ``foreign_redirects`` lets a redirect reach another origin, without credentials.
         """
         settings = self.get_settings()
         client = self.get_conn()
@@ -378,9 +412,16 @@ class BatchApiHook(BaseHook):
                 headers=upload.headers if upload else None,
             )
             try:
-                response = client.send(request, stream=stream)
+                response = self._exchange(
+                    client,
+                    request,
+                    stream=stream,
+                    action=action,
+                    foreign=foreign_redirects,
+                    max_body=max_body,
+                )
             except httpx.TransportError as exc:
-                error = transport_error(exc, action=action, secret=settings.api_key)
+                error = transport_error(exc, action=action, secret=settings.secrets)
                 if create and not isinstance(exc, NOT_SENT_ERRORS):
                     raise _AmbiguousCreate(error) from exc
                 if retry >= policy.max_retries:
@@ -417,6 +458,8 @@ class BatchApiHook(BaseHook):
         upload: MultipartUpload | None = None,
         stream: bool = False,
         create: bool = False,
+        foreign_redirects: bool = False,
+        max_body: int = MAX_CONTROL_BODY,
     ) -> httpx.Response:
         """The async twin of ``_request`` (same decisions, non-blocking sleeps)."""
         settings = await self.aget_settings()
@@ -433,9 +476,16 @@ class BatchApiHook(BaseHook):
                 headers=upload.headers if upload else None,
             )
             try:
-                response = await client.send(request, stream=stream)
+                response = await self._aexchange(
+                    client,
+                    request,
+                    stream=stream,
+                    action=action,
+                    foreign=foreign_redirects,
+                    max_body=max_body,
+                )
             except httpx.TransportError as exc:
-                error = transport_error(exc, action=action, secret=settings.api_key)
+                error = transport_error(exc, action=action, secret=settings.secrets)
                 if create and not isinstance(exc, NOT_SENT_ERRORS):
                     raise _AmbiguousCreate(error) from exc
                 if retry >= policy.max_retries:
@@ -459,11 +509,75 @@ class BatchApiHook(BaseHook):
             await asyncio.sleep(delay)
             retry += 1
 
+    def _exchange(
+        self,
+        client: httpx.Client,
+        request: httpx.Request,
+        *,
+        stream: bool,
+        action: str,
+        foreign: bool,
+        max_body: int,
+    ) -> httpx.Response:
+        """One attempt: redirects within the origin, a total deadline, a bounded body unless streamed."""
+        settings = self._settings
+        assert settings is not None
+        with deadline_scope(CallDeadline(settings.timeout)):
+            hops = 0
+            while True:
+                response = client.send(request, stream=True)
+                if not response.has_redirect_location:
+                    break
+                response.close()
+                # next_hop raises past MAX_REDIRECTS hops or for another origin.
+                request = next_hop(request, response, hops=hops, action=action, foreign=foreign)
+                hops += 1
+            if not (stream and response.is_success):
+                read_capped(response, max_body, action)
+        return response
+
+    async def _aexchange(
+        self,
+        client: httpx.AsyncClient,
+        request: httpx.Request,
+        *,
+        stream: bool,
+        action: str,
+        foreign: bool,
+        max_body: int,
+    ) -> httpx.Response:
+        """Async twin of ``_exchange``; the deadline is an ``asyncio.timeout`` around the attempt."""
+        settings = self._settings
+        assert settings is not None
+        deadline = CallDeadline(settings.timeout)
+        response: httpx.Response | None = None
+        try:
+            with deadline_scope(deadline):
+                async with asyncio.timeout(settings.timeout) as deadline.timer:
+                    hops = 0
+                    while True:
+                        response = await client.send(request, stream=True)
+                        if not response.has_redirect_location:
+                            break
+                        await response.aclose()
+                        request = next_hop(request, response, hops=hops, action=action, foreign=foreign)
+                        hops += 1
+                    if not (stream and response.is_success):
+                        await aread_capped(response, max_body, action)
+        except TimeoutError:
+            if response is not None:
+                await response.aclose()
+            raise httpx.ReadTimeout(
+                f"no complete answer within the call's total deadline of {settings.timeout:g}s",
+                request=request,
+            ) from None
+        return response
+
     def _status_error(self, response: httpx.Response, action: str, what: str | None) -> BatchApiError:
         settings = self._settings
         assert settings is not None
         return status_error(
-            response, action=action, what=what, base_url=settings.base_url, secret=settings.api_key
+            response, action=action, what=what, base_url=settings.base_url, secret=settings.secrets
         )
 
     def _log_retry(self, action: str, retry: int, policy: RetryPolicy, delay: float, reason: str) -> None:
@@ -471,7 +585,9 @@ class BatchApiHook(BaseHook):
         self.log.warning("%s: %s; retry %d/%d in %.2fs", action, reason, retry + 1, policy.max_retries, delay)
 
     def _json(self, response: httpx.Response, action: str) -> Any:
-        return parse_json_body(response, action, self._settings.api_key if self._settings else None)
+        # Every batch, file and list object is parsed here: a key the vendor echoed is removed once.
+        secrets = self._settings.secrets if self._settings else ()
+        return redact_json(parse_json_body(response, action, secrets), secrets)
 
     def _json_object(self, response: httpx.Response, action: str) -> dict[str, Any]:
         data = self._json(response, action)
@@ -562,10 +678,13 @@ class BatchApiHook(BaseHook):
                         action=action,
                         what=f"file {file_id!r}",
                         stream=True,
+                        foreign_redirects=True,
                     )
                     written = 0
                     try:
-                        for chunk in response.iter_bytes(DOWNLOAD_CHUNK):
+                        for chunk in iter_with_progress(
+                            response.iter_bytes(DOWNLOAD_CHUNK), settings.timeout
+                        ):
                             handle.write(chunk)
                             written += len(chunk)
                     finally:
@@ -590,10 +709,13 @@ class BatchApiHook(BaseHook):
                         action=action,
                         what=f"file {file_id!r}",
                         stream=True,
+                        foreign_redirects=True,
                     )
                     written = 0
                     try:
-                        async for chunk in response.aiter_bytes(DOWNLOAD_CHUNK):
+                        async for chunk in aiter_with_progress(
+                            response.aiter_bytes(DOWNLOAD_CHUNK), settings.timeout
+                        ):
                             await asyncio.to_thread(handle.write, chunk)
                             written += len(chunk)
                     finally:
@@ -609,7 +731,7 @@ class BatchApiHook(BaseHook):
         settings = self._settings
         assert settings is not None
         if retry >= settings.retry.max_retries:
-            raise transport_error(exc, action=action, secret=settings.api_key) from exc
+            raise transport_error(exc, action=action, secret=settings.secrets) from exc
         self.log.warning(
             "%s: %s mid-stream; restarting (retry %d/%d)",
             action,
@@ -632,19 +754,25 @@ class BatchApiHook(BaseHook):
         settings = self.get_settings()
         where = f"file {file_id!r}"
         action = f"reading file {file_id}"
+        hidden = tuple(secret.encode() for secret in settings.secrets)
         done = 0
         retry = 0
         while True:
             splitter = LineSplitter(MAX_RESULT_LINE_BYTES, where)
             try:
                 response = self._request(
-                    "GET", settings.dialect.file_content_path(file_id), action=action, what=where, stream=True
+                    "GET",
+                    settings.dialect.file_content_path(file_id),
+                    action=action,
+                    what=where,
+                    stream=True,
+                    foreign_redirects=True,
                 )
                 try:
-                    for chunk in response.iter_bytes(DOWNLOAD_CHUNK):
+                    for chunk in iter_with_progress(response.iter_bytes(DOWNLOAD_CHUNK), settings.timeout):
                         for number, data in splitter.feed(chunk):
                             if number > done:
-                                item = _line_object(data, number, where, lenient)
+                                item = _line_object(data, number, where, hidden, lenient)
                                 done = number
                                 if item is not None:
                                     yield number, item
@@ -652,7 +780,7 @@ class BatchApiHook(BaseHook):
                     response.close()
                 for number, data in splitter.close():
                     if number > done:
-                        item = _line_object(data, number, where, lenient)
+                        item = _line_object(data, number, where, hidden, lenient)
                         done = number
                         if item is not None:
                             yield number, item
@@ -670,19 +798,27 @@ class BatchApiHook(BaseHook):
         settings = await self.aget_settings()
         where = f"file {file_id!r}"
         action = f"reading file {file_id}"
+        hidden = tuple(secret.encode() for secret in settings.secrets)
         done = 0
         retry = 0
         while True:
             splitter = LineSplitter(MAX_RESULT_LINE_BYTES, where)
             try:
                 response = await self._arequest(
-                    "GET", settings.dialect.file_content_path(file_id), action=action, what=where, stream=True
+                    "GET",
+                    settings.dialect.file_content_path(file_id),
+                    action=action,
+                    what=where,
+                    stream=True,
+                    foreign_redirects=True,
                 )
                 try:
-                    async for chunk in response.aiter_bytes(DOWNLOAD_CHUNK):
+                    async for chunk in aiter_with_progress(
+                        response.aiter_bytes(DOWNLOAD_CHUNK), settings.timeout
+                    ):
                         for number, data in splitter.feed(chunk):
                             if number > done:
-                                item = _line_object(data, number, where)
+                                item = _line_object(data, number, where, hidden)
                                 done = number
                                 if item is not None:
                                     yield number, item
@@ -690,7 +826,7 @@ class BatchApiHook(BaseHook):
                     await response.aclose()
                 for number, data in splitter.close():
                     if number > done:
-                        item = _line_object(data, number, where)
+                        item = _line_object(data, number, where, hidden)
                         done = number
                         if item is not None:
                             yield number, item
@@ -1048,6 +1184,7 @@ class BatchApiHook(BaseHook):
                 action=action,
                 what=f"batch {batch.id!r}",
                 params=params,
+                max_body=MAX_RESULT_LINE_BYTES,
             )
             page = dialect.parse_results_page(_results_body(response, action, self._settings), params)
             yield from page.lines
@@ -1077,6 +1214,7 @@ class BatchApiHook(BaseHook):
                 action=action,
                 what=f"batch {batch.id!r}",
                 params=params,
+                max_body=MAX_RESULT_LINE_BYTES,
             )
             page = dialect.parse_results_page(_results_body(response, action, self._settings), params)
             for line in page.lines:
@@ -1094,7 +1232,7 @@ class BatchApiHook(BaseHook):
             response = self._request("GET", dialect.batches_path, action=action, params=params)
             dialect.parse_list_page(self._json_object(response, action), params)
         except Exception as exc:
-            secret = self._settings.api_key if self._settings else None
+            secret = self._settings.secrets if self._settings else None
             return False, redact(f"{type(exc).__name__}: {exc}", secret)
         return True, f"Connected to {settings.base_url} as {dialect.label}: listing batches works"
 
@@ -1114,9 +1252,15 @@ def _with_note(error: BatchApiError, note: str) -> BatchApiError:
     )
 
 
-def _line_object(data: bytes, number: int, where: str, lenient: bool = False) -> Any:
+def _line_object(
+    data: bytes, number: int, where: str, hidden: tuple[bytes, ...] = (), lenient: bool = False
+) -> Any:
     if not data.strip():
         return None
+    for secret in hidden:
+        # A vendor may quote the key back in an error line; it must not reach the results table.
+        if secret in data:
+            data = data.replace(secret, REDACTED.encode())
     try:
         obj = parse_json_line(data, number, where)
         if not isinstance(obj, dict):
@@ -1170,16 +1314,22 @@ def _result_line(
 
 
 def _results_body(response: httpx.Response, action: str, settings: BatchApiSettings | None) -> Any:
-    """A results page as the dialect takes it: parsed JSON, or raw bytes for a JSONL body."""
+    """A results page as the dialect takes it: parsed JSON, or raw bytes for a JSONL body.
+
+    A key the vendor quoted back (an error item) is removed before anything reads the page.
+    """
+    content = response.content
+    for secret in settings.secrets if settings else ():
+        content = content.replace(secret.encode(), REDACTED.encode())
     content_type = response.headers.get("content-type", "")
     if "ndjson" in content_type or "jsonl" in content_type:
-        return response.content
+        return content
     try:
-        return orjson.loads(response.content)
+        return orjson.loads(content)
     except orjson.JSONDecodeError:
-        if b"\n" in response.content.strip():
-            return response.content
-        return parse_json_body(response, action, settings.api_key if settings else None)
+        if b"\n" in content.strip():
+            return content
+        return parse_json_body(response, action, settings.secrets if settings else None)
 
 
 def _next_params(

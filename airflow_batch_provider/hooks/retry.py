@@ -8,6 +8,7 @@ exponential backoff with full jitter.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -107,28 +108,45 @@ class RetryPolicy:
         return max(self.delay(retry, response), self.backoff_max)
 
 
+# A Retry-After asking for longer than this is not a plan but garbage (or a hostile server).
+MAX_RETRY_AFTER_HEADER = 86_400.0
+
+
+def _sane_wait(seconds: float) -> float | None:
+    """``seconds`` if it is a usable wait (finite, not negative, at most a day), else None."""
+    if math.isfinite(seconds) and 0.0 <= seconds <= MAX_RETRY_AFTER_HEADER:
+        return seconds
+    return None
+
+
 def retry_after_seconds(headers: Mapping[str, str], *, now: datetime | None = None) -> float | None:
-    """Seconds asked by ``retry-after-ms`` or ``retry-after`` (seconds or HTTP date), else None."""
+    """Seconds asked by ``retry-after-ms`` or ``retry-after`` (seconds or HTTP date), else None.
+
+    A value that is not a usable wait (``nan``, ``inf``, negative, over a day, text) counts as
+    absent, so the caller falls back to its own backoff; a past HTTP date means "now" (0).
+    """
     lowered = {k.lower(): v for k, v in headers.items()}
     millis = lowered.get("retry-after-ms")
     if millis is not None:
         try:
-            return max(float(millis) / 1000.0, 0.0)
+            asked = _sane_wait(float(millis) / 1000.0)
         except ValueError:
-            pass
+            asked = None
+        if asked is not None:
+            return asked
     value = lowered.get("retry-after")
     if value is None:
         return None
     value = value.strip()
     try:
-        return max(float(value), 0.0)
+        return _sane_wait(float(value))
     except ValueError:
         pass
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
     current = now or datetime.now(timezone.utc)
-    return max((when - current).total_seconds(), 0.0)
+    return _sane_wait(max((when - current).total_seconds(), 0.0))

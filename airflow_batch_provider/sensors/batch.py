@@ -34,7 +34,12 @@ from airflow_batch_provider.outcome import (
     progress_key,
     progress_line,
 )
-from airflow_batch_provider.triggers.batch import TRANSIENT_ERRORS, BatchTrigger, retry_after_of
+from airflow_batch_provider.triggers.batch import (
+    TRANSIENT_ERRORS,
+    BatchTrigger,
+    retry_after_of,
+    until_deadline,
+)
 
 if TYPE_CHECKING:
     from airflow_batch_provider.hooks.batch import BatchApiHook
@@ -188,15 +193,18 @@ def wait_sync(
         try:
             batches = [hook.get_batch(b) for b in batch_ids]
         except TRANSIENT_ERRORS as exc:
+            # The failed poll may have taken a while: judge the deadline at the time it ended,
+            # and before the error budget (past the deadline the answer is timeout, not error).
+            now = datetime.now(timezone.utc)
             errors += 1
+            ended = deadline_event_after_error(last, batch_ids, deadline=deadline, now=now, error=exc)
+            if ended is not None:
+                return ended
             if errors > max_consecutive_errors:
                 return error_event(
                     batch_ids, f"gave up polling after {errors} consecutive errors; last: {exc}"
                 )
-            ended = deadline_event_after_error(last, batch_ids, deadline=deadline, now=now, error=exc)
-            if ended is not None:
-                return ended
-            wait = min(max(retry_after_of(exc) or 0.0, interval), 300.0)
+            wait = until_deadline(min(max(retry_after_of(exc) or 0.0, interval), 300.0), deadline, now)
             log.warning(
                 "Polling failed (%d of %d tolerated), retrying in %.1fs: %s",
                 errors,
@@ -208,6 +216,7 @@ def wait_sync(
             continue
         errors = 0
         last = batches
+        now = datetime.now(timezone.utc)
         outcome = decide(batches, deadline=deadline, now=now)
         if outcome.is_terminal:
             return outcome.event(batch_ids)
@@ -219,10 +228,7 @@ def wait_sync(
             interval = poll_interval
         else:
             interval = min(interval * backoff, max_poll_interval)
-        wait = interval
-        if deadline is not None:
-            wait = min(wait, max((deadline - now).total_seconds(), 0.0) + 0.01)
-        sleep(wait)
+        sleep(until_deadline(interval, deadline, now))
 
 
 class BatchSensor(BaseSensorOperator):

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import time
 import weakref
 import zlib
@@ -61,6 +62,9 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 MAX_RETRY_AFTER = 300.0
 # How long on_kill may spend cancelling one batch (the triggerer bounds the whole call too).
 CANCEL_TIMEOUT = 20.0
+# A poll in flight may run past the deadline by one poll interval, and never by less than this
+# (a poll needs a moment even when the interval is tiny or the deadline has already passed).
+MIN_POLL_GRACE = 1.0
 # A triggerer that restarts starts all its triggers at once; each waits a stable fraction of
 # its poll interval (at most this) before its first poll, so they do not all poll together.
 MAX_START_SPREAD = 10.0
@@ -143,9 +147,25 @@ def deadline_from(
 
 
 def retry_after_of(exc: BaseException) -> float | None:
-    """Seconds the server asked us to wait (``Retry-After``), when the error carries it."""
+    """Seconds the server asked us to wait (``Retry-After``), when the error carries a usable one."""
     value = getattr(exc, "retry_after", None)
-    return max(float(value), 0.0) if isinstance(value, (int, float)) else None
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return max(float(value), 0.0)
+
+
+def poll_budget(deadline: datetime | None, poll_interval: float, now: datetime) -> float | None:
+    """How long one poll may take: until the deadline plus one poll interval (None: no deadline)."""
+    if deadline is None:
+        return None
+    return max((deadline - now).total_seconds(), 0.0) + max(poll_interval, MIN_POLL_GRACE)
+
+
+def until_deadline(wait: float, deadline: datetime | None, now: datetime) -> float:
+    """``wait``, shortened to wake just after the deadline rather than oversleep it."""
+    if deadline is None:
+        return wait
+    return min(wait, max((deadline - now).total_seconds(), 0.0) + 0.01)
 
 
 class BatchTrigger(BaseTrigger):
@@ -283,9 +303,20 @@ class BatchTrigger(BaseTrigger):
             while True:
                 now = datetime.now(timezone.utc)
                 try:
-                    batches = await self._poll(hook)
+                    # A slow or dripping vendor must not hold the trigger past its deadline: the
+                    # poll in flight is given up (a TimeoutError, transient) once its budget is spent.
+                    async with asyncio.timeout(poll_budget(deadline, self.poll_interval, now)):
+                        batches = await self._poll(hook)
                 except TRANSIENT_ERRORS as exc:
+                    # The poll may have taken a while: judge the deadline at the time it ended.
+                    now = datetime.now(timezone.utc)
                     errors += 1
+                    ended = deadline_event_after_error(
+                        self._last, self.batch_ids, deadline=deadline, now=now, error=exc
+                    )
+                    if ended is not None:
+                        yield TriggerEvent(ended)
+                        return
                     if errors > self.max_consecutive_errors:
                         yield TriggerEvent(
                             error_event(
@@ -296,7 +327,7 @@ class BatchTrigger(BaseTrigger):
                         )
                         return
                     wait = max(retry_after_of(exc) or 0.0, interval)
-                    wait = min(wait, MAX_RETRY_AFTER)
+                    wait = until_deadline(min(wait, MAX_RETRY_AFTER), deadline, now)
                     self.log.warning(
                         "Polling batch(es) failed (%d of %d tolerated in a row), retrying in %.1fs: %s",
                         errors,
@@ -304,12 +335,6 @@ class BatchTrigger(BaseTrigger):
                         wait,
                         exc,
                     )
-                    ended = deadline_event_after_error(
-                        self._last, self.batch_ids, deadline=deadline, now=now, error=exc
-                    )
-                    if ended is not None:
-                        yield TriggerEvent(ended)
-                        return
                     await asyncio.sleep(wait)
                     continue
                 except (BatchProviderError, ValueError) as exc:
@@ -324,6 +349,7 @@ class BatchTrigger(BaseTrigger):
                     return
                 errors = 0
                 self._last = batches
+                now = datetime.now(timezone.utc)
                 outcome = decide(batches, deadline=deadline, now=now)
                 if outcome.is_terminal:
                     self.log.info("Batch watch ended (%s): %s", outcome.status, outcome.message)
@@ -336,11 +362,8 @@ class BatchTrigger(BaseTrigger):
                     interval = self.poll_interval
                 else:
                     interval = min(interval * self.backoff, self.max_poll_interval)
-                wait = interval
-                if deadline is not None:
-                    # Wake at the deadline rather than oversleeping it by a long backoff.
-                    wait = min(wait, max((deadline - now).total_seconds(), 0.0) + 0.01)
-                await asyncio.sleep(wait)
+                # Wake at the deadline rather than oversleeping it by a long backoff.
+                await asyncio.sleep(until_deadline(interval, deadline, now))
         finally:
             await self._release_hook()
 

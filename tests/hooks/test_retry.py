@@ -27,9 +27,21 @@ NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=timezone.utc)
         ({"Retry-After": "0.25"}, 0.25),
         ({"retry-after": "Mon, 30 Nov 2026 12:00:30 GMT"}, 30.0),
         ({"retry-after": "Mon, 30 Nov 2026 11:00:00 GMT"}, 0.0),  # a date in the past: go now
-        ({"retry-after": "-3"}, 0.0),
         ({"retry-after": "soon"}, None),
         ({"retry-after-ms": "x", "retry-after": "2"}, 2.0),
+        # Not a usable wait: treated as absent, so the caller backs off on its own.
+        ({"retry-after": "-3"}, None),
+        ({"retry-after": "nan"}, None),
+        ({"retry-after": "NaN"}, None),
+        ({"retry-after": "inf"}, None),
+        ({"retry-after": "-Infinity"}, None),
+        ({"retry-after": "1e400"}, None),
+        ({"retry-after": "1e12"}, None),
+        ({"retry-after": "Mon, 30 Nov 2099 12:00:00 GMT"}, None),
+        ({"retry-after-ms": "nan"}, None),
+        ({"retry-after-ms": "inf", "retry-after": "nan"}, None),
+        ({"retry-after-ms": "-5"}, None),
+        ({"retry-after-ms": "nan", "retry-after": "2"}, 2.0),
         ({}, None),
     ],
 )

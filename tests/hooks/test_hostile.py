@@ -1,0 +1,408 @@
+"""BatchApiHook against a real misbehaving HTTP server (tests/fixtures/hostile.py).
+
+Redirects to another origin, redirect loops, dripped answers, huge and gzip-bomb bodies,
+garbage Retry-After and a key echoed back in a 200 answer: each through the sync and the
+async client, over real sockets.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from airflow_batch_provider.exceptions import (
+    BatchApiConnectionError,
+    BatchApiError,
+    BatchApiRedirectError,
+    BatchApiResponseTooLargeError,
+)
+from airflow_batch_provider.hooks.batch import BatchApiHook
+from airflow_batch_provider.hooks.retry import RetryPolicy
+from tests.fixtures.hostile import Exchange, HostileServer, drip, gzip_bomb, redirect, reply, sequence
+from tests.hooks.conftest import SECRET, openai_batch
+
+CUSTOM_SECRET = "custom-header-secret-987654"
+HEADERS = {"X-Gateway-Token": CUSTOM_SECRET, "X-Project-Id": "proj-visible"}
+QUICK = RetryPolicy(max_retries=1, backoff_initial=0.001, backoff_max=0.002, retry_after_max=0.05)
+NO_RETRY = RetryPolicy(max_retries=0)
+BATCH = openai_batch("b1")
+
+
+@pytest.fixture
+def hostile_hook(batch_conn: Callable[..., str]) -> Callable[..., BatchApiHook]:
+    """A hook (real sync and async transports) pointed at a hostile server, with a custom header."""
+
+    def make(
+        server: HostileServer, *, retry: RetryPolicy = QUICK, timeout: float = 5.0, **extra: Any
+    ) -> BatchApiHook:
+        extra.setdefault("headers", HEADERS)
+        conn_id = batch_conn("hostile", host=server.base_url, **extra)
+        return BatchApiHook(conn_id, retry_policy=retry, timeout=timeout)
+
+    return make
+
+
+def credentials_in(server: HostileServer) -> list[str]:
+    """Every secret any request to ``server`` carried, in any header."""
+    found = []
+    for seen in server.requests:
+        for value in seen.headers.values():
+            if SECRET in value or CUSTOM_SECRET in value or "proj-visible" in value:
+                found.append(value)
+    return found
+
+
+# ---- 10: redirects --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dialect", "status"), [("openai", 307), ("zerogpu", 302)])
+async def test_cross_origin_redirect_is_refused_without_sending_credentials(
+    hostile_server: Callable[[], HostileServer],
+    hostile_hook: Callable[..., BatchApiHook],
+    dialect: str,
+    status: int,
+) -> None:
+    # ZeroGPU sends the key as x-api-key, which httpx's own redirect handling keeps cross-origin.
+    api, elsewhere = hostile_server(), hostile_server()
+    elsewhere.route("/v1/batches/b1", reply(200, BATCH))
+    api.route("/v1/batches/b1", redirect(f"{elsewhere.origin}/v1/batches/b1", status))
+    hook = hostile_hook(api, dialect=dialect, project="proj-visible")
+    assert SECRET in str(hook.get_settings().client_headers().values())
+    with pytest.raises(BatchApiRedirectError) as sync_error:
+        hook.get_batch("b1")
+    with pytest.raises(BatchApiRedirectError) as async_error:
+        await hook.aget_batch("b1")
+    await hook.aclose()
+    hook.close()
+    for error in (sync_error.value, async_error.value):
+        text = str(error)
+        assert api.origin in text and elsewhere.origin in text, text
+        assert SECRET not in text and CUSTOM_SECRET not in text
+    # Not one request (so no key and no custom header) reached the other origin.
+    assert elsewhere.requests == []
+
+
+async def test_redirect_loop_is_a_typed_error(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    api = hostile_server()
+    api.route("/v1/batches/b1", redirect("/v1/batches/b1"))
+    hook = hostile_hook(api)
+    with pytest.raises(BatchApiRedirectError, match="redirect"):
+        hook.get_batch("b1")
+    with pytest.raises(BatchApiRedirectError, match="redirect"):
+        await hook.aget_batch("b1")
+    await hook.aclose()
+    hook.close()
+
+
+async def test_same_origin_redirect_is_followed_with_credentials(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    api = hostile_server()
+    api.route("/v1/batches/b1", redirect("/v1/batches/moved", 301))
+    api.route("/v1/batches/moved", reply(200, BATCH))
+    hook = hostile_hook(api)
+    assert hook.get_batch("b1").id == "b1"
+    assert (await hook.aget_batch("b1")).id == "b1"
+    await hook.aclose()
+    hook.close()
+    moved = api.seen("/v1/batches/moved")
+    assert len(moved) == 2
+    assert all(r.headers["authorization"] == f"Bearer {SECRET}" for r in moved)
+
+
+async def test_result_file_redirect_to_object_store_carries_no_credentials(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], tmp_path: Path
+) -> None:
+    api, store = hostile_server(), hostile_server()
+    content = b'{"custom_id": "a", "response": {"status_code": 200, "body": {}}}\n'
+    store.route("/signed/out.jsonl", reply(200, content))
+    api.route("/v1/files/file-out/content", redirect(f"{store.origin}/signed/out.jsonl?sig=abc"))
+    hook = hostile_hook(api)
+    assert hook.download_file("file-out", tmp_path / "sync.jsonl") == len(content)
+    assert await hook.adownload_file("file-out", tmp_path / "async.jsonl") == len(content)
+    assert [obj["custom_id"] for obj in hook.iter_file_lines("file-out")] == ["a"]
+    await hook.aclose()
+    hook.close()
+    assert (tmp_path / "async.jsonl").read_bytes() == content
+    assert len(store.requests) == 3
+    # The object store got the signed URL and nothing of the connection: no key, no custom header.
+    assert credentials_in(store) == []
+    assert all("authorization" not in r.headers for r in store.requests)
+
+
+# ---- 11: a deadline per call -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("headers_too", [False, True], ids=["body", "headers"])
+async def test_dripped_answer_ends_at_the_call_deadline(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], headers_too: bool
+) -> None:
+    # One byte every 50 ms never trips a 0.5 s read timeout, and the whole answer takes ~20 s.
+    api = hostile_server()
+    api.route("/v1/batches/b1", drip(orjson.dumps(BATCH), 0.05, headers_too=headers_too))
+    hook = hostile_hook(api, retry=NO_RETRY, timeout=0.5)
+    with pytest.raises(BatchApiConnectionError, match="timed out"):
+        hook.get_batch("b1")
+    with pytest.raises(BatchApiConnectionError, match="timed out"):
+        await hook.aget_batch("b1")
+    await hook.aclose()
+    hook.close()
+
+
+async def test_dripped_result_file_fails_its_progress_deadline(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], tmp_path: Path
+) -> None:
+    api = hostile_server()
+    api.route("/v1/files/file-out/content", drip(b'{"custom_id": "a"}\n' * 20, 0.05))
+    hook = hostile_hook(api, retry=NO_RETRY, timeout=0.5)
+    with pytest.raises(BatchApiConnectionError, match="timed out"):
+        hook.download_file("file-out", tmp_path / "sync.jsonl")
+    with pytest.raises(BatchApiConnectionError, match="timed out"):
+        await hook.adownload_file("file-out", tmp_path / "async.jsonl")
+    with pytest.raises(BatchApiConnectionError, match="timed out"):
+        list(hook.iter_file_lines("file-out"))
+    await hook.aclose()
+    hook.close()
+    assert not (tmp_path / "sync.jsonl").exists() and not (tmp_path / "async.jsonl").exists()
+
+
+async def test_slow_but_moving_upload_outlives_the_call_deadline(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], tmp_path: Path
+) -> None:
+    # The server takes the 24 MiB body at ~10 MiB/s (over 2 s in all), far past the 1 s total
+    # deadline: each 1 MiB chunk sent renews it, so the upload succeeds. (The last renewal must
+    # also cover the few MB the kernel still buffers, ~0.4 s here.)
+    api = hostile_server()
+    api.read_pace = (512 << 10, 0.05)
+    api.route("POST /v1/files", reply(200, {"id": "file-up", "object": "file"}))
+    source = tmp_path / "big.jsonl"
+    source.write_bytes(b"x" * (24 << 20))
+    hook = hostile_hook(api, retry=NO_RETRY, timeout=1.0)
+    assert hook.upload_file(source) == "file-up"
+    assert await hook.aupload_file(source) == "file-up"
+    await hook.aclose()
+    hook.close()
+    assert [len(r.body) > 24 << 20 for r in api.requests] == [True, True]
+
+
+# ---- 12: bounded control-plane bodies --------------------------------------------------------
+
+
+async def test_huge_batch_object_is_refused(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    api = hostile_server()
+    api.route("/v1/batches/b1", reply(200, {**BATCH, "padding": "x" * (9 << 20)}))
+    hook = hostile_hook(api, retry=NO_RETRY)
+    with pytest.raises(BatchApiResponseTooLargeError, match="getting batch b1.*8,388,608"):
+        hook.get_batch("b1")
+    with pytest.raises(BatchApiResponseTooLargeError, match="getting batch b1"):
+        await hook.aget_batch("b1")
+    await hook.aclose()
+    hook.close()
+
+
+async def test_gzip_bomb_stops_at_the_cap(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    # 64 MB of spaces then a valid batch object, gzipped to ~64 KB: valid JSON if fully inflated.
+    bomb = gzip_bomb(64 << 20, orjson.dumps(BATCH))
+    api = hostile_server()
+    api.route("/v1/batches/b1", reply(200, bomb, Content_Encoding="gzip"))
+    api.route("/v1/batches", reply(200, bomb, Content_Encoding="gzip"))
+    hook = hostile_hook(api, retry=NO_RETRY)
+    tracemalloc.start()
+    try:
+        with pytest.raises(BatchApiResponseTooLargeError, match="decompressed"):
+            hook.get_batch("b1")
+        with pytest.raises(BatchApiResponseTooLargeError, match="decompressed"):
+            await hook.aget_batch("b1")
+        with pytest.raises(BatchApiResponseTooLargeError, match="listing batches"):
+            list(hook.list_batches())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    await hook.aclose()
+    hook.close()
+    assert peak < 32 << 20, f"peak {peak:,} bytes"
+
+
+async def test_small_gzip_answer_still_reads(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    api = hostile_server()
+    api.route("/v1/batches/b1", reply(200, gzip_bomb(1 << 20, orjson.dumps(BATCH)), Content_Encoding="gzip"))
+    hook = hostile_hook(api, retry=NO_RETRY)
+    assert hook.get_batch("b1").id == "b1"
+    assert (await hook.aget_batch("b1")).id == "b1"
+    await hook.aclose()
+    hook.close()
+
+
+@pytest.mark.parametrize("wbits", [15, -15], ids=["zlib", "raw"])
+async def test_deflate_answer_reads_and_is_capped(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], wbits: int
+) -> None:
+    def deflate(data: bytes) -> bytes:
+        packer = zlib.compressobj(9, zlib.DEFLATED, wbits)
+        return packer.compress(data) + packer.flush()
+
+    api = hostile_server()
+    api.route("/v1/batches/b1", reply(200, deflate(orjson.dumps(BATCH)), Content_Encoding="deflate"))
+    bomb = deflate(b" " * (16 << 20) + orjson.dumps(BATCH))
+    api.route("/v1/batches/b2", reply(200, bomb, Content_Encoding="deflate"))
+    hook = hostile_hook(api, retry=NO_RETRY)
+    assert hook.get_batch("b1").id == "b1"
+    assert (await hook.aget_batch("b1")).id == "b1"
+    with pytest.raises(BatchApiResponseTooLargeError, match="decompressed"):
+        hook.get_batch("b2")
+    with pytest.raises(BatchApiResponseTooLargeError, match="decompressed"):
+        await hook.aget_batch("b2")
+    await hook.aclose()
+    hook.close()
+
+
+async def test_truncated_gzip_answer_is_a_clear_error(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    api = hostile_server()
+    api.route("/v1/batches/b1", reply(200, gzip_bomb(0, orjson.dumps(BATCH))[:-12], Content_Encoding="gzip"))
+    hook = hostile_hook(api, retry=NO_RETRY)
+    with pytest.raises(BatchApiError, match="gzip"):
+        hook.get_batch("b1")
+    with pytest.raises(BatchApiError, match="gzip"):
+        await hook.aget_batch("b1")
+    await hook.aclose()
+    hook.close()
+
+
+# ---- 13: garbage Retry-After -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"Retry-After": "nan"},
+        {"Retry-After": "inf"},
+        {"Retry-After": "-Infinity"},
+        {"Retry-After": "1e400"},
+        {"Retry-After-Ms": "nan"},
+        {"Retry-After-Ms": "NaN", "Retry-After": "soon"},
+    ],
+    ids=["nan", "inf", "-inf", "huge", "ms-nan", "ms-nan-and-text"],
+)
+async def test_garbage_retry_after_is_ignored(
+    hostile_server: Callable[[], HostileServer],
+    hostile_hook: Callable[..., BatchApiHook],
+    header: dict[str, str],
+) -> None:
+    api = hostile_server()
+    limited = reply(
+        429, {"error": {"message": "slow down"}}, **{k.replace("-", "_"): v for k, v in header.items()}
+    )
+    # Per client: one 429 with the garbage header, then the batch.
+    api.route("/v1/batches/b1", sequence(limited, reply(200, BATCH), limited, reply(200, BATCH)))
+    # A Retry-After taken at face value would be capped to 30 s; the backoff is at most 2 ms.
+    retry = RetryPolicy(max_retries=1, backoff_initial=0.001, backoff_max=0.002, retry_after_max=30)
+    hook = hostile_hook(api, retry=retry)
+    assert hook.get_batch("b1").id == "b1"
+    assert (await hook.aget_batch("b1")).id == "b1"
+    await hook.aclose()
+    hook.close()
+    assert len(api.requests) == 4
+
+
+# ---- 14: secrets echoed in a 200 answer -----------------------------------------------------
+
+
+def echo_key(ex: Exchange) -> None:
+    """A failed batch whose errors quote the request's headers back."""
+    auth = ex.request.headers.get("authorization", "")
+    token = ex.request.headers.get("x-gateway-token", "")
+    batch = openai_batch(
+        "b1",
+        "failed",
+        errors={
+            "object": "list",
+            "data": [{"code": "invalid_key", "message": f"key {auth} / token {token} refused", "line": 1}],
+        },
+        metadata={"echo": auth},
+    )
+    ex.respond(200, batch)
+
+
+async def test_key_echoed_in_batch_errors_is_redacted(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    api = hostile_server()
+    api.route("/v1/batches/b1", echo_key)
+    api.route("/v1/batches", lambda ex: ex.respond(200, {"object": "list", "data": [], "has_more": False}))
+    hook = hostile_hook(api)
+    batches = [hook.get_batch("b1"), await hook.aget_batch("b1")]
+    await hook.aclose()
+    hook.close()
+    for batch in batches:
+        text = batch.model_dump_json()
+        assert batch.errors and "***" in batch.errors[0].message
+        assert SECRET not in text and CUSTOM_SECRET not in text, text
+    assert credentials_in(api)  # the server did receive them, so the echo was real
+
+
+async def test_key_echoed_in_a_result_file_is_redacted(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    def error_file(ex: Exchange) -> None:
+        auth = ex.request.headers.get("authorization", "")
+        line = {
+            "custom_id": "a",
+            "response": None,
+            "error": {"code": "invalid_api_key", "message": f"Incorrect API key provided: {auth}"},
+        }
+        ex.respond(200, orjson.dumps(line) + b"\n")
+
+    api = hostile_server()
+    api.route("/v1/files/file-err/content", error_file)
+    hook = hostile_hook(api)
+    batch = openai_batch("b1", "completed", error_file_id="file-err")
+    api.route("/v1/batches/b1", reply(200, batch))
+    lines = [*hook.iter_results("b1"), *[line async for line in hook.aiter_results("b1")]]
+    await hook.aclose()
+    hook.close()
+    assert len(lines) == 2
+    for line in lines:
+        assert line.error is not None and line.error.message == "Incorrect API key provided: Bearer ***"
+
+
+@pytest.mark.parametrize("jsonl", [False, True], ids=["json", "jsonl"])
+async def test_key_echoed_in_a_results_page_is_redacted(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], jsonl: bool
+) -> None:
+    def results_page(ex: Exchange) -> None:
+        auth = ex.request.headers.get("authorization", "")
+        item = {"custom_id": "a", "status": "failed", "error": {"code": "auth", "message": f"bad {auth}"}}
+        if jsonl:
+            ex.respond(200, orjson.dumps(item) + b"\n", {"Content-Type": "application/jsonl"})
+        else:
+            ex.respond(200, {"data": [item]})
+
+    api = hostile_server()
+    api.route("/v1/batches/b1/results", results_page)
+    api.route("/v1/batches/b1", reply(200, openai_batch("b1", "completed")))
+    hook = hostile_hook(api, dialect="doubleword")
+    lines = [
+        *hook.iter_results("b1", mode="results_endpoint"),
+        *[line async for line in hook.aiter_results("b1", mode="results_endpoint")],
+    ]
+    await hook.aclose()
+    hook.close()
+    assert len(lines) == 2
+    for line in lines:
+        assert line.error is not None and line.error.message == "bad Bearer ***"
