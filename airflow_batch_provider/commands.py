@@ -25,11 +25,13 @@ _PREPARE_LINE_CAP = 64 * 1024 * 1024
 
 def add_subcommands(subparsers: Any) -> None:
     """Add ``validate`` and ``prepare`` to the ``airflow-batch`` argument parser."""
-    validate = subparsers.add_parser(
-        "validate",
-        help="check a batch JSONL file against every rule of a dialect",
-        description="Check a batch JSONL file; print each problem with its line number; exit 1 if any.",
-    )
+    add_validate_arguments(subparsers.add_parser("validate", help="check a batch JSONL file"))
+    add_prepare_arguments(subparsers.add_parser("prepare", help="set the model on every line"))
+
+
+def add_validate_arguments(validate: argparse.ArgumentParser) -> None:
+    """The options of ``airflow-batch validate``."""
+    validate.description = "Check a batch JSONL file; print each problem with its line number; exit 1 if any."
     validate.add_argument("file", help="path or URI of the JSONL file ('-' for stdin)")
     validate.add_argument(
         "--dialect",
@@ -52,11 +54,10 @@ def add_subcommands(subparsers: Any) -> None:
     validate.add_argument("--quiet", "-q", action="store_true", help="print only the summary line")
     validate.set_defaults(func=run_validate)
 
-    prepare = subparsers.add_parser(
-        "prepare",
-        help="set or override the model (and url) on every line of a batch JSONL file",
-        description="Set body.model (and optionally url) on every line, streaming; output is atomic.",
-    )
+
+def add_prepare_arguments(prepare: argparse.ArgumentParser) -> None:
+    """The options of ``airflow-batch prepare``."""
+    prepare.description = "Set body.model (and optionally url) on every line, streaming; output is atomic."
     prepare.add_argument("file", help="path or URI of the JSONL file ('-' for stdin)")
     prepare.add_argument("--model", required=True, help="model to set on every line")
     prepare.add_argument(

@@ -91,6 +91,7 @@ def _probe(tmp_path: Path, *argv: str) -> dict[str, object]:
         ("validate", "--help"),
         ("prepare", "--help"),
         ("serve", "--help"),
+        ("summary", "--help"),
         ("validate", "{file}"),
         ("validate", "{file}", "--dialect", "xai"),
         ("prepare", "{file}", "--model", "m", "--output", "{out}"),
