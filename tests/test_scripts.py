@@ -1,0 +1,93 @@
+"""``scripts/bootstrap`` changes nothing outside the checkout, and ``.ci/run`` cannot pass by skipping.
+
+bootstrap runs for real in a copy of ``scripts/`` with recording stand-ins first on PATH for
+``apt-get``, ``pip``, ``pkg-config``, ``uv`` and the Python interpreter, so every command it
+would run on the machine is in the log and nothing is installed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_RECORD = '#!/usr/bin/env bash\necho "{name} $*" >> "$SHIM_LOG"\n'
+# `-m venv DIR` / `uv venv DIR` make DIR/bin/python, a recorder whose `-m pip install ... uv` adds DIR/bin/uv.
+_MAKE_VENV = 'mkdir -p "$1/bin" && cp "$SHIM_TEMPLATES/python" "$1/bin/python"\n'
+_VENV_PYTHON = 'case "$*" in *"pip install"*uv) cp "$SHIM_TEMPLATES/uv" "$(dirname "$0")/uv";; esac\n'
+
+
+def _shim(directory: Path, name: str, body: str = "", label: str | None = None) -> None:
+    path = directory / name
+    path.write_text(_RECORD.format(name=label or name) + body)
+    path.chmod(0o755)
+
+
+def _run_bootstrap(tmp_path: Path, *, uv_on_path: bool, headers: bool) -> tuple[int, str, list[str]]:
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    shutil.copy2(ROOT / "scripts" / "bootstrap", checkout / "scripts" / "bootstrap")
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    _shim(templates, "python", _VENV_PYTHON, label="venv-python")
+    _shim(templates, "uv", label="venv-uv")
+    log = tmp_path / "commands.log"
+    log.touch()
+    for name in ("apt-get", "apt", "sudo", "pip", "pip3", "docker-compose"):
+        _shim(shims, name)
+    _shim(shims, "pkg-config", "exit 0\n" if headers else "exit 1\n")
+    # The interpreter: `-m venv DIR` makes DIR/bin/python, itself a recorder whose `pip install uv` adds uv.
+    _shim(shims, "python3", 'if [ "$1 $2" = "-m venv" ]; then set -- "$3"; ' + _MAKE_VENV + "fi\n")
+    if uv_on_path:
+        _shim(shims, "uv", 'if [ "$1" = venv ]; then set -- "${@: -1}"; ' + _MAKE_VENV + "fi\n")
+    env = {
+        "PATH": f"{shims}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "SHIM_LOG": str(log),
+        "SHIM_TEMPLATES": str(templates),
+        "PYTHON": str(shims / "python3"),
+    }
+    proc = subprocess.run(
+        ["bash", str(checkout / "scripts" / "bootstrap")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    commands = [line.replace(str(shims) + "/", "") for line in log.read_text().splitlines()]
+    return proc.returncode, proc.stderr, commands
+
+
+@pytest.mark.parametrize("uv_on_path", [True, False], ids=["uv-on-path", "no-uv"])
+def test_bootstrap_installs_nothing_outside_the_checkout(tmp_path: Path, uv_on_path: bool) -> None:
+    code, stderr, commands = _run_bootstrap(tmp_path, uv_on_path=uv_on_path, headers=False)
+    assert code == 0, (stderr, commands)
+    assert not [c for c in commands if c.split()[0] in ("apt-get", "apt", "sudo", "pip", "pip3")], commands
+    # The system interpreter only creates the venv; it never installs anything.
+    system = [c for c in commands if c.startswith("python3 ")]
+    assert all(c.startswith("python3 -m venv") for c in system), commands
+    # One clear line about the skipped extra, with the command to run.
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert "mysql extra is skipped" in lines[0]
+    assert "apt-get install -y pkg-config libmariadb-dev" in lines[0]
+    install = [c for c in commands if "pip install" in c and "-e" in c.split()]
+    assert len(install) == 1 and install[0].endswith("-e .[dev]"), commands
+    if not uv_on_path:
+        assert "python3 -m venv .venv" in commands
+        assert any(c.startswith("venv-python -m pip install") and c.endswith(" uv") for c in commands)
+        assert install[0].startswith("venv-uv pip install")
+
+
+def test_bootstrap_adds_the_mysql_extra_when_headers_exist(tmp_path: Path) -> None:
+    code, stderr, commands = _run_bootstrap(tmp_path, uv_on_path=True, headers=True)
+    assert code == 0 and stderr == "", stderr
+    assert [c for c in commands if "-e" in c.split()] == [
+        "uv pip install --quiet --python .venv/bin/python -e .[dev,mysql]"
+    ]
