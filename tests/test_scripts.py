@@ -91,3 +91,81 @@ def test_bootstrap_adds_the_mysql_extra_when_headers_exist(tmp_path: Path) -> No
     assert [c for c in commands if "-e" in c.split()] == [
         "uv pip install --quiet --python .venv/bin/python -e .[dev,mysql]"
     ]
+
+
+def _run_ci(
+    tmp_path: Path,
+    *,
+    pg_up: bool = True,
+    pg_starts: bool = False,
+    mysql_up: bool = True,
+    headers: bool = True,
+    test_exit: int = 0,
+) -> tuple[int, str, list[str]]:
+    """Run a copy of ``.ci/run`` with stand-ins for the services and a ``scripts/test`` that records."""
+    checkout = tmp_path / "checkout"
+    (checkout / ".ci").mkdir(parents=True)
+    (checkout / "scripts").mkdir()
+    shutil.copy2(ROOT / ".ci" / "run", checkout / ".ci" / "run")
+    record_test = f'echo "CI=$CI" >> "$SHIM_LOG"\nexit {test_exit}\n'
+    _shim(checkout / "scripts", "test", record_test, label="scripts/test")
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    log = tmp_path / "commands.log"
+    log.touch()
+    state = tmp_path / "pg-started"
+    _shim(shims, "pkg-config", "exit 0\n" if headers else "exit 1\n")
+    _shim(shims, "docker-compose")
+    _shim(shims, "apt-get")
+    _shim(shims, "pg_isready", "exit 0\n" if pg_up else f'[ -e "{state}" ] && exit 0; exit 1\n')
+    _shim(shims, "pg_ctlcluster", f'touch "{state}"; exit 0\n' if pg_starts else "exit 1\n")
+    _shim(shims, "psql", "echo 1\n")
+    _shim(shims, "createdb")
+    _shim(shims, "mysqladmin", "exit 0\n" if mysql_up else "exit 1\n")
+    _shim(shims, "start-stop-daemon")
+    _shim(shims, "chown")
+    env = {
+        "PATH": f"{shims}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "SHIM_LOG": str(log),
+        "CI_SERVICE_WAIT": "1",
+    }
+    proc = subprocess.run(
+        ["bash", str(checkout / ".ci" / "run")], capture_output=True, text=True, env=env, timeout=60
+    )
+    return proc.returncode, proc.stdout + proc.stderr, log.read_text().splitlines()
+
+
+def test_ci_fails_when_postgresql_cannot_start(tmp_path: Path) -> None:
+    code, out, commands = _run_ci(tmp_path, pg_up=False)
+    assert code != 0
+    assert "ERROR" in out and "PostgreSQL" in out, out
+    assert not [c for c in commands if c.startswith("scripts/test")], commands
+
+
+def test_ci_fails_when_mariadb_does_not_answer(tmp_path: Path) -> None:
+    code, out, commands = _run_ci(tmp_path, pg_up=False, pg_starts=True, mysql_up=False)
+    assert code != 0
+    assert "MariaDB does not answer on 127.0.0.1:3306" in out, out
+    assert any(c.startswith("pg_ctlcluster") for c in commands)
+    assert any(c.startswith("start-stop-daemon --start") for c in commands)
+    assert not [c for c in commands if c.startswith("scripts/test")], commands
+
+
+def test_ci_treats_no_tests_collected_as_failure(tmp_path: Path) -> None:
+    code, out, commands = _run_ci(tmp_path, test_exit=5)
+    assert code != 0 and "collected no test" in out, out
+    code, out, commands = (
+        _run_ci(tmp_path / "ok", test_exit=0) if (tmp_path / "ok").mkdir() is None else (0, "", [])
+    )
+    assert code == 0, out
+    assert "CI=true" in commands
+
+
+def test_ci_installs_the_mysql_headers_visibly(tmp_path: Path) -> None:
+    code, out, commands = _run_ci(tmp_path, headers=False)
+    assert code == 0, out
+    assert any(c.startswith("apt-get install") and "pkg-config libmariadb-dev" in c for c in commands), (
+        commands
+    )
+    assert "installing system packages for the test suite: pkg-config libmariadb-dev" in out
