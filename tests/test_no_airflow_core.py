@@ -95,6 +95,7 @@ def _probe(tmp_path: Path, *argv: str) -> dict[str, object]:
         ("validate", "{file}"),
         ("validate", "{file}", "--dialect", "xai"),
         ("prepare", "{file}", "--model", "m", "--output", "{out}"),
+        ("summary", "--duckdb", "{db}", "--table", "results"),
     ],
 )
 def test_cli_commands_do_not_import_airflow(tmp_path: Path, argv: tuple[str, ...]) -> None:
@@ -104,7 +105,16 @@ def test_cli_commands_do_not_import_airflow(tmp_path: Path, argv: tuple[str, ...
         for i in range(2)
     ]
     src.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
-    args = [a.format(file=src, out=tmp_path / "out.jsonl") for a in argv]
+    db = tmp_path / "w.duckdb"
+    if "{db}" in argv:
+        import duckdb
+
+        with duckdb.connect(str(db)) as conn:
+            conn.execute(
+                "CREATE TABLE results AS SELECT 1 AS id, 'succeeded' AS status, 3 AS prompt_tokens, "
+                "2 AS completion_tokens, 5 AS total_tokens"
+            )
+    args = [a.format(file=src, out=tmp_path / "out.jsonl", db=db) for a in argv]
     result = _probe(tmp_path, *args)
     assert result["code"] in (0, None), result
     assert result["airflow"] == [], result["airflow"]
