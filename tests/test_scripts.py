@@ -27,7 +27,9 @@ def _shim(directory: Path, name: str, body: str = "", label: str | None = None) 
     path.chmod(0o755)
 
 
-def _run_bootstrap(tmp_path: Path, *, uv_on_path: bool, headers: bool) -> tuple[int, str, list[str]]:
+def _run_bootstrap(
+    tmp_path: Path, *, uv_on_path: bool, headers: bool, venv_works: bool = True
+) -> tuple[int, str, list[str]]:
     checkout = tmp_path / "checkout"
     (checkout / "scripts").mkdir(parents=True)
     shutil.copy2(ROOT / "scripts" / "bootstrap", checkout / "scripts" / "bootstrap")
@@ -43,7 +45,8 @@ def _run_bootstrap(tmp_path: Path, *, uv_on_path: bool, headers: bool) -> tuple[
         _shim(shims, name)
     _shim(shims, "pkg-config", "exit 0\n" if headers else "exit 1\n")
     # The interpreter: `-m venv DIR` makes DIR/bin/python, itself a recorder whose `pip install uv` adds uv.
-    _shim(shims, "python3", 'if [ "$1 $2" = "-m venv" ]; then set -- "$3"; ' + _MAKE_VENV + "fi\n")
+    make_venv = _MAKE_VENV if venv_works else "exit 1\n"
+    _shim(shims, "python3", 'if [ "$1 $2" = "-m venv" ]; then set -- "$3"; ' + make_venv + "fi\n")
     if uv_on_path:
         _shim(shims, "uv", 'if [ "$1" = venv ]; then set -- "${@: -1}"; ' + _MAKE_VENV + "fi\n")
     env = {
@@ -83,6 +86,17 @@ def test_bootstrap_installs_nothing_outside_the_checkout(tmp_path: Path, uv_on_p
         assert "python3 -m venv .venv" in commands
         assert any(c.startswith("venv-python -m pip install") and c.endswith(" uv") for c in commands)
         assert install[0].startswith("venv-uv pip install")
+
+
+def test_bootstrap_without_venv_support_says_what_to_install(tmp_path: Path) -> None:
+    code, stderr, commands = _run_bootstrap(tmp_path, uv_on_path=False, headers=True, venv_works=False)
+    assert code == 1
+    assert stderr.strip().splitlines() == [
+        f"bootstrap: '{tmp_path}/shims/python3 -m venv .venv' failed; "
+        "on Debian/Ubuntu run: apt-get install -y python3-venv"
+    ]
+    assert not [c for c in commands if "install" in c], commands
+    assert not (tmp_path / "checkout" / ".venv").exists()
 
 
 def test_bootstrap_adds_the_mysql_extra_when_headers_exist(tmp_path: Path) -> None:
