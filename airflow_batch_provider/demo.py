@@ -479,8 +479,9 @@ def run_summary(args: argparse.Namespace) -> int:
     source = args.duckdb or f"connection {args.conn_id!r}"
     try:
         summary = results_summary(args.conn_id, args.table, sample=args.rows, hook=hook)
-    except OSError:
-        raise
+    except OSError as exc:
+        print(f"summary: {exc.filename or source}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"summary: cannot read table {args.table!r} from {source}: {first}", file=sys.stderr)

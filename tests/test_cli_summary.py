@@ -68,6 +68,11 @@ def test_summary_errors_are_one_line(results_file: Path, tmp_path: Path) -> None
     proc = _run([*cli, "--duckdb", str(results_file), "--table", "missing_table"], tmp_path)
     assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "cannot read table 'missing_table'" in proc.stderr
+    # The same through the demo module's own command line.
+    demo_cli = [sys.executable, "-m", "airflow_batch_provider.demo", "summary"]
+    proc = _run([*demo_cli, "--duckdb", str(tmp_path / "none.duckdb")], tmp_path)
+    assert proc.returncode == 1 and "none.duckdb: No such file" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
     proc = _run(cli, tmp_path)
     assert proc.returncode == 2 and "--duckdb" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "none.duckdb").exists()
