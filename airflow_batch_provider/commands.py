@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import IO, Any, TextIO
 
 import orjson
 
+from airflow_batch_provider import staging
+from airflow_batch_provider.dialects import DIALECTS
 from airflow_batch_provider.jsonl import LineValidator, iter_raw_lines
 
 # prepare rewrites whole lines, so it must hold one; this is far above any vendor's line limit.
@@ -24,14 +25,19 @@ _PREPARE_LINE_CAP = 64 * 1024 * 1024
 
 def add_subcommands(subparsers: Any) -> None:
     """Add ``validate`` and ``prepare`` to the ``airflow-batch`` argument parser."""
-    validate = subparsers.add_parser(
-        "validate",
-        help="check a batch JSONL file against every rule of a dialect",
-        description="Check a batch JSONL file; print each problem with its line number; exit 1 if any.",
-    )
+    add_validate_arguments(subparsers.add_parser("validate", help="check a batch JSONL file"))
+    add_prepare_arguments(subparsers.add_parser("prepare", help="set the model on every line"))
+
+
+def add_validate_arguments(validate: argparse.ArgumentParser) -> None:
+    """The options of ``airflow-batch validate``."""
+    validate.description = "Check a batch JSONL file; print each problem with its line number; exit 1 if any."
     validate.add_argument("file", help="path or URI of the JSONL file ('-' for stdin)")
     validate.add_argument(
-        "--dialect", default="openai", help="vendor dialect whose rules apply (default openai)"
+        "--dialect",
+        choices=sorted(DIALECTS),
+        default="openai",
+        help="vendor dialect whose rules apply (default openai)",
     )
     validate.add_argument(
         "--endpoint", default=None, help="url every line must target, e.g. /v1/chat/completions"
@@ -48,15 +54,17 @@ def add_subcommands(subparsers: Any) -> None:
     validate.add_argument("--quiet", "-q", action="store_true", help="print only the summary line")
     validate.set_defaults(func=run_validate)
 
-    prepare = subparsers.add_parser(
-        "prepare",
-        help="set or override the model (and url) on every line of a batch JSONL file",
-        description="Set body.model (and optionally url) on every line, streaming; output is atomic.",
-    )
-    prepare.add_argument("file", help="path or URI of the JSONL file")
+
+def add_prepare_arguments(prepare: argparse.ArgumentParser) -> None:
+    """The options of ``airflow-batch prepare``."""
+    prepare.description = "Set body.model (and optionally url) on every line, streaming; output is atomic."
+    prepare.add_argument("file", help="path or URI of the JSONL file ('-' for stdin)")
     prepare.add_argument("--model", required=True, help="model to set on every line")
     prepare.add_argument(
-        "--output", "-o", default=None, help="where to write (default: replace FILE in place)"
+        "--output",
+        "-o",
+        default=None,
+        help="where to write (default: replace FILE in place; '-' or FILE '-' means stdout)",
     )
     prepare.add_argument(
         "--endpoint", default=None, help="also set the url of every line, e.g. /v1/chat/completions"
@@ -65,10 +73,6 @@ def add_subcommands(subparsers: Any) -> None:
 
 
 # ---- file access: local paths without importing Airflow, URIs through ObjectStoragePath ----------
-
-
-def _is_uri(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
 
 
 def _local(path: str) -> str:
@@ -80,40 +84,8 @@ def _open_input(path: str) -> Iterator[IO[bytes]]:
     if path == "-":
         yield sys.stdin.buffer
         return
-    if _is_uri(path):
-        from airflow_batch_provider import staging
-
-        with staging.open_read(staging.resolve_path(path)) as handle:
-            yield handle
-        return
-    with open(_local(path), "rb", buffering=1 << 20) as handle:
+    with staging.open_read(_local(path)) as handle:
         yield handle
-
-
-@contextmanager
-def _atomic_output(path: str) -> Iterator[IO[bytes]]:
-    if _is_uri(path):
-        from airflow_batch_provider import staging
-
-        with staging.atomic_writer(staging.resolve_path(path)) as handle:
-            yield handle
-        return
-    target = os.path.abspath(_local(path))
-    directory = os.path.dirname(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb", buffering=1 << 20) as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        if os.path.exists(target):
-            # Keep the permissions of the file being replaced.
-            os.chmod(tmp, os.stat(target).st_mode & 0o7777)
-        os.replace(tmp, target)
-    except BaseException:
-        with suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 # ---- validate ----------------------------------------------------------------------------------
@@ -219,11 +191,31 @@ def run_prepare(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.endpoint and not args.endpoint.startswith("/"):
         out.write(f"--endpoint must be a path such as /v1/chat/completions, not {args.endpoint!r}\n")
         return 1
+    if output == "-":
+        # Streaming to stdout: the lines go there, so the report goes to stderr.
+        with _open_input(args.file) as source:
+            try:
+                lines = prepare_stream(source, sys.stdout.buffer, model=args.model, endpoint=args.endpoint)
+            except PrepareError as exc:
+                sys.stderr.write(f"{args.file}:{exc}; the output is incomplete\n")
+                return 1
+            sys.stdout.flush()
+        sys.stderr.write(f"<stdout>: set model {args.model!r} on {lines:,} line(s)\n")
+        return 0
+    existed = _exists(output)
     try:
-        with _open_input(args.file) as source, _atomic_output(output) as target:
+        with _open_input(args.file) as source, staging.atomic_writer(_local(output)) as target:
             lines = prepare_stream(source, target, model=args.model, endpoint=args.endpoint)
     except PrepareError as exc:
-        out.write(f"{args.file}:{exc}; {output} was not changed\n")
+        left = "was not changed" if existed else "was not created"
+        out.write(f"{args.file}:{exc}; {output} {left}\n")
         return 1
     out.write(f"{output}: set model {args.model!r} on {lines:,} line(s)\n")
     return 0
+
+
+def _exists(path: str) -> bool:
+    local = _local(path)
+    if "://" not in local:
+        return os.path.exists(local)
+    return bool(staging.resolve_path(path).exists())

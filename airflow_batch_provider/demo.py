@@ -4,15 +4,16 @@
 
 * ``seed --conn-id ID``: create (or replace) the ``support_tickets`` and ``products`` sample
   tables in any common-sql warehouse connection (DuckDB, PostgreSQL, SQLite, MySQL...).
-* ``summary --conn-id ID --table T``: print a results table in a readable form (rows per
-  status, tokens, a few rows).
+* ``summary --conn-id ID --table T`` (or ``--duckdb FILE``; also ``airflow-batch summary``):
+  print a results table in a readable form (rows per status, tokens, a few rows).
 * ``run``: the demo itself. In a fresh ``AIRFLOW_HOME`` with a SQLite metadata database it
   starts the local batch server (echo backend) on a free port, seeds an embedded DuckDB
   warehouse, runs the ``support_ticket_triage`` example with ``airflow dags test``, prints the
-  summary and stops the server. Set ``BATCH_DEMO_CONNECTION`` to a ``batch_api`` connection
-  URI (or JSON), e.g. ``batch-api://:sk-...@api.openai.com/v1?dialect=openai``, to run the
-  same DAG against a real vendor instead of the local server (``BATCH_DEMO_MODEL`` picks
-  the model, default ``gpt-4o-mini``).
+  summary, stops the server and prints the command that shows the summary again. Set
+  ``BATCH_DEMO_CONNECTION`` to a ``batch_api`` connection URI (or JSON), e.g.
+  ``batch-api://:sk-...@api.openai.com/v1?dialect=openai``, to run the same DAG against a
+  real vendor instead of the local server (``BATCH_DEMO_MODEL`` picks the model, default
+  ``gpt-4o-mini``).
 
 The sample data is generated deterministically (same seed, same rows), so the demo and the
 tests see the same tickets every time. A handful of tickets have no body on purpose: they
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -223,14 +225,32 @@ def _query(hook: Any, sql: str) -> Iterator[tuple[Any, ...]]:
         conn.close()
 
 
-def results_summary(conn_id: str, table: str, *, sample: int = 5) -> dict[str, Any]:
+class DuckDBFile:
+    """A DuckDB database file opened read-only, in the shape of a hook (``get_conn()``), without Airflow."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def get_conn(self) -> Any:
+        import duckdb
+
+        if not self.path.is_file():
+            raise FileNotFoundError(2, "No such file", str(self.path))
+        return duckdb.connect(str(self.path), read_only=True)
+
+
+def results_summary(conn_id: str | None, table: str, *, sample: int = 5, hook: Any = None) -> dict[str, Any]:
     """Rows per status, token totals and a few rows of a results table written by the merge.
 
-    :param conn_id: the warehouse connection.
+    :param conn_id: the warehouse connection (ignored when ``hook`` is given).
     :param table: the results table.
     :param sample: how many rows to show.
+    :param hook: anything with ``get_conn()`` returning a DB-API connection, e.g. :class:`DuckDBFile`.
     """
-    hook = _warehouse_hook(conn_id)
+    if hook is None:
+        if not conn_id:
+            raise ValueError("results_summary needs a connection id or a hook")
+        hook = _warehouse_hook(conn_id)
     counts = {
         str(s): int(n) for s, n in _query(hook, f"SELECT status, COUNT(*) FROM {table} GROUP BY status")
     }
@@ -400,8 +420,73 @@ def run_demo(workdir: Path, *, tickets: int = DEFAULT_TICKETS, keep: bool = Fals
             ),
         )
     )
-    if keep:
-        print(f"\nWorking files (warehouse, staging, logs) kept in {workdir}")
+    print()
+    print(summary_hint(warehouse, kept=keep))
+    return 0
+
+
+def _cli_command() -> str:
+    """How to call ``airflow-batch`` from the user's shell (the venv's script when it is not on PATH)."""
+    script = Path(sys.executable).with_name("airflow-batch")
+    if not script.exists():
+        return f"{shlex.quote(sys.executable)} -m airflow_batch_provider.cli"
+    on_path = shutil.which("airflow-batch")
+    if on_path and Path(on_path).resolve() == script.resolve():
+        return "airflow-batch"
+    try:
+        return shlex.quote(str(script.relative_to(Path.cwd())))
+    except ValueError:
+        return shlex.quote(str(script))
+
+
+def summary_command(warehouse: Path, table: str = DEMO_RESULTS_TABLE) -> str:
+    """The shell command that prints the summary of ``table`` in the DuckDB file ``warehouse`` again."""
+    return f"{_cli_command()} summary --duckdb {shlex.quote(str(warehouse))} --table {shlex.quote(table)}"
+
+
+def summary_hint(warehouse: Path, *, kept: bool) -> str:
+    """What the demo prints last: how to look at the results table again."""
+    if kept:
+        return (
+            f"Working files (warehouse, staging, logs) kept in {warehouse.parent}\n"
+            f"Look at the results again with:\n  {summary_command(warehouse)}\n"
+            f"(or open the file with the duckdb Python package: duckdb.connect({str(warehouse)!r}))"
+        )
+    return (
+        "The temporary working files are removed now. To keep the warehouse and look at the results "
+        "again, run the demo with --keep (or --workdir DIR), then:\n"
+        f"  {summary_command(Path('DIR') / warehouse.name)}"
+    )
+
+
+def add_summary_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``airflow-batch summary`` (also ``python -m airflow_batch_provider.demo summary``)."""
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--duckdb", metavar="FILE", help="a DuckDB database file (opened read-only; no Airflow needed)"
+    )
+    where.add_argument("--conn-id", help="an Airflow warehouse connection id (any common-sql hook)")
+    parser.add_argument(
+        "--table", default=DEMO_RESULTS_TABLE, help=f"the results table (default {DEMO_RESULTS_TABLE})"
+    )
+    parser.add_argument("--rows", type=int, default=5, help="how many rows to show (default 5)")
+    parser.set_defaults(func=run_summary)
+
+
+def run_summary(args: argparse.Namespace) -> int:
+    """Print the summary of a results table; exit 1 with one line when it cannot be read."""
+    hook = DuckDBFile(args.duckdb) if args.duckdb else None
+    source = args.duckdb or f"connection {args.conn_id!r}"
+    try:
+        summary = results_summary(args.conn_id, args.table, sample=args.rows, hook=hook)
+    except OSError as exc:
+        print(f"summary: {exc.filename or source}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"summary: cannot read table {args.table!r} from {source}: {first}", file=sys.stderr)
+        return 1
+    print(format_summary(summary))
     return 0
 
 
@@ -421,9 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     seed.add_argument("--conn-id", required=True, help="warehouse connection id (any common-sql hook)")
     seed.add_argument("--tickets", type=int, default=DEFAULT_TICKETS)
     seed.add_argument("--products", type=int, default=DEFAULT_PRODUCTS)
-    summary = sub.add_parser("summary", help="print a results table: rows per status, tokens, a few rows")
-    summary.add_argument("--conn-id", required=True)
-    summary.add_argument("--table", default=DEMO_RESULTS_TABLE)
+    add_summary_arguments(
+        sub.add_parser("summary", help="print a results table: rows per status, tokens, a few rows")
+    )
     run = sub.add_parser(
         "run", help="the demo: local batch server + DuckDB + example 1 with airflow dags test"
     )
@@ -440,8 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(", ".join(f"{table}: {n} rows" for table, n in counts.items()))
         return 0
     if args.command == "summary":
-        print(format_summary(results_summary(args.conn_id, args.table)))
-        return 0
+        return run_summary(args)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="airflow-batch-demo-"))
     # A directory the user named is always kept; a temporary one only with --keep.
     keep = bool(args.keep or args.workdir)

@@ -1,4 +1,8 @@
-"""One exception class per failure mode, all rooted in AirflowException.
+"""One exception class per failure mode, all rooted in :class:`BatchProviderError`.
+
+The root is a plain ``Exception``, not ``AirflowException``: Airflow 3 fails a task on any
+exception, and importing ``airflow.exceptions`` would load Airflow (and run its settings) in the
+CLI, the local server and the data modules, which must start without it.
 
 Exception text never contains secrets: API-facing errors carry the status code,
 the vendor request id and a truncated body, never request headers.
@@ -8,12 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from airflow.exceptions import AirflowException
-
 _BODY_PREVIEW = 2000
 
 
-class BatchProviderError(AirflowException):
+class BatchProviderError(Exception):
     """Base class of every error raised by this provider."""
 
 
@@ -52,8 +54,7 @@ class BatchApiError(BatchProviderError):
         retry_after: float | None = None,
     ) -> None:
         self.retry_after = retry_after
-        # AirflowException declares status_code as an HTTPStatus for its REST API; ours is the vendor's.
-        self.status_code = status_code  # type: ignore[assignment]
+        self.status_code = status_code
         self.request_id = request_id
         self.body = body
         parts = [message]

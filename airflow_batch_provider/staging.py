@@ -81,16 +81,32 @@ def mkdirs(path: ObjectStoragePath) -> None:
             path.mkdir(parents=True, exist_ok=True)
 
 
+def _plain_local(path: Any) -> str | None:
+    """The absolute OS path when ``path`` is a plain ``str``/``PathLike`` without a scheme, else None.
+
+    Such paths are served without building an ``ObjectStoragePath``, so the CLI never loads Airflow.
+    """
+    if isinstance(path, str) or (isinstance(path, os.PathLike) and not hasattr(path, "protocol")):
+        text = os.fspath(path)
+        if isinstance(text, str) and "://" not in text:
+            return os.path.abspath(os.path.expanduser(text))
+    return None
+
+
 @contextlib.contextmanager
-def atomic_writer(path: ObjectStoragePath, buffering: int = 1 << 20) -> Iterator[IO[bytes]]:
+def atomic_writer(path: ObjectStoragePath | str, buffering: int = 1 << 20) -> Iterator[IO[bytes]]:
     """Open ``path`` for binary writing so readers see the old content or the complete new one.
 
-    Local files are written to a temporary file in the same directory, flushed to disk and
-    renamed over the target. Object stores publish an object only when its upload is closed,
+    Local files (an ``ObjectStoragePath`` or a plain OS path) are written to a temporary file in
+    the same directory, flushed to disk and renamed over the target, keeping the permission
+    bits of the file replaced. Object stores publish an object only when its upload is closed,
     so there the object is written directly and the upload is discarded on error.
     """
-    if is_local(path):
-        target = local_path(path)
+    plain = _plain_local(path)
+    store = None if plain is not None else resolve_path(path)
+    if store is None or is_local(store):
+        target = plain if store is None else local_path(store)
+        assert target is not None
         directory = os.path.dirname(target) or "."
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
@@ -99,13 +115,15 @@ def atomic_writer(path: ObjectStoragePath, buffering: int = 1 << 20) -> Iterator
                 yield handle
                 handle.flush()
                 os.fsync(handle.fileno())
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(tmp, os.stat(target).st_mode & 0o7777)
             os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
         return
-    handle = path.open("wb")
+    handle = store.open("wb")
     try:
         yield handle
     except BaseException:
@@ -115,13 +133,17 @@ def atomic_writer(path: ObjectStoragePath, buffering: int = 1 << 20) -> Iterator
             with contextlib.suppress(Exception):
                 discard()
         with contextlib.suppress(Exception):
-            path.unlink()
+            store.unlink()
         raise
     handle.close()
 
 
-def open_read(path: ObjectStoragePath) -> IO[bytes]:
-    """Open a staged file for binary streaming reads."""
+def open_read(path: ObjectStoragePath | str) -> IO[bytes]:
+    """Open a staged file (or a plain local OS path) for binary streaming reads."""
+    plain = _plain_local(path)
+    if plain is not None:
+        return open(plain, "rb", buffering=1 << 20)
+    path = resolve_path(path)
     if is_local(path):
         return open(local_path(path), "rb", buffering=1 << 20)
     handle: IO[bytes] = path.open("rb")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,8 +69,6 @@ def test_validate_limits_endpoint_and_dialect(tmp_path: Path, capsys: pytest.Cap
     out = capsys.readouterr().out
     assert out.count("[line_too_large]") == 2 and "5 problem(s) (3 not shown)" in out
     assert main(["validate", str(f), "--dialect", "xai"]) == 0
-    with pytest.raises(Exception, match="unknown dialect"):
-        main(["validate", str(f), "--dialect", "nope"])
 
 
 def test_prepare_sets_model_in_place_and_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -116,3 +115,92 @@ def test_cli_entry_point_runs_as_a_process(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1
     assert "line 2: custom_id 'a' is repeated [duplicate_custom_id]" in proc.stdout
+
+
+def _cli(*args: str, stdin: bytes | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "airflow_batch_provider.cli", *args],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        input=None if stdin is None else stdin.decode(),
+        timeout=120,
+    )
+
+
+def _one_line_error(proc: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def test_unknown_dialect_is_a_usage_error_like_serve(tmp_path: Path) -> None:
+    f = write(tmp_path / "f.jsonl", [line("1")])
+    err = _one_line_error(_cli("validate", str(f), "--dialect", "nope"), 2, "--dialect", "'nope'")
+    for name in ("doubleword", "openai", "xai", "zerogpu"):
+        assert name in err
+    _one_line_error(_cli("serve", "--dialect", "nope"), 2, "--dialect", "'nope'")
+
+
+def test_bad_flag_and_missing_argument_are_usage_errors(tmp_path: Path) -> None:
+    f = write(tmp_path / "f.jsonl", [line("1")])
+    _one_line_error(_cli("validate", str(f), "--no-such-flag"), 2, "--no-such-flag")
+    _one_line_error(_cli("prepare", str(f)), 2, "--model")
+    _one_line_error(_cli("validate", str(f), "--max-lines", "many"), 2, "--max-lines", "'many'")
+    _one_line_error(_cli("frobnicate"), 2, "frobnicate")
+
+
+def test_missing_file_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.jsonl"
+    _one_line_error(_cli("validate", str(missing)), 1, str(missing), "No such file")
+    _one_line_error(_cli("prepare", str(missing), "--model", "m"), 1, str(missing), "No such file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    f = write(tmp_path / "f.jsonl", [line("1")])
+    _one_line_error(_cli("validate", str(f), "--endpoint", "/v1/nope"), 1, "/v1/nope")
+
+
+def test_prepare_failure_names_the_output_it_left_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = write(tmp_path / "in.jsonl", [line("1"), b"[1]"])
+    new = tmp_path / "new.jsonl"
+    assert main(["prepare", str(f), "--model", "m", "--output", str(new)]) == 1
+    out = capsys.readouterr().out
+    assert f"{f}:line 2: not a JSON object" in out
+    assert f"{new} was not created" in out and not new.exists()
+    old = write(tmp_path / "old.jsonl", [line("x")])
+    before = old.read_bytes()
+    assert main(["prepare", str(f), "--model", "m", "--output", str(old)]) == 1
+    assert f"{old} was not changed" in capsys.readouterr().out
+    assert old.read_bytes() == before
+
+
+def test_prepare_from_stdin_writes_stdout(tmp_path: Path) -> None:
+    stdin = line("1") + b"\n" + line("2") + b"\n"
+    proc = _cli("prepare", "-", "--model", "m9", stdin=stdin, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = [orjson.loads(x) for x in proc.stdout.splitlines()]
+    assert [r["body"]["model"] for r in rows] == ["m9", "m9"]
+    assert "set model 'm9' on 2 line(s)" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_prepare_keeps_the_mode_of_the_file_it_replaces(tmp_path: Path) -> None:
+    from airflow_batch_provider import staging
+
+    f = write(tmp_path / "in.jsonl", [line("1")])
+    f.chmod(0o640)
+    assert main(["prepare", str(f), "--model", "m"]) == 0
+    assert f.stat().st_mode & 0o777 == 0o640
+    # The CLI writes through the staging module's one atomic writer, which takes a plain path.
+    target = tmp_path / "plain.txt"
+    target.write_bytes(b"old")
+    target.chmod(0o604)
+    with staging.atomic_writer(str(target)) as handle:
+        handle.write(b"new")
+    assert target.read_bytes() == b"new" and target.stat().st_mode & 0o777 == 0o604

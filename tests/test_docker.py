@@ -36,7 +36,7 @@ def _compose_binary() -> str:
     found = shutil.which("docker-compose")
     if found:
         return found
-    message = "docker-compose (Debian package docker-compose) is not installed; scripts/bootstrap installs it"
+    message = "docker-compose (Debian package docker-compose) is not installed; .ci/run installs it"
     if os.environ.get("CI"):
         pytest.fail(message)
     pytest.skip(message)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-# Spelled out rather than read from the dialect registry: this module is imported while Airflow
-# discovers providers, before airflow.exceptions (which the dialects import) can load.
-# tests/test_provider.py keeps it equal to the registry.
-DIALECT_NAMES = ("doubleword", "openai", "xai", "zerogpu")
+from airflow_batch_provider.dialects import DIALECTS
+
+# The dialect registry does not load Airflow, so the form reads it while providers are discovered.
+DIALECT_NAMES = tuple(sorted(DIALECTS))
 
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_RETRIES = 3

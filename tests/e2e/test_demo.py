@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +65,8 @@ def test_demo_command_runs_example_1_and_prints_the_summary(tmp_path: Path) -> N
     assert "scripts/bootstrap" in script and "airflow_batch_provider.demo run" in script
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "BATCH_"))}
     proc = subprocess.run(
-        [sys.executable, "-m", "airflow_batch_provider.demo", "run", "--tickets", "60"],
+        [sys.executable, "-m", "airflow_batch_provider.demo", "run", "--tickets", "60"]
+        + ["--workdir", str(tmp_path / "demo")],
         env={**env, "PYTHONPATH": str(ROOT)},
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -82,3 +84,18 @@ def test_demo_command_runs_example_1_and_prints_the_summary(tmp_path: Path) -> N
     tokens = re.search(r"Tokens: prompt (\d+), completion (\d+), total (\d+)", out)
     assert tokens and int(tokens.group(3)) == int(tokens.group(1)) + int(tokens.group(2)) > 0
     assert "ticket_id=1 | status=succeeded | category=" in out
+    # The demo ends with the command that shows the results again; it works as printed.
+    command = out.rstrip().splitlines()
+    shown = [line.strip() for line in command if " summary --duckdb " in line]
+    assert shown and str(tmp_path / "demo" / "warehouse.duckdb") in shown[-1], out[-2000:]
+    again = subprocess.run(
+        shlex.split(shown[-1]),
+        env={**env, "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Results table ticket_triage: 60 row(s)" in again.stdout

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ async def test_pipeline_survives_control_plane_faults(
     pipeline: Pipeline,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
+    figures: Any,
     dialect: str,
 ) -> None:
     # Validating and finalizing last ~2 s each (ZeroGPU validates at create; xAI has no
@@ -62,11 +62,7 @@ async def test_pipeline_survives_control_plane_faults(
     errors = counts["429"] + counts["500"] + counts["503"]
     # The task loggers write to stdout: count the creates the hook had to disambiguate.
     ambiguous = capsys.readouterr().out.count("create failed ambiguously")
-    with capsys.disabled():
-        print(
-            f"\n[reliability] {dialect}: control-plane faults injected and survived: {json.dumps(counts)}, "
-            f"ambiguous creates resolved: {ambiguous}"
-        )
+    figures(f"control-plane faults survived ({dialect})", **counts, ambiguous_creates=ambiguous)
     assert record.submit_error is None, record.submit_error
     assert record.event is not None and record.event["status"] == "success", record.event
     # The faults really happened, at the advertised rate, and the downloads really dropped.
@@ -94,7 +90,7 @@ def test_airflow_dag_with_mapped_shards_survives_faults(
     monkeypatch: pytest.MonkeyPatch,
     airflow_dags_test: Any,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    figures: Any,
 ) -> None:
     """The same claim through real Airflow: ``airflow dags test`` runs every task, the mapped
     submits defer and their triggers run from the serialised kwargs."""
@@ -108,8 +104,7 @@ def test_airflow_dag_with_mapped_shards_survives_faults(
     )
     counts = fault_counts(server.stats())
     server.set_faults(rate_429=0, rate_500=0, rate_503=0, drop_rate=0)
-    with capsys.disabled():
-        print(f"\n[reliability] airflow dags test, 4 mapped shards, faults survived: {json.dumps(counts)}")
+    figures("control-plane faults survived (airflow dags test, 4 mapped shards)", **counts)
     assert result.ok, result.tail()
     assert counts["429"] + counts["500"] + counts["503"] >= 0.30 * counts["requests"], counts
     assert counts["dropped_downloads"] >= 1, counts

@@ -30,7 +30,7 @@ ROWS_PER_RUN = 25
 
 
 async def test_twenty_concurrent_runs_account_for_every_row(
-    batch_server: Any, pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    batch_server: Any, pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch, figures: Any
 ) -> None:
     server = batch_server(dialect="openai", faults={"rate_429": 0.05, "retry_after": 0.05})
     monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
@@ -87,12 +87,13 @@ async def test_twenty_concurrent_runs_account_for_every_row(
     finally:
         pool.shutdown(wait=True)
     stats = server.stats()["counters"]
-    with capsys.disabled():
-        print(
-            f"\n[reliability] load: {RUNS} concurrent runs, {len(rows)} rows, "
-            f"{stats.get('batches_created')} batches, {stats.get('requests')} API calls, "
-            f"{stats.get('status_429', 0)} x 429 survived"
-        )
+    figures(
+        f"load ({RUNS} concurrent runs)",
+        rows=len(rows),
+        batches=stats.get("batches_created"),
+        requests=stats.get("requests"),
+        survived_429=stats.get("status_429", 0),
+    )
     assert [o["event"] for o in outcomes] == ["success"] * RUNS, outcomes
     assert [o["succeeded"] for o in outcomes] == [ROWS_PER_RUN] * RUNS, outcomes
     assert sum(o["batches"] for o in outcomes) == 2 * RUNS

@@ -1,0 +1,73 @@
+"""Under CI (``CI=true``) a missing database fails the test with a clear message; elsewhere it skips.
+
+A small test module using the real warehouse fixtures runs in a child pytest whose PostgreSQL
+and MySQL ports point at a port nothing listens on.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_PROBE = """
+def test_pg(pg_warehouse):
+    pass
+
+
+def test_mysql(mysql_warehouse):
+    pass
+"""
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _child_pytest(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "test_probe.py").write_text(_PROBE)
+    port = str(_closed_port())
+    env = {k: v for k, v in os.environ.items() if k != "CI" and not k.startswith("PYTEST")}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        BATCH_TEST_PG_PORT=port,
+        BATCH_TEST_MYSQL_PORT=port,
+        AIRFLOW_HOME=str(tmp_path / "airflow-home"),
+    )
+    if ci is not None:
+        env["CI"] = ci
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+        + ["-p", "tests.fixtures.warehouse", "test_probe.py"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("ci", ["true", "1"])
+def test_missing_databases_fail_under_ci(tmp_path: Path, ci: str) -> None:
+    proc = _child_pytest(tmp_path, ci)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "2 errors" in out or "2 failed" in out, out[-3000:]
+    assert "PostgreSQL at 127.0.0.1:" in out and "MySQL at 127.0.0.1:" in out
+    assert out.count("under CI=true a missing database is a failure, not a skip") >= 2, out[-3000:]
+    assert "skipped" not in out
+
+
+def test_missing_databases_skip_outside_ci(tmp_path: Path) -> None:
+    proc = _child_pytest(tmp_path, None)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "2 skipped" in out and "is not reachable" in out
