@@ -14,14 +14,16 @@ import os
 import re
 import struct
 import time
-from collections.abc import Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import orjson
 
 from airflow_batch_provider.server.config import ServerConfig
 
+_T = TypeVar("_T")
 _WORD = re.compile(r"\S+")
 _RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 
@@ -88,14 +90,23 @@ class EchoBackend:
 
     def __init__(self, embedding_dim: int = 16) -> None:
         self.embedding_dim = embedding_dim
+        # Two workers: CPU-bound threads compete with the event loop for the GIL, so fewer of
+        # them keep its answers quick (a request waits for a free worker, not the loop).
+        self._pool: ThreadPoolExecutor | None = None
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run CPU work of the echo model (an answer, a batch chunk) off the event loop."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="echo")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def call(self, url: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
-        # Generating an answer is CPU work (bounded by the ECHO_MAX_* limits): a worker thread
-        # keeps the event loop free for every other request meanwhile.
-        return await asyncio.to_thread(self.answer, url, body)
+        # Generating an answer is CPU work (bounded by the ECHO_MAX_* limits).
+        return await self.run(self.answer, url, body)
 
     async def aclose(self) -> None:
-        return None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def answer(self, url: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
         """Synchronous core (the batch engine calls it directly, in a loop, for speed)."""

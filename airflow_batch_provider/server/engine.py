@@ -354,7 +354,8 @@ class Engine:
                 if echo:
                     # The echo model is CPU work: a whole chunk (read, answer, write) runs in a
                     # worker thread so the event loop keeps serving requests meanwhile.
-                    lines = await asyncio.to_thread(self._echo_chunk, rec, src, out, err)
+                    assert isinstance(self.backend, EchoBackend)
+                    lines = await self.backend.run(self._echo_chunk, rec, src, out, err)
                 else:
                     chunk = _read_chunk(src, progress, self.config.chunk_size)
                     if chunk:

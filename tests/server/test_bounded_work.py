@@ -101,6 +101,9 @@ def _heavy_line(i):
     }
 
 
+LINES = 80  # ~5 s of echo work in one chunk of 256 lines
+
+
 def test_health_answers_while_batches_and_requests_are_processing(batch_server):
     """The event loop stays free: /health is measured from a client during heavy work.
 
@@ -117,31 +120,30 @@ def test_health_answers_while_batches_and_requests_are_processing(batch_server):
                 body = {"input": ["x"] * (ECHO_MAX_EMBEDDING_VALUES // 8192), "dimensions": 8192}
                 assert client.post("/v1/embeddings", json=body).status_code == 200
 
-    with httpx.Client(base_url=server.base_url, timeout=60) as client:
-        file_id = upload(client, jsonl(_heavy_line(i) for i in range(50)))
-        batch = create(client, file_id)
-        wait_for(client, batch["id"], {"in_progress", "finalizing", "completed"})
-        workers = [threading.Thread(target=heavy_requests) for _ in range(2)]
-        for worker in workers:
-            worker.start()
+    def poll_health():
+        with httpx.Client(base_url=server.root_url, timeout=60) as health:
+            while not done.is_set():
+                t0 = time.perf_counter()
+                assert health.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.02)
 
-        def poll_health():
-            with httpx.Client(base_url=server.root_url, timeout=60) as health:
-                while not done.is_set():
-                    t0 = time.perf_counter()
-                    assert health.get("/health").status_code == 200
-                    latencies.append(time.perf_counter() - t0)
-                    time.sleep(0.02)
-
-        poller = threading.Thread(target=poll_health)
-        poller.start()
-        finished = wait_for(client, batch["id"], timeout=120)
-        for worker in workers:
-            worker.join()
+    poller = threading.Thread(target=poll_health)
+    poller.start()
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            batch = create(client, upload(client, jsonl(_heavy_line(i) for i in range(LINES))))
+            workers = [threading.Thread(target=heavy_requests) for _ in range(2)]
+            for worker in workers:
+                worker.start()
+            finished = wait_for(client, batch["id"], timeout=120)
+            for worker in workers:
+                worker.join()
+    finally:
         done.set()
         poller.join()
     assert finished["status"] == "completed"
-    assert finished["request_counts"]["completed"] == 50
+    assert finished["request_counts"]["completed"] == LINES
     assert len(latencies) >= 5
     print(f"/health during heavy work: {len(latencies)} probes, max {max(latencies) * 1000:.0f} ms")
     assert max(latencies) < 1.0
