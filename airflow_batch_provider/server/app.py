@@ -226,6 +226,20 @@ def _storage_full(st: ServerState) -> Exception:
     )
 
 
+async def _read_body(st: ServerState, request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 once it passes ``limit`` bytes (never held whole)."""
+    raw = bytearray()
+    stream = request.stream()
+    async for chunk in stream:
+        raw += chunk
+        if len(raw) > limit:
+            await _drain(stream)
+            raise st.wire.error(
+                413, f"Request body is larger than the limit of {limit:,} bytes.", code="request_too_large"
+            )
+    return bytes(raw)
+
+
 async def _drain(stream: AsyncIterator[bytes]) -> None:
     """Read and drop what is left of a refused request body, up to ``_MAX_DRAIN`` bytes."""
     seen = 0
@@ -374,7 +388,7 @@ def _batch_routes(r: APIRouter) -> None:
         st = _state(request)
         wire = st.wire
         try:
-            body = orjson.loads(await request.body())
+            body = orjson.loads(await _read_body(st, request, _MAX_FORM_FIELD))
         except orjson.JSONDecodeError:
             raise wire.error(400, "Request body is not valid JSON.") from None
         created = wire.parse_create(body)
@@ -526,18 +540,7 @@ async def _validate_now(st: ServerState, rec: dict[str, Any], force_fail: bool) 
 def _inference_routes(r: APIRouter) -> None:
     async def serve(request: Request, url: str) -> Response:
         st = _state(request)
-        limit = st.config.limits().max_line_bytes
-        raw = bytearray()
-        stream = request.stream()
-        async for chunk in stream:
-            raw += chunk
-            if len(raw) > limit:
-                await _drain(stream)
-                raise st.wire.error(
-                    413,
-                    f"Request body is larger than the limit of {limit:,} bytes.",
-                    code="request_too_large",
-                )
+        raw = await _read_body(st, request, st.config.limits().max_line_bytes)
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -596,7 +599,7 @@ def _admin_router() -> APIRouter:
     async def set_faults(request: Request) -> Response:
         st = _state(request)
         try:
-            changes = orjson.loads(await request.body() or b"{}")
+            changes = orjson.loads(await _read_body(st, request, _MAX_FORM_FIELD) or b"{}")
             if not isinstance(changes, dict):
                 raise TypeError("the body must be a JSON object of fault settings")
             config = st.faults.update(changes)
@@ -618,7 +621,7 @@ def _admin_router() -> APIRouter:
         if rec is None:
             return ORJSON({"error": {"message": f"no batch {batch_id}"}}, status_code=404)
         try:
-            action = orjson.loads(await request.body() or b"{}").get("action")
+            action = orjson.loads(await _read_body(st, request, _MAX_FORM_FIELD) or b"{}").get("action")
         except (orjson.JSONDecodeError, AttributeError):
             action = None
         if rec["status"] in TERMINAL:

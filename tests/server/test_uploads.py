@@ -92,3 +92,36 @@ def test_crash_leftovers_are_removed_at_start_up(batch_server, tmp_path):
     assert _leftovers(server) == ["file-kept"]
     with httpx.Client(base_url=server.base_url, timeout=10) as client:
         assert client.get("/files/file-kept/content").content == b"{}\n"
+
+
+def test_request_bodies_are_bounded(batch_server):
+    server = batch_server(max_line_bytes=10_000)
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        sync = client.post("/chat/completions", json={**chat_line(0)["body"], "pad": "x" * 20_000})
+        ok = client.post("/chat/completions", json={**chat_line(0)["body"], "pad": "x" * 5_000})
+        created = client.post(
+            "/batches",
+            json={
+                "input_file_id": "file-x",
+                "endpoint": "/v1/chat/completions",
+                "metadata": {"k": "v" * 10**6},
+            },
+        )
+        admin = httpx.post(f"{server.root_url}/admin/faults", json={"retry_after": 1, "pad": "x" * 10**6})
+    assert sync.status_code == 413
+    assert sync.json()["error"]["code"] == "request_too_large"
+    assert ok.status_code == 200
+    assert created.status_code == 413
+    assert admin.status_code == 413
+
+
+def test_a_file_over_a_limit_lowered_after_its_upload_fails_validation(batch_server, tmp_path):
+    first = batch_server(data_dir=tmp_path)
+    with httpx.Client(base_url=first.base_url, timeout=10) as client:
+        file_id = upload(client, jsonl(chat_line(i) for i in range(20)))
+    first.stop()
+    server = batch_server(data_dir=tmp_path, max_file_bytes=1000)
+    with httpx.Client(base_url=server.base_url, timeout=10) as client:
+        done = wait_for(client, create(client, file_id)["id"])
+    assert done["status"] == "failed"
+    assert [e["code"] for e in done["errors"]["data"]] == ["file_too_large"]
