@@ -7,65 +7,29 @@ must finish the batch as ``completed`` with every line in its output or error fi
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections import Counter
 
 import httpx
 import pytest
 
+from airflow_batch_provider.server.config import ServerConfig
 from airflow_batch_provider.server.engine import CRASH_ENV, CRASH_STEPS
+from tests.fixtures.server import SubprocessServer
 from tests.server.helpers import chat_line, create, jsonl, read_lines, upload, wait_for
 
 LINES = 20
 FAULTS = {"line_failure_rate": 0.3}  # some lines fail, so both files are published
 
-_SERVE = """
-import sys, time
-from pathlib import Path
-from airflow_batch_provider.server.background import BackgroundServer
-from airflow_batch_provider.server.config import ServerConfig
-
-FAULTS = {"line_failure_rate": 0.3}
-config = ServerConfig(port=0, data_dir=Path(sys.argv[1]), time_scale=0.001, faults=FAULTS)
-print(BackgroundServer(config).start().base_url, flush=True)
-time.sleep(120)
-"""
-
-
-def _crashing_server(data_dir, step):
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), CRASH_ENV: step}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SERVE, str(data_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    assert proc.stdout is not None
-    url = ""
-    for _ in range(50):
-        url = proc.stdout.readline().strip()
-        if url.startswith("http://") or not url:
-            break
-    assert url.startswith("http://"), url
-    return proc, url
-
 
 @pytest.mark.parametrize("step", ["publish_output_moved"])
 def test_restart_after_the_process_dies_while_publishing(batch_server, tmp_path, step):
-    proc, url = _crashing_server(tmp_path, step)
-    try:
-        with httpx.Client(base_url=url, timeout=10) as client:
+    config = ServerConfig(port=0, data_dir=tmp_path, time_scale=0.001, faults=FAULTS)
+    with SubprocessServer(config, env={CRASH_ENV: step}) as proc:
+        with httpx.Client(base_url=proc.base_url, timeout=10) as client:
             file_id = upload(client, jsonl(chat_line(i) for i in range(LINES)))
             batch_id = create(client, file_id)["id"]
-        assert proc.wait(timeout=60) == 86, "the server did not crash at the step"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert proc.proc.wait(timeout=60) == 86, "the server did not crash at the step"
     _check_recovery(batch_server(data_dir=tmp_path, faults=FAULTS), tmp_path, file_id, batch_id)
 
 
