@@ -8,11 +8,13 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from typing import Any, cast
+from urllib.parse import quote
 
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from python_multipart.multipart import MultipartParser, parse_options_header
+from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
+from starlette.exceptions import HTTPException
 
 from airflow_batch_provider.server.backends import make_backend
 from airflow_batch_provider.server.config import BATCH_FAULTS, REQUEST_FAULTS, ServerConfig
@@ -27,6 +29,9 @@ log = logging.getLogger(__name__)
 FAULT_HEADER = "x-batch-fault"
 _DOWNLOAD_CHUNK = 1 << 16
 _MAX_FORM_FIELD = 1 << 16
+# After refusing an oversized body, read (and discard) at most this much more of it so the
+# client, still sending, gets the error answer instead of a reset connection.
+_MAX_DRAIN = 64 << 20
 
 
 class ORJSON(JSONResponse):
@@ -53,10 +58,11 @@ def _state(request: Request) -> ServerState:
 
 
 async def _guard(request: Request) -> None:
-    """Faults first (as a gateway in front of the API would answer), then authentication."""
+    """Authentication first, then faults: without the key nobody can trigger or observe a fault."""
     st = _state(request)
     faults = st.faults
     faults.count("requests")
+    st.wire.check_auth(request.headers, st.config.api_key)
     forced = request.headers.get(FAULT_HEADER, "").strip().lower()
     if forced and forced not in REQUEST_FAULTS and forced not in BATCH_FAULTS:
         raise st.wire.error(
@@ -73,7 +79,6 @@ async def _guard(request: Request) -> None:
                 raise st.wire.rate_limited(cfg.retry_after)
             raise st.wire.server_error(status, cfg.retry_after)
     request.state.fault = forced
-    st.wire.check_auth(request.headers, st.config.api_key)
 
 
 def create_app(config: ServerConfig) -> FastAPI:
@@ -98,6 +103,22 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
         return ORJSON(exc.body, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        # Unknown paths and wrong methods answer in the vendor's error shape too.
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        err = _state(request).wire.error(exc.status_code, str(exc.detail), code=code)
+        return ORJSON(err.body, status_code=err.status, headers={**err.headers, **(exc.headers or {})})
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        # A bug still answers JSON in the vendor's shape (the traceback goes to the log only).
+        log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+        err = _state(request).wire.error(
+            500, f"The local batch server failed ({type(exc).__name__}).", type_="server_error"
+        )
+        return ORJSON(err.body, status_code=err.status)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_guard)])
     _files_routes(v1)
@@ -178,6 +199,57 @@ class _UploadSink:
             self._fh.close()
 
 
+def _content_disposition(filename: str) -> str:
+    """RFC 6266: a plain-ASCII ``filename`` for old clients, the exact name in ``filename*``."""
+    fallback = "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in filename) or "download"
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(filename, safe='')}"
+
+
+def _storage_room(st: ServerState) -> int | None:
+    """Bytes left under ``max_storage_bytes`` (None without a cap); a full store is a 507."""
+    cap = st.config.max_storage_bytes
+    if cap is None:
+        return None
+    room = cap - st.store.usage()
+    if room <= 0:
+        raise _storage_full(st)
+    return room
+
+
+def _storage_full(st: ServerState) -> Exception:
+    return st.wire.error(
+        507,
+        f"The server's storage is full (limit {st.config.max_storage_bytes:,} bytes); "
+        "delete files to make room.",
+        type_="server_error",
+        code="insufficient_storage",
+    )
+
+
+async def _read_body(st: ServerState, request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 once it passes ``limit`` bytes (never held whole)."""
+    raw = bytearray()
+    stream = request.stream()
+    async for chunk in stream:
+        raw += chunk
+        if len(raw) > limit:
+            await _drain(stream)
+            raise st.wire.error(
+                413, f"Request body is larger than the limit of {limit:,} bytes.", code="request_too_large"
+            )
+    return bytes(raw)
+
+
+async def _drain(stream: AsyncIterator[bytes]) -> None:
+    """Read and drop what is left of a refused request body, up to ``_MAX_DRAIN`` bytes."""
+    seen = 0
+    with contextlib.suppress(Exception):
+        async for chunk in stream:
+            seen += len(chunk)
+            if seen > _MAX_DRAIN:
+                break
+
+
 def _files_routes(r: APIRouter) -> None:
     @r.post("/files")
     async def upload(request: Request) -> dict[str, Any]:
@@ -187,19 +259,44 @@ def _files_routes(r: APIRouter) -> None:
         boundary = params.get(b"boundary")
         if ctype != b"multipart/form-data" or not boundary:
             raise wire.error(400, "Upload must be multipart/form-data with a 'file' part.", param="file")
+        limit = st.config.limits().max_file_bytes
+        room = _storage_room(st)
+        allowed = limit if room is None else min(limit, room)
         file_id = st.store.new_id("file-", wire.id_style)
         temp = st.store.temp_path(file_id)
         sink = _UploadSink(temp)
         parser = MultipartParser(boundary, cast(Any, sink.callbacks()))
+        stream = request.stream()
         try:
-            async for chunk in request.stream():
+            async for chunk in stream:
                 parser.write(chunk)
-            parser.finalize()
+                if sink.size > allowed:
+                    break
+            else:
+                parser.finalize()
         except Exception as exc:
             sink.close()
             temp.unlink(missing_ok=True)
             raise wire.error(400, f"Could not read the multipart body: {exc}", param="file") from None
         sink.close()
+        if sink.size > allowed:
+            temp.unlink(missing_ok=True)
+            await _drain(stream)
+            if sink.size > limit:
+                raise wire.error(
+                    413,
+                    f"File is larger than the limit of {limit:,} bytes.",
+                    code="file_too_large",
+                    param="file",
+                )
+            raise _storage_full(st)
+        if parser.state != MultipartState.END:
+            temp.unlink(missing_ok=True)
+            raise wire.error(
+                400,
+                "The multipart body ends before its closing boundary: the upload is incomplete.",
+                param="file",
+            )
         if sink.error or sink.filename is None:
             temp.unlink(missing_ok=True)
             raise wire.error(400, sink.error or "Missing required parameter: 'file'.", param="file")
@@ -244,9 +341,9 @@ def _files_routes(r: APIRouter) -> None:
     async def content(file_id: str, request: Request) -> Response:
         st = _state(request)
         rec = st.store.get_file(file_id)
-        path = st.store.file_path(file_id)
-        if rec is None or not path.exists():
+        if rec is None or not st.store.file_path(file_id).exists():
             raise st.wire.not_found("file", file_id)
+        path = st.store.file_path(file_id)
         size = path.stat().st_size
         drop = request.state.fault == "drop" or (
             not request.state.fault and st.faults.fires("drop", st.faults.config.drop_rate)
@@ -272,7 +369,7 @@ def _files_routes(r: APIRouter) -> None:
             media_type="application/octet-stream",
             headers={
                 "Content-Length": str(size),
-                "Content-Disposition": f'attachment; filename="{rec["filename"]}"',
+                "Content-Disposition": _content_disposition(rec["filename"]),
             },
         )
 
@@ -291,10 +388,11 @@ def _batch_routes(r: APIRouter) -> None:
         st = _state(request)
         wire = st.wire
         try:
-            body = orjson.loads(await request.body())
+            body = orjson.loads(await _read_body(st, request, _MAX_FORM_FIELD))
         except orjson.JSONDecodeError:
             raise wire.error(400, "Request body is not valid JSON.") from None
         created = wire.parse_create(body)
+        _storage_room(st)  # a batch writes output files: refused up front when storage is full
         file_rec = st.store.get_file(created["input_file_id"])
         if file_rec is None:
             raise wire.not_found("file", created["input_file_id"])
@@ -382,7 +480,16 @@ def _batch_routes(r: APIRouter) -> None:
             except ValueError as exc:
                 raise wire.error(400, str(exc), param="pagination_token") from None
             return ORJSON(page)
-        data = await asyncio.to_thread(st.dw_results.page, rec, skip, limit)
+        try:
+            data = await asyncio.to_thread(st.dw_results.page, rec, skip, limit)
+        except FileNotFoundError:
+            raise wire.error(
+                404,
+                f"The input file {rec['input_file_id']} of batch {batch_id} was deleted, so its results "
+                "cannot be paired with their requests; download output_file_id and error_file_id instead.",
+                code="not_found",
+                param="input_file_id",
+            ) from None
         return Response(data, media_type="application/x-ndjson")
 
 
@@ -402,6 +509,8 @@ def _cancel(st: ServerState, batch_id: str) -> dict[str, Any]:
             code="invalid_state",
             param="batch_id",
         )
+    # A finalizing batch has every answer it will get and ends as it is: cancel leaves it alone
+    # and says so by answering its real status rather than a "cancelling" it would never honour.
     st.engine.cancel(rec)
     return st.wire.render_batch(rec)
 
@@ -431,8 +540,9 @@ async def _validate_now(st: ServerState, rec: dict[str, Any], force_fail: bool) 
 def _inference_routes(r: APIRouter) -> None:
     async def serve(request: Request, url: str) -> Response:
         st = _state(request)
+        raw = await _read_body(st, request, st.config.limits().max_line_bytes)
         try:
-            body = orjson.loads(await request.body())
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError:
             raise st.wire.error(400, "Request body is not valid JSON.") from None
         if not isinstance(body, dict):
@@ -443,7 +553,9 @@ def _inference_routes(r: APIRouter) -> None:
             )
         status, answer = await st.backend.call(url, body)
         st.faults.count("inference_calls")
-        return ORJSON(answer, status_code=status)
+        # An answer can be megabytes of JSON (embeddings): serialised off the event loop too.
+        content = await asyncio.to_thread(orjson.dumps, answer)
+        return Response(content, status_code=status, media_type="application/json")
 
     for path in ("/chat/completions", "/embeddings", "/completions", "/responses", "/moderations"):
         r.add_api_route(path, _bind(serve, "/v1" + path), methods=["POST"])
@@ -458,8 +570,26 @@ def _bind(serve: Any, url: str) -> Any:
 
 
 # ---- admin -------------------------------------------------------------------------------
+async def _admin_guard(request: Request) -> None:
+    """The API key (when one is set) guards /admin too; changes must come as JSON.
+
+    Requiring ``application/json`` on POST keeps a web page from reconfiguring the server
+    with a "simple" cross-site request (``text/plain`` or a form needs no CORS preflight).
+    """
+    st = _state(request)
+    st.wire.check_auth(request.headers, st.config.api_key)
+    if request.method == "POST":
+        ctype, _ = parse_options_header(request.headers.get("content-type", ""))
+        if ctype != b"application/json":
+            raise st.wire.error(
+                415,
+                f"/admin accepts only Content-Type application/json, not {ctype.decode('latin-1')!r}.",
+                code="unsupported_media_type",
+            )
+
+
 def _admin_router() -> APIRouter:
-    r = APIRouter(prefix="/admin")
+    r = APIRouter(prefix="/admin", dependencies=[Depends(_admin_guard)])
 
     @r.get("/faults")
     async def get_faults(request: Request) -> dict[str, Any]:
@@ -469,7 +599,9 @@ def _admin_router() -> APIRouter:
     async def set_faults(request: Request) -> Response:
         st = _state(request)
         try:
-            changes = orjson.loads(await request.body() or b"{}")
+            changes = orjson.loads(await _read_body(st, request, _MAX_FORM_FIELD) or b"{}")
+            if not isinstance(changes, dict):
+                raise TypeError("the body must be a JSON object of fault settings")
             config = st.faults.update(changes)
         except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
             return ORJSON({"error": {"message": f"bad fault settings: {exc}"}}, status_code=400)
@@ -489,7 +621,7 @@ def _admin_router() -> APIRouter:
         if rec is None:
             return ORJSON({"error": {"message": f"no batch {batch_id}"}}, status_code=404)
         try:
-            action = orjson.loads(await request.body() or b"{}").get("action")
+            action = orjson.loads(await _read_body(st, request, _MAX_FORM_FIELD) or b"{}").get("action")
         except (orjson.JSONDecodeError, AttributeError):
             action = None
         if rec["status"] in TERMINAL:

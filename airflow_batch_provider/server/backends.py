@@ -9,20 +9,31 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import math
 import os
 import re
 import struct
 import time
-from collections.abc import Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import orjson
 
 from airflow_batch_provider.server.config import ServerConfig
 
+_T = TypeVar("_T")
 _WORD = re.compile(r"\S+")
 _RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
+
+# What one echo answer may generate (a clear 400, or an error line in a batch, beyond these):
+# a small request must not be able to cost seconds of CPU or megabytes of answer.
+ECHO_MAX_N = 128  # choices of one chat completion
+ECHO_MAX_OUTPUT_CHARS = 4_000_000  # characters of generated text in one answer (all choices)
+ECHO_MAX_SCHEMA_VALUES = 10_000  # JSON values (objects, array items, scalars) of one structured answer
+ECHO_MAX_EMBEDDING_INPUTS = 2_048  # inputs of one embeddings request
+ECHO_MAX_EMBEDDING_VALUES = 524_288  # inputs x dimensions of one embeddings request
 
 
 class Backend(Protocol):
@@ -79,12 +90,23 @@ class EchoBackend:
 
     def __init__(self, embedding_dim: int = 16) -> None:
         self.embedding_dim = embedding_dim
+        # Two workers: CPU-bound threads compete with the event loop for the GIL, so fewer of
+        # them keep its answers quick (a request waits for a free worker, not the loop).
+        self._pool: ThreadPoolExecutor | None = None
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run CPU work of the echo model (an answer, a batch chunk) off the event loop."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="echo")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def call(self, url: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
-        return self.answer(url, body)
+        # Generating an answer is CPU work (bounded by the ECHO_MAX_* limits).
+        return await self.run(self.answer, url, body)
 
     async def aclose(self) -> None:
-        return None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def answer(self, url: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
         """Synchronous core (the batch engine calls it directly, in a loop, for speed)."""
@@ -107,6 +129,10 @@ class EchoBackend:
             return 200, handler(body, f"echo:{model or 'default'}")
         except _BadRequest as exc:
             return 400, error_body(str(exc), param=exc.param)
+        except (ValueError, TypeError, AttributeError, KeyError, OverflowError, RecursionError) as exc:
+            # A request the echo model cannot make sense of (say a schema with "minimum": "abc")
+            # is the caller's mistake, answered like any other bad request.
+            return 400, error_body(f"the echo backend cannot answer this request: {exc}")
 
     # ---- endpoints --------------------------------------------------------------------
     def _chat(self, body: Mapping[str, Any], model: str) -> dict[str, Any]:
@@ -123,10 +149,18 @@ class EchoBackend:
             if message.get("role") == "user":
                 last_user = text
         prompt = " ".join(prompt_parts)
-        content, finish = self._reply(last_user or prompt, body)
         n = body.get("n") or 1
-        if not isinstance(n, int) or n < 1:
-            raise _BadRequest("n must be a positive integer", "n")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= ECHO_MAX_N:
+            raise _BadRequest(
+                f"n must be an integer between 1 and {ECHO_MAX_N} (the echo backend's limit)", "n"
+            )
+        content, finish = self._reply(last_user or prompt, body)
+        if len(content) * n > ECHO_MAX_OUTPUT_CHARS:
+            raise _BadRequest(
+                f"n={n} choices of {len(content):,} characters exceed the echo backend's limit "
+                f"of {ECHO_MAX_OUTPUT_CHARS:,} generated characters",
+                "n",
+            )
         completion_tokens = count_tokens(content) * n
         prompt_tokens = count_tokens(prompt)
         return {
@@ -220,6 +254,17 @@ class EchoBackend:
         dim = body["dimensions"] if body.get("dimensions") is not None else self.embedding_dim
         if not isinstance(dim, int) or not 1 <= dim <= 8192:
             raise _BadRequest("dimensions must be an integer between 1 and 8192", "dimensions")
+        if len(inputs) > ECHO_MAX_EMBEDDING_INPUTS:
+            raise _BadRequest(
+                f"{len(inputs):,} inputs exceed the echo backend's limit of {ECHO_MAX_EMBEDDING_INPUTS:,}",
+                "input",
+            )
+        if len(inputs) * dim > ECHO_MAX_EMBEDDING_VALUES:
+            raise _BadRequest(
+                f"{len(inputs):,} inputs x {dim:,} dimensions exceed the echo backend's limit of "
+                f"{ECHO_MAX_EMBEDDING_VALUES:,} values per request",
+                "dimensions",
+            )
         as_base64 = body.get("encoding_format") == "base64"
         data = []
         tokens = 0
@@ -241,7 +286,9 @@ class EchoBackend:
         if isinstance(fmt, Mapping) and fmt.get("type") == "json_schema":
             spec = fmt.get("json_schema") if "json_schema" in fmt else fmt
             schema = spec.get("schema") if isinstance(spec, Mapping) else None
-            value = schema_value(schema if isinstance(schema, Mapping) else {}, text, "", schema)
+            value = schema_value(
+                schema if isinstance(schema, Mapping) else {}, text, "", schema, budget=_Budget()
+            )
             return orjson.dumps(value).decode(), "stop"
         if isinstance(fmt, Mapping) and fmt.get("type") == "json_object":
             return orjson.dumps({"echo": text}).decode(), "stop"
@@ -260,6 +307,37 @@ class _BadRequest(ValueError):
         self.param = param
 
 
+class _Budget:
+    """What is left to generate for one structured answer (values and characters)."""
+
+    def __init__(self) -> None:
+        self.values = ECHO_MAX_SCHEMA_VALUES
+        self.chars = ECHO_MAX_OUTPUT_CHARS
+
+    def take(self, values: int, chars: int, path: str) -> None:
+        self.values -= values
+        self.chars -= chars
+        if self.values < 0 or self.chars < 0:
+            raise _BadRequest(
+                f"the JSON schema asks for more than the echo backend generates (at {path or '/'}): "
+                f"at most {ECHO_MAX_SCHEMA_VALUES:,} values and {ECHO_MAX_OUTPUT_CHARS:,} characters",
+                "response_format",
+            )
+
+
+def _schema_number(schema: Mapping[str, Any], key: str, default: float, path: str) -> float:
+    """A numeric keyword of a schema (``minimum``, ``minItems``...), refused when not a finite number."""
+    raw = schema.get(key)
+    if raw is None:
+        return default
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
+        raise _BadRequest(
+            f"JSON schema keyword {key!r} at {path or '/'} must be a finite number, not {raw!r}",
+            "response_format",
+        )
+    return raw
+
+
 def embed(text: str, dim: int) -> list[float]:
     """A deterministic unit vector for ``text`` (same text, same vector, on every machine)."""
     out: list[float] = []
@@ -273,13 +351,23 @@ def embed(text: str, dim: int) -> list[float]:
     return [round(x / norm, 6) for x in out]
 
 
-def schema_value(schema: Mapping[str, Any], text: str, path: str, root: Any, depth: int = 0) -> Any:
+def schema_value(
+    schema: Mapping[str, Any],
+    text: str,
+    path: str,
+    root: Any,
+    depth: int = 0,
+    *,
+    budget: _Budget | None = None,
+) -> Any:
     """A deterministic value satisfying the common JSON Schema keywords of ``schema``.
 
     Objects get their required properties (all of them when none are listed); enums pick a
     member chosen by a hash of the input; strings, numbers and booleans are derived from
-    the input text, so the same request always gets the same structured answer.
+    the input text, so the same request always gets the same structured answer. ``budget``
+    bounds what is generated (a schema that asks for more is a ``_BadRequest``).
     """
+    budget = budget or _Budget()
     if depth > 12:
         return None
     ref = schema.get("$ref")
@@ -287,7 +375,7 @@ def schema_value(schema: Mapping[str, Any], text: str, path: str, root: Any, dep
         target: Any = root
         for part in ref[2:].split("/"):
             target = target.get(part, {}) if isinstance(target, Mapping) else {}
-        return schema_value(target, text, path, root, depth + 1)
+        return schema_value(target, text, path, root, depth + 1, budget=budget)
     seed = int.from_bytes(_digest(text, path)[:4], "big")
     if "const" in schema:
         return schema["const"]
@@ -298,7 +386,7 @@ def schema_value(schema: Mapping[str, Any], text: str, path: str, root: Any, dep
         options = schema.get(key)
         if isinstance(options, list) and options:
             non_null = [o for o in options if isinstance(o, Mapping) and o.get("type") != "null"]
-            return schema_value((non_null or options)[0], text, path, root, depth + 1)
+            return schema_value((non_null or options)[0], text, path, root, depth + 1, budget=budget)
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
@@ -308,30 +396,35 @@ def schema_value(schema: Mapping[str, Any], text: str, path: str, root: Any, dep
         props = schema.get("properties") or {}
         required = schema.get("required")
         names = [n for n in (required if isinstance(required, list) else list(props)) if isinstance(n, str)]
+        budget.take(len(names), 0, path)
         return {
-            name: schema_value(props.get(name) or {}, text, f"{path}/{name}", root, depth + 1)
+            name: schema_value(props.get(name) or {}, text, f"{path}/{name}", root, depth + 1, budget=budget)
             for name in names
         }
     if kind == "array":
         raw_items = schema.get("items")
         items: Mapping[str, Any] = raw_items if isinstance(raw_items, Mapping) else {}
-        count = max(int(schema.get("minItems") or 1), 1)
-        return [schema_value(items, text, f"{path}/{i}", root, depth + 1) for i in range(count)]
+        count = max(int(_schema_number(schema, "minItems", 1, path)), 1)
+        budget.take(count, 0, path)
+        return [
+            schema_value(items, text, f"{path}/{i}", root, depth + 1, budget=budget) for i in range(count)
+        ]
     if kind == "integer":
-        first = int(schema.get("minimum", 0))
-        last = int(schema.get("maximum", first + 100))
+        first = int(_schema_number(schema, "minimum", 0, path))
+        last = int(_schema_number(schema, "maximum", first + 100, path))
         return first + seed % (max(last - first, 0) + 1)
     if kind == "number":
-        low = float(schema.get("minimum", 0.0))
-        high = float(schema.get("maximum", low + 1.0))
+        low = float(_schema_number(schema, "minimum", 0.0, path))
+        high = float(_schema_number(schema, "maximum", low + 1.0, path))
         return round(low + (seed % 1000) / 999 * (high - low), 3)
     if kind == "boolean":
         return bool(seed % 2)
     if kind == "null":
         return None
     value = f"echo {text}".strip()[:200] if not path else f"echo{path.replace('/', ' ')}: {text}"[:200]
-    min_len = int(schema.get("minLength") or 0)
+    min_len = int(_schema_number(schema, "minLength", 0, path))
     max_len = schema.get("maxLength")
+    budget.take(0, max(min_len, len(value)), path)
     if len(value) < min_len:
         value = value.ljust(min_len, ".")
     if isinstance(max_len, int):

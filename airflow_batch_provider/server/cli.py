@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-lines", type=int, help="override the dialect's line limit")
     parser.add_argument("--max-file-bytes", type=int, help="override the dialect's file size limit")
     parser.add_argument("--max-line-bytes", type=int, help="override the dialect's line size limit")
+    parser.add_argument(
+        "--max-storage-bytes", type=int, help="cap on bytes kept in the data dir (full: uploads get a 507)"
+    )
     faults = parser.add_argument_group("fault injection (rates are fractions 0..1)")
     faults.add_argument("--fault-429", type=float, default=0.0, help="fraction of calls answering 429")
     faults.add_argument("--fault-500", type=float, default=0.0, help="fraction of calls answering 500")
@@ -88,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_lines=args.max_lines,
         max_file_bytes=args.max_file_bytes,
         max_line_bytes=args.max_line_bytes,
+        max_storage_bytes=args.max_storage_bytes,
         embedding_dim=args.embedding_dim,
         upstream_url=args.upstream,
         upstream_api_key_env=args.upstream_key_env,

@@ -14,6 +14,9 @@ from airflow_batch_provider.dialects.base import Limits
 REQUEST_FAULTS = ("429", "500", "503", "slow", "drop")
 # Fault kinds that change a batch when sent on POST /v1/batches.
 BATCH_FAULTS = ("fail_validation", "expire", "stall")
+# Largest Retry-After (seconds) and slow-call delay an admin may set.
+MAX_RETRY_AFTER = 86_400.0
+MAX_SLOW_SECONDS = 600.0
 
 
 class FaultConfig(BaseModel):
@@ -25,9 +28,9 @@ class FaultConfig(BaseModel):
     :param rate_429: fraction of API calls answering 429 with Retry-After.
     :param rate_500: fraction of API calls answering 500.
     :param rate_503: fraction of API calls answering 503.
-    :param retry_after: seconds sent in Retry-After on an injected 429/503.
+    :param retry_after: seconds sent in Retry-After on an injected 429/503 (at most a day).
     :param slow_rate: fraction of API calls delayed by ``slow_seconds``.
-    :param slow_seconds: delay of a slow call (real seconds, not scaled).
+    :param slow_seconds: delay of a slow call (real seconds, not scaled; at most 600).
     :param drop_rate: fraction of file downloads whose connection drops half way.
     :param line_failure_rate: fraction of batch lines that fail with a 500 answer.
     :param fail_validation: every new batch fails validation.
@@ -35,14 +38,16 @@ class FaultConfig(BaseModel):
     :param stall_batches: every new batch stalls (stays in progress) until resumed.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    # Finite values only, and bounded waits: an admin call must not be able to make every
+    # later request fail (Retry-After of 1e308 overflows) or hang for a day.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     rate_429: float = Field(0.0, ge=0, le=1)
     rate_500: float = Field(0.0, ge=0, le=1)
     rate_503: float = Field(0.0, ge=0, le=1)
-    retry_after: float = Field(1.0, ge=0)
+    retry_after: float = Field(1.0, ge=0, le=MAX_RETRY_AFTER)
     slow_rate: float = Field(0.0, ge=0, le=1)
-    slow_seconds: float = Field(0.5, ge=0)
+    slow_seconds: float = Field(0.5, ge=0, le=MAX_SLOW_SECONDS)
     drop_rate: float = Field(0.0, ge=0, le=1)
     line_failure_rate: float = Field(0.0, ge=0, le=1)
     fail_validation: bool = False
@@ -71,6 +76,8 @@ class ServerConfig(BaseModel):
     :param max_lines: limit on lines per file (default: the dialect's).
     :param max_file_bytes: limit on file size (default: the dialect's).
     :param max_line_bytes: limit on one line (default: the dialect's).
+    :param max_storage_bytes: cap on the bytes kept under ``data_dir`` (files and work files);
+        an upload or batch that would pass it is refused with a 507 (None: no cap).
     :param max_reported_errors: most validation problems listed on a failed batch.
     :param embedding_dim: dimension of echo embeddings when the request names none.
     :param upstream_url: base URL (with /v1) of the OpenAI-compatible endpoint for ``upstream``.
@@ -98,6 +105,7 @@ class ServerConfig(BaseModel):
     max_lines: int | None = Field(None, ge=1)
     max_file_bytes: int | None = Field(None, ge=1)
     max_line_bytes: int | None = Field(None, ge=1)
+    max_storage_bytes: int | None = Field(None, ge=1)
     max_reported_errors: int = Field(1000, ge=1)
     embedding_dim: int = Field(16, ge=1, le=8192)
     upstream_url: str | None = None

@@ -30,6 +30,31 @@ log = logging.getLogger(__name__)
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 _POLL = 0.05  # real seconds between checks of a stalled batch
+# Test hook: a process whose environment names a publishing step here dies (os._exit) right
+# after that step, the way a killed server would; tests restart it and check the recovery.
+# ``<step>:raise`` instead stops the batch's task there with ``SimulatedCrash`` (in-process tests).
+CRASH_ENV = "AIRFLOW_BATCH_SERVER_CRASH_AT"
+CRASH_STEPS = (
+    *(
+        f"publish_{kind}_{step}"
+        for kind in ("output", "error")
+        for step in ("named", "truncated", "moved", "recorded", "saved")
+    ),
+    "published",
+)
+
+
+class SimulatedCrash(BaseException):
+    """Raised at a crash point named with ``:raise``; no handler of the engine catches it."""
+
+
+def _crash_point(step: str) -> None:
+    wanted = os.environ.get(CRASH_ENV)
+    if wanted == step:
+        log.error("crashing at %s (%s is set)", step, CRASH_ENV)
+        os._exit(86)
+    if wanted == f"{step}:raise":
+        raise SimulatedCrash(step)
 
 
 def validate_file(
@@ -116,15 +141,23 @@ class Engine:
 
     # ---- control ------------------------------------------------------------------
     def resume_all(self) -> int:
-        """Restart the task of every batch left live by a previous run."""
-        count = 0
-        for rec in self.store.active_batches():
+        """Restart the task of every batch left live by a previous run.
+
+        Leftovers of a crash go first: partial uploads (``.part``), work files of batches
+        that are no longer live, and stored files no record points to (a file published
+        by a batch that has not recorded it yet is kept: its batch finishes publishing).
+        """
+        live = list(self.store.active_batches())
+        pending = {fid for rec in live for fid in rec["progress"].get("publish", {}).values()}
+        removed = self.store.sweep({rec["id"] for rec in live}, pending)
+        if removed:
+            log.info("removed %d files left by an earlier run", removed)
+        for rec in live:
             self._spawn(rec)
-            count += 1
-        return count
+        return len(live)
 
     async def stop(self) -> None:
-        tasks = list(self._tasks.values())
+        tasks = [task for task in self._tasks.values() if not task.done()]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -142,7 +175,9 @@ class Engine:
         self.store.save_batch(rec)
 
     def cancel(self, rec: dict[str, Any]) -> dict[str, Any]:
-        if rec["status"] in ("validating", "in_progress", "finalizing"):
+        """Cancel a batch still validating or running; a finalizing batch has answered every
+        line it will answer and ends as it is (completed, or expired), so it is left alone."""
+        if rec["status"] in ("validating", "in_progress"):
             rec["status"] = "cancelling"
             rec["cancelling_at"] = now()
             self.save(rec)
@@ -216,6 +251,9 @@ class Engine:
                 else:
                     await self._finalize(rec)
         except asyncio.CancelledError:
+            raise
+        except SimulatedCrash:
+            self.faults.count("simulated_crashes")  # seen in /admin/stats by the crash tests
             raise
         except Exception as exc:  # a bug must fail the batch visibly, not leave it hanging
             log.exception("batch %s crashed", batch_id)
@@ -294,11 +332,10 @@ class Engine:
 
     async def _process(self, rec: dict[str, Any]) -> None:
         progress = rec["progress"]
-        counts = rec["request_counts"]
         batch_id = rec["id"]
         out_path = self.store.work_path(batch_id, "output")
         err_path = self.store.work_path(batch_id, "error")
-        tag = hashlib.sha256(batch_id.encode()).hexdigest()[:10]
+        echo = isinstance(self.backend, EchoBackend)
         with (
             _open_at(out_path, progress["out"]) as out,
             _open_at(err_path, progress["err"]) as err,
@@ -314,38 +351,27 @@ class Engine:
                 if rec["flags"]["stall"]:
                     await self._sleep(rec, _POLL)
                     continue
-                chunk = _read_chunk(src, progress, self.config.chunk_size)
-                if not chunk:
+                if echo:
+                    # The echo model is CPU work: a whole chunk (read, answer, write) runs in a
+                    # worker thread so the event loop keeps serving requests meanwhile.
+                    assert isinstance(self.backend, EchoBackend)
+                    lines = await self.backend.run(self._echo_chunk, rec, src, out, err)
+                else:
+                    chunk = _read_chunk(src, progress, self.config.chunk_size)
+                    if chunk:
+                        self._write_answers(rec, await self._answer(batch_id, chunk), out, err)
+                    lines = len(chunk)
+                if not lines:
                     stop = "done"
                     break
-                answered = await self._answer(batch_id, chunk)
-                for line_no, custom_id, status, body in answered:
-                    line_id = f"batch_req_{tag}_{line_no:08d}"
-                    ok, result = self.wire.response_line(
-                        line_id, custom_id, status, body, f"req_{tag}{line_no:08d}"
-                    )
-                    data = orjson.dumps(result) + b"\n"
-                    if ok:
-                        out.write(data)
-                        counts["completed"] += 1
-                    else:
-                        err.write(data)
-                        counts["failed"] += 1
                 out.flush()
                 err.flush()
                 progress["out"], progress["err"] = out.tell(), err.tell()
                 self.save(rec)
-                delay = self.config.scaled(self.config.line_seconds) * len(chunk)
+                delay = self.config.scaled(self.config.line_seconds) * lines
                 await self._sleep(rec, delay) if delay > 0 else await asyncio.sleep(0)
             if stop in ("expired", "cancelled"):
-                code = "batch_expired" if stop == "expired" else "batch_cancelled"
-                while chunk := _read_chunk(src, progress, 4096):
-                    for line_no, raw in chunk:
-                        custom_id = _custom_id(raw)
-                        line_id = f"batch_req_{tag}_{line_no:08d}"
-                        err.write(orjson.dumps(self.wire.system_line(line_id, custom_id, code)) + b"\n")
-                        counts["failed"] += 1
-                        progress[stop] += 1
+                await asyncio.to_thread(self._close_remaining, rec, stop, src, err)
                 err.flush()
                 progress["err"] = err.tell()
         progress["stop"] = stop
@@ -359,6 +385,54 @@ class Engine:
             rec["finalizing_at"] = now()
         self.save(rec)
 
+    def _echo_chunk(self, rec: dict[str, Any], src: IO[bytes], out: IO[bytes], err: IO[bytes]) -> int:
+        """Read, answer and write one chunk with the echo model (runs in a worker thread)."""
+        chunk = _read_chunk(src, rec["progress"], self.config.chunk_size)
+        answered = []
+        for line_no, raw in chunk:
+            custom_id, url, body = _parse_line(raw)
+            if self.faults.line_fails(rec["id"], line_no):
+                self.faults.count("line_failures")
+                answered.append((line_no, custom_id, 500, _injected_line_error()))
+                continue
+            try:
+                assert isinstance(self.backend, EchoBackend)
+                status, answer = self.backend.answer(url, body)
+            except Exception as exc:  # one line's trouble is that line's error, never the batch's
+                log.exception("batch %s line %d: the echo backend failed", rec["id"], line_no)
+                status, answer = 500, _line_crash_error(exc)
+            answered.append((line_no, custom_id, status, answer))
+        self._write_answers(rec, answered, out, err)
+        return len(chunk)
+
+    def _write_answers(
+        self, rec: dict[str, Any], answered: list[tuple[int, str, int, Any]], out: IO[bytes], err: IO[bytes]
+    ) -> None:
+        counts = rec["request_counts"]
+        tag = _tag(rec["id"])
+        for line_no, custom_id, status, body in answered:
+            line_id = f"batch_req_{tag}_{line_no:08d}"
+            ok, result = self.wire.response_line(line_id, custom_id, status, body, f"req_{tag}{line_no:08d}")
+            data = orjson.dumps(result) + b"\n"
+            if ok:
+                out.write(data)
+                counts["completed"] += 1
+            else:
+                err.write(data)
+                counts["failed"] += 1
+
+    def _close_remaining(self, rec: dict[str, Any], stop: str, src: IO[bytes], err: IO[bytes]) -> None:
+        """An error line for every line not answered when the batch expired or was cancelled."""
+        progress = rec["progress"]
+        code = "batch_expired" if stop == "expired" else "batch_cancelled"
+        tag = _tag(rec["id"])
+        while chunk := _read_chunk(src, progress, 4096):
+            for line_no, raw in chunk:
+                line_id = f"batch_req_{tag}_{line_no:08d}"
+                err.write(orjson.dumps(self.wire.system_line(line_id, _custom_id(raw), code)) + b"\n")
+                rec["request_counts"]["failed"] += 1
+                progress[stop] += 1
+
     def _stop_reason(self, rec: dict[str, Any]) -> str | None:
         if rec["status"] == "failed":
             return "failed"
@@ -369,30 +443,21 @@ class Engine:
         return None
 
     async def _answer(self, batch_id: str, chunk: list[tuple[int, bytes]]) -> list[tuple[int, str, int, Any]]:
-        parsed = []
-        for line_no, raw in chunk:
-            obj = orjson.loads(raw)
-            parsed.append((line_no, obj["custom_id"], obj["url"], obj["body"]))
-        results: list[tuple[int, str, int, Any]] = []
-        if isinstance(self.backend, EchoBackend):
-            # The echo model is pure CPU: calling it directly keeps 50k lines well under seconds.
-            for line_no, custom_id, url, body in parsed:
-                if self.faults.line_fails(batch_id, line_no):
-                    self.faults.count("line_failures")
-                    results.append((line_no, custom_id, 500, _injected_line_error()))
-                    continue
-                status, answer = self.backend.answer(url, body)
-                results.append((line_no, custom_id, status, answer))
-            return results
+        """Answer a chunk through an asynchronous backend (the upstream), lines concurrently."""
 
-        async def one(line_no: int, custom_id: str, url: str, body: Any) -> tuple[int, str, int, Any]:
+        async def one(line_no: int, raw: bytes) -> tuple[int, str, int, Any]:
+            custom_id, url, body = _parse_line(raw)
             if self.faults.line_fails(batch_id, line_no):
                 self.faults.count("line_failures")
                 return line_no, custom_id, 500, _injected_line_error()
-            status, answer = await self.backend.call(url, body)
+            try:
+                status, answer = await self.backend.call(url, body)
+            except Exception as exc:  # one line's trouble is that line's error, never the batch's
+                log.exception("batch %s line %d: the backend failed", batch_id, line_no)
+                status, answer = 500, _line_crash_error(exc)
             return line_no, custom_id, status, answer
 
-        return list(await asyncio.gather(*(one(*p) for p in parsed)))
+        return list(await asyncio.gather(*(one(*item) for item in chunk)))
 
     async def _finalize(self, rec: dict[str, Any]) -> None:
         stop = rec["progress"]["stop"]
@@ -407,30 +472,52 @@ class Engine:
         )
 
     def _publish(self, rec: dict[str, Any]) -> None:
-        """Turn the work files into output/error files (only the non-empty ones, as OpenAI does)."""
-        for kind, field in (("output", "output_file_id"), ("error", "error_file_id")):
+        """Turn the work files into output/error files (only the non-empty ones, as OpenAI does).
+
+        Each step can be interrupted by a crash and redone on restart: the new file's id is
+        saved before the work file moves (one atomic rename), and the file record and the
+        batch's field are written only when missing, so a rerun finishes the job instead of
+        failing a batch whose lines were all answered.
+        """
+        progress = rec["progress"]
+        pending: dict[str, str] = progress.setdefault("publish", {})
+        for kind, field, key in (("output", "output_file_id", "out"), ("error", "error_file_id", "err")):
             if rec.get(field):
                 continue
             path = self.store.work_path(rec["id"], kind)
-            size = rec["progress"]["out" if kind == "output" else "err"]
+            size = progress[key]
             if size <= 0:
                 path.unlink(missing_ok=True)
                 continue
-            with open(path, "r+b") as fh:
-                fh.truncate(size)
-            file_id = self.store.new_id("file-", self.wire.id_style)
-            os.replace(path, self.store.file_path(file_id))
-            self.store.add_file(
-                {
-                    "id": file_id,
-                    "bytes": size,
-                    "created_at": now(),
-                    "filename": f"{rec['id']}_{kind}.jsonl",
-                    "purpose": "batch_output",
-                }
-            )
+            file_id = pending.get(kind)
+            if file_id is None:
+                file_id = pending[kind] = self.store.new_id("file-", self.wire.id_style)
+                self.save(rec)
+                _crash_point(f"publish_{kind}_named")
+            dest = self.store.file_path(file_id)
+            if path.exists():
+                with open(path, "r+b") as fh:
+                    fh.truncate(size)
+                _crash_point(f"publish_{kind}_truncated")
+                os.replace(path, dest)
+                _crash_point(f"publish_{kind}_moved")
+            elif not dest.exists():
+                raise FileNotFoundError(f"the {kind} work file of batch {rec['id']} is gone")
+            if self.store.get_file(file_id) is None:
+                self.store.add_file(
+                    {
+                        "id": file_id,
+                        "bytes": size,
+                        "created_at": now(),
+                        "filename": f"{rec['id']}_{kind}.jsonl",
+                        "purpose": "batch_output",
+                    }
+                )
+                _crash_point(f"publish_{kind}_recorded")
             rec[field] = file_id
             self.save(rec)
+            _crash_point(f"publish_{kind}_saved")
+        _crash_point("published")
 
     def _finish(self, rec: dict[str, Any], status: str) -> None:
         rec["status"] = status
@@ -444,6 +531,24 @@ def _injected_line_error() -> dict[str, Any]:
     return error_body(
         "Injected line failure from the local batch server.", type_="server_error", code="server_error"
     )
+
+
+def _line_crash_error(exc: BaseException) -> dict[str, Any]:
+    return error_body(
+        f"The local batch server could not answer this line ({type(exc).__name__}).",
+        type_="server_error",
+        code="server_error",
+    )
+
+
+def _tag(batch_id: str) -> str:
+    return hashlib.sha256(batch_id.encode()).hexdigest()[:10]
+
+
+def _parse_line(raw: bytes) -> tuple[str, str, Any]:
+    """(custom_id, url, body) of a validated input line."""
+    obj = orjson.loads(raw)
+    return obj["custom_id"], obj["url"], obj["body"]
 
 
 def _custom_id(raw: bytes) -> str:

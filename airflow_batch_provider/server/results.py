@@ -169,6 +169,9 @@ def xai_page(store: Store, rec: dict[str, Any], token: str | None, limit: int) -
             offset = int(number)
         except ValueError:
             raise ValueError(f"unreadable pagination_token {token!r}") from None
+        source = out_src if which == "o" else err_src if which == "e" else None
+        if source is None or not 0 <= offset <= source[1]:
+            raise ValueError(f"pagination_token {token!r} points outside this batch's results")
     results: list[dict[str, Any]] = []
     next_token: str | None = None
     for kind, source in (("o", out_src), ("e", err_src)):

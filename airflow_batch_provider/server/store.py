@@ -7,6 +7,7 @@ order. Everything written here survives a restart; the engine resumes from it.
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -16,6 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+# Ids this server hands out (``file-<hex>``, ``batch_<hex>``, UUIDs); anything else, such as
+# ".." or a NUL, names no record and never becomes a path.
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -64,7 +69,14 @@ class Store:
             return str(uuid.uuid4())
         return f"{prefix}{uuid.uuid4().hex[:24]}"
 
+    @staticmethod
+    def valid_id(ident: str) -> bool:
+        """Whether ``ident`` has the shape of an id this server issues (letters, digits, ``-``, ``_``)."""
+        return _ID.fullmatch(ident) is not None
+
     def file_path(self, file_id: str) -> Path:
+        if not self.valid_id(file_id):
+            raise ValueError(f"not a file id: {file_id!r}")
         return self.files_dir / file_id
 
     def temp_path(self, name: str) -> Path:
@@ -81,6 +93,8 @@ class Store:
             )
 
     def get_file(self, file_id: str) -> dict[str, Any] | None:
+        if not self.valid_id(file_id):
+            return None
         with self._lock:
             row = self._db.execute("SELECT data FROM files WHERE id = ?", (file_id,)).fetchone()
         return orjson.loads(row[0]) if row else None
@@ -92,10 +106,45 @@ class Store:
         return self._page("files", after=after, limit=limit, purpose=purpose)
 
     def delete_file(self, file_id: str) -> bool:
+        if not self.valid_id(file_id):
+            return False
         with self._lock:
             cur = self._db.execute("DELETE FROM files WHERE id = ?", (file_id,))
         self.file_path(file_id).unlink(missing_ok=True)
         return cur.rowcount > 0
+
+    def usage(self) -> int:
+        """Bytes held under ``files/`` and ``work/`` (what ``max_storage_bytes`` caps)."""
+        total = 0
+        for folder in (self.files_dir, self.work_dir):
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    try:
+                        total += entry.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:  # removed meanwhile
+                        continue
+        return total
+
+    def sweep(self, live_batches: set[str], pending_files: set[str]) -> int:
+        """Remove what a crash left behind; returns how many files went.
+
+        Partial uploads (``*.part``), work files of batches not in ``live_batches``, and
+        files under ``files/`` without a record unless listed in ``pending_files``.
+        """
+        removed = 0
+        with os.scandir(self.work_dir) as entries:
+            for entry in entries:
+                if entry.name.endswith(".part") or entry.name.split(".", 1)[0] not in live_batches:
+                    Path(entry.path).unlink(missing_ok=True)
+                    removed += 1
+        with self._lock:
+            known = {row[0] for row in self._db.execute("SELECT id FROM files")}
+        with os.scandir(self.files_dir) as entries:
+            for entry in entries:
+                if entry.name not in known and entry.name not in pending_files:
+                    Path(entry.path).unlink(missing_ok=True)
+                    removed += 1
+        return removed
 
     # ---- batches --------------------------------------------------------------------
     def add_batch(self, record: dict[str, Any]) -> None:

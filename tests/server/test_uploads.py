@@ -1,0 +1,127 @@
+"""Uploads: complete bodies only, size and storage caps enforced while uploading, crash leftovers swept."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from airflow_batch_provider.server.store import Store
+from tests.server.helpers import chat_line, create, jsonl, upload, wait_for
+
+
+def _leftovers(server) -> list[str]:
+    return sorted(p.name for p in (server.config.data_dir / "work").iterdir()) + sorted(
+        p.name for p in (server.config.data_dir / "files").iterdir()
+    )
+
+
+def _body(data: bytes, *, closed: bool = True) -> tuple[bytes, dict[str, str]]:
+    body = (
+        b"--bnd\r\n"
+        b'Content-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        b"--bnd\r\n"
+        b'Content-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n' + data
+    )
+    if closed:
+        body += b"\r\n--bnd--\r\n"
+    return body, {"Content-Type": "multipart/form-data; boundary=bnd"}
+
+
+@pytest.mark.parametrize("cut", ["no_closing_boundary", "mid_file"])
+def test_a_truncated_multipart_body_is_refused(batch_server, cut):
+    server = batch_server()
+    data = jsonl(chat_line(i) for i in range(50))
+    body, headers = _body(data, closed=False)
+    if cut == "mid_file":
+        body = body[: len(body) - len(data) // 2]
+    with httpx.Client(base_url=server.base_url, timeout=10) as client:
+        refused = client.post("/files", content=body, headers=headers)
+        assert refused.status_code == 400
+        assert "closing boundary" in refused.json()["error"]["message"]
+        assert client.get("/files").json()["data"] == []
+        whole, headers = _body(data)
+        assert client.post("/files", content=whole, headers=headers).json()["bytes"] == len(data)
+    assert [name for name in _leftovers(server) if name.endswith(".part")] == []
+
+
+def test_max_file_bytes_is_enforced_while_uploading(batch_server):
+    server = batch_server(max_file_bytes=1_000_000)
+    big = b"x" * (19 * 1024 * 1024)
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        refused = client.post("/files", files={"file": ("big.jsonl", big)}, data={"purpose": "batch"})
+        assert refused.status_code == 413
+        assert "1,000,000" in refused.json()["error"]["message"]
+        assert client.get("/files").json()["data"] == []
+        # Exactly at the limit is fine.
+        ok = client.post("/files", files={"file": ("ok.jsonl", b"y" * 1_000_000)}, data={"purpose": "batch"})
+        assert ok.status_code == 200
+    assert len(_leftovers(server)) == 1  # the accepted file only
+
+
+def test_storage_cap_refuses_uploads_and_batches_when_full(batch_server):
+    data = jsonl(chat_line(i) for i in range(150))
+    server = batch_server(max_storage_bytes=len(data) * 3 // 2)
+    with httpx.Client(base_url=server.base_url, timeout=10) as client:
+        first = upload(client, data)
+        second = client.post("/files", files={"file": ("b.jsonl", data)}, data={"purpose": "batch"})
+        assert second.status_code == 507
+        assert "storage is full" in second.json()["error"]["message"]
+        assert [f["id"] for f in client.get("/files").json()["data"]] == [first]
+        # The first batch's output (larger than its input) overfills the store: no next batch.
+        done = wait_for(client, create(client, first)["id"])
+        assert done["status"] == "completed"
+        refused = client.post(
+            "/batches",
+            json={"input_file_id": first, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        )
+        assert refused.status_code == 507
+        client.delete(f"/files/{done['output_file_id']}")
+        assert upload(client, data[: len(data) // 3])
+    assert [name for name in _leftovers(server) if name.endswith(".part")] == []
+
+
+def test_crash_leftovers_are_removed_at_start_up(batch_server, tmp_path):
+    store = Store(tmp_path)
+    (store.work_dir / "file-abc.0123.part").write_bytes(b"half an upload")
+    (store.work_dir / "batch_gone.output.jsonl").write_bytes(b"{}\n")
+    (store.files_dir / "file-orphan").write_bytes(b"no record")
+    store.add_file({"id": "file-kept", "bytes": 3, "created_at": 0, "filename": "k", "purpose": "batch"})
+    (store.files_dir / "file-kept").write_bytes(b"{}\n")
+    store.close()
+    server = batch_server(data_dir=tmp_path)
+    assert _leftovers(server) == ["file-kept"]
+    with httpx.Client(base_url=server.base_url, timeout=10) as client:
+        assert client.get("/files/file-kept/content").content == b"{}\n"
+
+
+def test_request_bodies_are_bounded(batch_server):
+    server = batch_server(max_line_bytes=10_000)
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        sync = client.post("/chat/completions", json={**chat_line(0)["body"], "pad": "x" * 20_000})
+        ok = client.post("/chat/completions", json={**chat_line(0)["body"], "pad": "x" * 5_000})
+        created = client.post(
+            "/batches",
+            json={
+                "input_file_id": "file-x",
+                "endpoint": "/v1/chat/completions",
+                "metadata": {"k": "v" * 10**6},
+            },
+        )
+        admin = httpx.post(f"{server.root_url}/admin/faults", json={"retry_after": 1, "pad": "x" * 10**6})
+    assert sync.status_code == 413
+    assert sync.json()["error"]["code"] == "request_too_large"
+    assert ok.status_code == 200
+    assert created.status_code == 413
+    assert admin.status_code == 413
+
+
+def test_a_file_over_a_limit_lowered_after_its_upload_fails_validation(batch_server, tmp_path):
+    first = batch_server(data_dir=tmp_path)
+    with httpx.Client(base_url=first.base_url, timeout=10) as client:
+        file_id = upload(client, jsonl(chat_line(i) for i in range(20)))
+    first.stop()
+    server = batch_server(data_dir=tmp_path, max_file_bytes=1000)
+    with httpx.Client(base_url=server.base_url, timeout=10) as client:
+        done = wait_for(client, create(client, file_id)["id"])
+    assert done["status"] == "failed"
+    assert [e["code"] for e in done["errors"]["data"]] == ["file_too_large"]
