@@ -32,8 +32,10 @@ from airflow_batch_provider import __version__
 from airflow_batch_provider.dialects import DIALECTS, Dialect, get_dialect
 from airflow_batch_provider.exceptions import (
     BatchApiError,
+    BatchApiQuotaError,
     BatchApiResponseError,
     ConfigurationError,
+    JsonlValidationError,
 )
 from airflow_batch_provider.hooks._http import (
     LineSplitter,
@@ -239,6 +241,7 @@ class BatchApiHook(BaseHook):
         prefix = f"extra__{self.conn_type}__"
         extra = {str(k).removeprefix(prefix): v for k, v in raw_extra.items() if v not in (None, "")}
         dialect = self._dialect_override or get_dialect(extra.get("dialect"))
+        dialect.check_connection(extra, self.batch_conn_id)
         headers = extra.get("headers") or {}
         if isinstance(headers, str):
             try:
@@ -357,11 +360,14 @@ class BatchApiHook(BaseHook):
         upload: MultipartUpload | None = None,
         stream: bool = False,
         create: bool = False,
+        accept: frozenset[int] = frozenset(),
     ) -> httpx.Response:
         """Send with retries; return a 2xx response (open if ``stream``) or raise a typed error.
 
         ``create`` marks a non-idempotent request: only provably unsent or refused attempts
-        are repeated here; other failures raise ``_AmbiguousCreate``.
+        are repeated here; other failures raise ``_AmbiguousCreate``. A status in ``accept`` is
+        returned (read and closed) instead of raised or retried. An answer the dialect reads as
+        out of quota raises ``BatchApiQuotaError`` at once: waiting does not refill a quota.
         """
         settings = self.get_settings()
         client = self.get_conn()
@@ -393,6 +399,9 @@ class BatchApiHook(BaseHook):
                 return response
             response.read()
             response.close()
+            if response.status_code in accept:
+                return response
+            self._raise_if_quota(response, action, what)
             retryable = is_retryable_status(response.status_code)
             if create and retryable and response.status_code not in REFUSED_STATUS:
                 raise _AmbiguousCreate(self._status_error(response, action, what), response)
@@ -416,6 +425,7 @@ class BatchApiHook(BaseHook):
         upload: MultipartUpload | None = None,
         stream: bool = False,
         create: bool = False,
+        accept: frozenset[int] = frozenset(),
     ) -> httpx.Response:
         """The async twin of ``_request`` (same decisions, non-blocking sleeps)."""
         settings = await self.aget_settings()
@@ -448,6 +458,9 @@ class BatchApiHook(BaseHook):
                 return response
             await response.aread()
             await response.aclose()
+            if response.status_code in accept:
+                return response
+            self._raise_if_quota(response, action, what)
             retryable = is_retryable_status(response.status_code)
             if create and retryable and response.status_code not in REFUSED_STATUS:
                 raise _AmbiguousCreate(self._status_error(response, action, what), response)
@@ -457,6 +470,20 @@ class BatchApiHook(BaseHook):
             self._log_retry(action, retry, policy, delay, f"HTTP {response.status_code}")
             await asyncio.sleep(delay)
             retry += 1
+
+    def _raise_if_quota(self, response: httpx.Response, action: str, what: str | None) -> None:
+        settings = self._settings
+        assert settings is not None
+        if not settings.dialect.is_quota_error(response.status_code, _error_body(response)):
+            return
+        error = self._status_error(response, action, what)
+        raise BatchApiQuotaError(
+            f"{action}: the account is out of quota or credit at {settings.base_url} "
+            f"(HTTP {response.status_code}); not retried: add credit or raise the quota, then run again",
+            status_code=error.status_code,
+            request_id=error.request_id,
+            body=error.body,
+        )
 
     def _status_error(self, response: httpx.Response, action: str, what: str | None) -> BatchApiError:
         settings = self._settings
@@ -481,9 +508,18 @@ class BatchApiHook(BaseHook):
     # ---- files -----------------------------------------------------------------------------
     def _upload_body(self, source: PathSource, filename: str | None, dialect: Dialect) -> MultipartUpload:
         try:
-            return MultipartUpload.from_source(source, filename=filename, fields=dialect.upload_form())
+            upload = MultipartUpload.from_source(source, filename=filename, fields=dialect.upload_form())
         except FileNotFoundError:
             raise ConfigurationError(f"cannot upload {source}: no such file") from None
+        limit = dialect.limits.max_shard_bytes
+        if upload.size > limit:
+            # Refused here, before sending: the vendor would read the whole body and then answer 413.
+            raise JsonlValidationError(
+                f"cannot upload {upload.filename}: it is {upload.size:,} bytes and dialect "
+                f"{dialect.name!r} uploads at most {limit:,} bytes per file; build it again "
+                f"(shards are cut at that size) or split it"
+            )
+        return upload
 
     def upload_file(self, source: PathSource, *, filename: str | None = None) -> str:
         """Upload a batch input file, streamed from disk or object storage; return its file id.
@@ -903,8 +939,15 @@ class BatchApiHook(BaseHook):
         dialect = self.dialect
         action = f"cancelling batch {batch_id}"
         response = self._request(
-            "POST", dialect.cancel_path(batch_id), action=action, what=f"batch {batch_id!r}"
+            "POST",
+            dialect.cancel_path(batch_id),
+            action=action,
+            what=f"batch {batch_id!r}",
+            accept=dialect.cancel_final_statuses,
         )
+        if not response.is_success:
+            self.log.info("Batch %s is already final (HTTP %d to cancel)", batch_id, response.status_code)
+            return self.get_batch(batch_id)
         self.log.info("Cancel requested for batch %s", batch_id)
         return self._batch_or_get(response, batch_id, action)
 
@@ -912,8 +955,15 @@ class BatchApiHook(BaseHook):
         dialect = (await self.aget_settings()).dialect
         action = f"cancelling batch {batch_id}"
         response = await self._arequest(
-            "POST", dialect.cancel_path(batch_id), action=action, what=f"batch {batch_id!r}"
+            "POST",
+            dialect.cancel_path(batch_id),
+            action=action,
+            what=f"batch {batch_id!r}",
+            accept=dialect.cancel_final_statuses,
         )
+        if not response.is_success:
+            self.log.info("Batch %s is already final (HTTP %d to cancel)", batch_id, response.status_code)
+            return await self.aget_batch(batch_id)
         self.log.info("Cancel requested for batch %s", batch_id)
         if not response.content.strip():
             return await self.aget_batch(batch_id)
@@ -1039,7 +1089,9 @@ class BatchApiHook(BaseHook):
                 what=f"batch {batch.id!r}",
                 params=params,
             )
-            page = dialect.parse_results_page(_results_body(response, action, self._settings), params)
+            page = dialect.parse_results_page(
+                _results_body(response, action, self._settings), params, response.headers
+            )
             yield from page.lines
             params = _next_params(page.next_params, params, pages, action)
 
@@ -1068,7 +1120,9 @@ class BatchApiHook(BaseHook):
                 what=f"batch {batch.id!r}",
                 params=params,
             )
-            page = dialect.parse_results_page(_results_body(response, action, self._settings), params)
+            page = dialect.parse_results_page(
+                _results_body(response, action, self._settings), params, response.headers
+            )
             for line in page.lines:
                 yield line
             params = _next_params(page.next_params, params, pages, action)
@@ -1120,6 +1174,14 @@ def _result_line(
         return dialect.parse_result_line(obj, source)
     except BatchApiResponseError as exc:
         raise BatchApiResponseError(f"file {file_id!r} line {number}: {exc.args[0]}", body=exc.body) from None
+
+
+def _error_body(response: httpx.Response) -> Any:
+    """The parsed JSON of an error answer (already read), or None."""
+    try:
+        return orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        return None
 
 
 def _results_body(response: httpx.Response, action: str, settings: BatchApiSettings | None) -> Any:
