@@ -66,6 +66,9 @@ async def _guard(request: Request) -> None:
     if forced == "slow" or (not forced and faults.fires("slow", cfg.slow_rate)):
         faults.count("slow")
         await asyncio.sleep(cfg.slow_seconds)
+    if forced == "quota":
+        faults.count("quota")
+        raise st.wire.quota_exceeded()
     for status, rate in ((429, cfg.rate_429), (500, cfg.rate_500), (503, cfg.rate_503)):
         if forced == str(status) or (not forced and faults.fires(str(status), rate)):
             faults.count(f"status_{status}")
@@ -203,6 +206,10 @@ def _files_routes(r: APIRouter) -> None:
         if sink.error or sink.filename is None:
             temp.unlink(missing_ok=True)
             raise wire.error(400, sink.error or "Missing required parameter: 'file'.", param="file")
+        upload_limit = st.config.limits().max_upload_bytes
+        if upload_limit is not None and sink.size > upload_limit:
+            temp.unlink(missing_ok=True)
+            raise wire.upload_too_large(upload_limit)
         purpose = sink.fields.get("purpose")
         if wire.upload_requires_purpose and not purpose:
             temp.unlink(missing_ok=True)
@@ -369,13 +376,13 @@ def _batch_routes(r: APIRouter) -> None:
             )
         rec = _batch(st, batch_id)
         q = request.query_params
+        limit = wire.results_limit(q.get("limit"))
         try:
-            limit = int(q.get("limit") or 1000)
             skip = int(q.get("skip") or 0)
         except ValueError:
-            raise wire.error(400, "skip and limit must be integers.") from None
-        if not 1 <= limit <= 10000 or skip < 0:
-            raise wire.error(400, "limit must be 1..10000 and skip >= 0.", param="limit")
+            raise wire.error(400, "skip must be an integer.") from None
+        if skip < 0:
+            raise wire.error(400, "skip must be >= 0.", param="skip")
         if wire.name == "xai":
             try:
                 page = await asyncio.to_thread(xai_page, st.store, rec, q.get("pagination_token"), limit)
@@ -383,7 +390,8 @@ def _batch_routes(r: APIRouter) -> None:
                 raise wire.error(400, str(exc), param="pagination_token") from None
             return ORJSON(page)
         data = await asyncio.to_thread(st.dw_results.page, rec, skip, limit)
-        return Response(data, media_type="application/x-ndjson")
+        headers = wire.results_headers(rec, skip, data.count(b"\n"))
+        return Response(data, media_type="application/x-ndjson", headers=headers)
 
 
 def _batch(st: ServerState, batch_id: str) -> dict[str, Any]:
@@ -397,7 +405,7 @@ def _cancel(st: ServerState, batch_id: str) -> dict[str, Any]:
     rec = _batch(st, batch_id)
     if rec["status"] in ("completed", "failed", "expired"):
         raise st.wire.error(
-            400,
+            st.wire.cancel_final_status,
             f"Cannot cancel a batch with status {st.wire.status_of(rec)!r}.",
             code="invalid_state",
             param="batch_id",
