@@ -335,6 +335,22 @@ def test_bad_hand_made_file_fails_naming_lines(server_for: Any, task_context: An
     assert list(BatchApiHook().list_batches()) == []
 
 
+def test_hand_made_file_mixing_models_fails_before_upload(
+    server_for: Any, task_context: Any, tmp_path: Path
+) -> None:
+    # OpenAI fails a whole batch whose lines name more than one model: submit says which line.
+    server_for("openai")
+    source = write_batch_jsonl(tmp_path / "in.jsonl", 4, model="model-a")
+    lines = source.read_bytes().splitlines()
+    lines[2] = lines[2].replace(b'"model-a"', b'"model-b"')
+    source.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(
+        JsonlValidationError, match=r"line 3: body.model 'model-b' differs from 'model-a' on line 1"
+    ):
+        SubmitBatchOperator(task_id="submit", source=str(source)).execute(task_context())
+    assert list(BatchApiHook().list_batches()) == []
+
+
 def test_model_override_rewrites_every_line(server_for: Any, task_context: Any, tmp_path: Path) -> None:
     server_for("openai")
     source = write_batch_jsonl(tmp_path / "in.jsonl", 5, model="original")
