@@ -59,6 +59,7 @@ class Limits:
             max_lines=pick(self.max_lines, max_lines),
             max_file_bytes=pick(self.max_shard_bytes, max_file_bytes),
             max_line_bytes=pick(self.max_line_bytes, max_line_bytes),
+            max_upload_bytes=self.max_upload_bytes,
         )
 
 
