@@ -27,6 +27,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from airflow_batch_provider.exceptions import (
     BatchApiConnectionError,
     BatchApiError,
+    BatchApiQuotaError,
     BatchApiRateLimitError,
     BatchApiResponseError,
     BatchApiServerError,
@@ -284,6 +285,11 @@ class BatchTrigger(BaseTrigger):
                 now = datetime.now(timezone.utc)
                 try:
                     batches = await self._poll(hook)
+                except BatchApiQuotaError as exc:
+                    # Out of quota: no wait refills it, so the watch ends now (before the
+                    # transient clause, which would take it for a rate limit).
+                    yield TriggerEvent(error_event(self.batch_ids, f"cannot poll batch(es): {exc}"))
+                    return
                 except TRANSIENT_ERRORS as exc:
                     errors += 1
                     if errors > self.max_consecutive_errors:
