@@ -14,7 +14,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import IO, TYPE_CHECKING, Any, Literal
 
@@ -556,6 +556,9 @@ class SubmitBatchOperator(BaseOperator):
     def _validated(self, dialect: Dialect, path: ObjectStoragePath, endpoint: str | None) -> ShardInput:
         """Validate a file with the dialect's rules while hashing it; a bad file fails naming its lines."""
         rules = dialect.validation_rules()
+        if self.model:
+            # Every line is sent with the override model, so the file's own models may differ.
+            rules = replace(rules, mixed_models=True)
         validator = LineValidator(rules, endpoint)
         problems: list[Problem] = []
         count = 0

@@ -350,6 +350,12 @@ def test_hand_made_file_mixing_models_fails_before_upload(
     ):
         SubmitBatchOperator(task_id="submit", source=str(source)).execute(task_context())
     assert list(BatchApiHook().list_batches()) == []
+    # With a model override every line is sent with one model: the same file is accepted.
+    result = SubmitBatchOperator(task_id="submit", source=str(source), model="model-c").execute(
+        task_context()
+    )
+    uploaded = list(BatchApiHook().iter_file_lines(result["batches"][0]["input_file_id"]))
+    assert {line["body"]["model"] for line in uploaded} == {"model-c"}
 
 
 def test_model_override_rewrites_every_line(server_for: Any, task_context: Any, tmp_path: Path) -> None:
