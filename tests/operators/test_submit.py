@@ -235,6 +235,34 @@ def test_retry_after_crash_between_create_and_record_makes_one_batch(
     assert [b.id for b in BatchApiHook().list_batches()] == [created]
 
 
+def test_xai_orphan_lookup_skips_a_batch_made_from_another_file(
+    server_for: Any, task_context: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # xAI batches carry no tags but the name and their input_file_id: a batch of the same name
+    # made from another file (newer, so it would be picked first) is not this shard's.
+    server_for("xai")
+    source = write_batch_jsonl(tmp_path / "in.jsonl", 4)
+    real_write = StateStore.write
+
+    def crash_when_recording_id(self: StateStore, state: SubmitState) -> None:
+        if state.batch_id:
+            raise CrashAfterCreate(state.batch_id)
+        real_write(self, state)
+
+    monkeypatch.setattr(StateStore, "write", crash_when_recording_id)
+    with pytest.raises(CrashAfterCreate) as crashed:
+        SubmitBatchOperator(task_id="submit", source=str(source)).execute(task_context())
+    created = str(crashed.value)
+    monkeypatch.setattr(StateStore, "write", real_write)
+    hook = BatchApiHook()
+    name = hook.get_batch(created).metadata["name"]
+    other = hook.upload_file(write_batch_jsonl(tmp_path / "other.jsonl", 2))
+    decoy = hook.create_batch(input_file_id=other, endpoint="/v1/chat/completions", name=name)
+    assert decoy.input_file_id == other and decoy.metadata["name"] == name
+    result = SubmitBatchOperator(task_id="submit", source=str(source)).execute(task_context())
+    assert result["batch_ids"] == [created]
+
+
 def test_retry_with_recorded_id_reattaches_and_new_run_submits(
     server_for: Any, task_context: Any, tmp_path: Path
 ) -> None:
