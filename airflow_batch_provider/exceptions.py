@@ -80,6 +80,13 @@ class BatchApiRateLimitError(BatchApiError):
     """429 after every retry was spent."""
 
 
+class BatchApiQuotaError(BatchApiRateLimitError):
+    """429 (or 402) meaning the account is out of quota or credit (``insufficient_quota``).
+
+    Never retried: unlike a rate limit, waiting does not end it.
+    """
+
+
 class BatchApiServerError(BatchApiError):
     """5xx after every retry was spent."""
 

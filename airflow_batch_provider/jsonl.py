@@ -107,6 +107,7 @@ class LineValidator:
         self.rules = rules
         self.expected_url = expected_url
         self.first_url: str | None = None
+        self.first_model: tuple[int, str] | None = None
         self.lines = 0
         self.bytes = 0
         self._seen: set[str] = set()
@@ -155,11 +156,22 @@ class LineValidator:
         problems: list[Problem] = []
         custom_id = obj.get("custom_id")
         cid = custom_id if isinstance(custom_id, str) and custom_id else None
+        longest = self.rules.max_custom_id_chars
         if cid is None:
             problems.append(
                 Problem(number, "invalid_custom_id", "custom_id must be a non-empty string", "custom_id")
             )
-        elif self.rules.unique_custom_ids:
+        elif longest is not None and len(cid) > longest:
+            problems.append(
+                Problem(
+                    number,
+                    "custom_id_too_long",
+                    f"custom_id is {len(cid)} characters; the limit is {longest}",
+                    "custom_id",
+                    cid,
+                )
+            )
+        if cid is not None and self.rules.unique_custom_ids:
             if cid in self._seen:
                 problems.append(
                     Problem(number, "duplicate_custom_id", f"custom_id {cid!r} is repeated", "custom_id", cid)
@@ -187,7 +199,30 @@ class LineValidator:
                     cid,
                 )
             )
+        else:
+            problems.extend(self._check_model(body.get("model"), number, cid))
         return problems
+
+    def _check_model(self, model: Any, number: int, cid: str | None) -> list[Problem]:
+        """One model per file, for vendors that fail a whole batch mixing models."""
+        if self.rules.mixed_models or not isinstance(model, str):
+            return []
+        if self.first_model is None:
+            self.first_model = (number, model)
+            return []
+        first_line, first = self.first_model
+        if model == first:
+            return []
+        return [
+            Problem(
+                number,
+                "mismatched_model",
+                f"body.model {model!r} differs from {first!r} on line {first_line}; "
+                "this vendor runs one model per batch file",
+                "body.model",
+                cid,
+            )
+        ]
 
     def _check_url(self, url: Any, number: int, cid: str | None) -> list[Problem]:
         if not isinstance(url, str) or url not in self.rules.endpoints:

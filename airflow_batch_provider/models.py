@@ -74,11 +74,19 @@ class RequestLine(BaseModel):
 
 
 class RequestCounts(_Response):
-    """How many lines of a batch are done; ``completed`` counts successes only."""
+    """How many lines of a batch are done; ``completed`` counts successes only.
+
+    A count the vendor sent as null (or did not send) reads as 0.
+    """
 
     total: int = 0
     completed: int = 0
     failed: int = 0
+
+    @field_validator("total", "completed", "failed", mode="before")
+    @classmethod
+    def _null_is_zero(cls, value: Any) -> Any:
+        return 0 if value is None else value
 
     @property
     def pending(self) -> int:
@@ -133,6 +141,12 @@ class Batch(_Response):
     @classmethod
     def _aware_utc(cls, value: Any) -> Any:
         return to_utc(value)
+
+    @field_validator("request_counts", mode="before")
+    @classmethod
+    def _counts(cls, value: Any) -> Any:
+        # OpenAI-compatible servers send "request_counts": null while validating: counts unknown.
+        return RequestCounts() if value is None else value
 
     @field_validator("metadata", mode="before")
     @classmethod

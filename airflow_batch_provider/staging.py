@@ -225,8 +225,8 @@ class ShardedJsonlWriter:
         self._buffered = 0
         self._hasher = hashlib.sha256()
         self._max_lines = limits.max_lines
-        self._max_bytes = limits.max_file_bytes
-        self._max_line_size = min(limits.max_line_bytes + 1, limits.max_file_bytes)
+        self._max_bytes = limits.max_shard_bytes
+        self._max_line_size = min(limits.max_line_bytes + 1, limits.max_shard_bytes)
 
     @property
     def index(self) -> int:

@@ -204,3 +204,31 @@ def test_prepare_keeps_the_mode_of_the_file_it_replaces(tmp_path: Path) -> None:
     with staging.atomic_writer(str(target)) as handle:
         handle.write(b"new")
     assert target.read_bytes() == b"new" and target.stat().st_mode & 0o777 == 0o604
+
+
+def test_validate_reports_the_first_line_whose_model_differs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    f = write(
+        tmp_path / "models.jsonl",
+        [line(str(i), model=model, messages=messages) for i, model in enumerate(["m1", "m1", "m2"])],
+    )
+    assert main(["validate", str(f)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (
+        f"{f}:line 3: body.model 'm2' differs from 'm1' on line 1; "
+        "this vendor runs one model per batch file [mismatched_model]"
+    )
+    # Doubleword routes each request by its own model.
+    assert main(["validate", str(f), "--dialect", "doubleword"]) == 0
+
+
+def test_validate_holds_hand_made_doubleword_files_to_unique_short_custom_ids(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = write(tmp_path / "ids.jsonl", [line("a"), line("a"), line("x" * 65)])
+    assert main(["validate", str(f), "--dialect", "doubleword"]) == 1
+    out = capsys.readouterr().out
+    assert "line 2: custom_id 'a' is repeated [duplicate_custom_id]" in out
+    assert "line 3: custom_id is 65 characters; the limit is 64 [custom_id_too_long]" in out

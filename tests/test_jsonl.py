@@ -243,14 +243,53 @@ def test_line_problems_come_before_file_problems() -> None:
     assert problems(data, max_lines=2) == [(2, "invalid_json"), (None, "too_many_lines")]
 
 
-def test_dialect_limits_are_the_seed_limits() -> None:
-    for name in ("openai", "doubleword", "zerogpu", "xai"):
+def test_dialect_limits_are_each_vendors_own() -> None:
+    # Only ZeroGPU documents a per-line limit (1 MB); Doubleword takes 10 MB request bodies;
+    # OpenAI and xAI document none, so a line may be as large as the file.
+    expected = {
+        "openai": (50_000, 200 << 20, 200 << 20, 200 << 20),
+        "xai": (50_000, 200 << 20, 200 << 20, 200 << 20),
+        "doubleword": (50_000, 200 << 20, 10 << 20, 100 << 20),
+        "zerogpu": (50_000, 200 << 20, 1 << 20, 100 << 20),
+    }
+    for name, limits_of in expected.items():
         limits = get_dialect(name).validation_rules().limits
-        assert (limits.max_lines, limits.max_file_bytes, limits.max_line_bytes) == (
-            50_000,
-            200 << 20,
-            1 << 20,
-        )
+        assert (
+            limits.max_lines,
+            limits.max_file_bytes,
+            limits.max_line_bytes,
+            limits.max_shard_bytes,
+        ) == limits_of
+
+
+@pytest.mark.parametrize("dialect", ["openai", "doubleword", "xai"])
+def test_a_5mb_line_is_valid_where_no_1mb_limit_is_documented(dialect: str) -> None:
+    big = line("a", body={"model": "m", "messages": [{"role": "user", "content": "x" * (5 << 20)}]})
+    assert problems(lines(big), dialect) == []
+    assert problems(lines(big), "zerogpu") == [(1, "line_too_large")]
+
+
+def test_one_model_per_file_reports_the_first_differing_line() -> None:
+    data = lines(
+        line("a", body={"model": "m1", "messages": []}),
+        line("b", body={"model": "m1", "messages": []}),
+        line("c", body={"model": "m2", "messages": []}),
+        line("d", body={"model": "m3", "messages": []}),
+    )
+    found = list(validate_stream(io.BytesIO(data), get_dialect("openai").validation_rules()))
+    assert [(p.line, p.code) for p in found] == [(3, "mismatched_model"), (4, "mismatched_model")]
+    assert "'m2' differs from 'm1' on line 1" in found[0].message and found[0].param == "body.model"
+    # Dialects that route each request by its own model say so.
+    assert problems(data, "doubleword") == [] and problems(data, "xai") == []
+
+
+def test_custom_id_at_most_64_characters_where_documented() -> None:
+    data = lines(line("x" * 64), line("y" * 65))
+    found = list(validate_stream(io.BytesIO(data), get_dialect("doubleword").validation_rules()))
+    assert [(p.line, p.code) for p in found] == [(2, "custom_id_too_long")]
+    assert "65 characters; the limit is 64" in found[0].message
+    assert problems(data, "openai") == [(2, "custom_id_too_long")]
+    assert problems(data, "xai") == []
 
 
 # ---- helpers ---------------------------------------------------------------------------------

@@ -27,11 +27,21 @@ class Limits:
     :param max_lines: most lines in one file.
     :param max_file_bytes: largest file in bytes.
     :param max_line_bytes: largest single line in bytes (without its newline).
+    :param max_upload_bytes: largest file the vendor's upload endpoint takes, when that is lower
+        than ``max_file_bytes`` (None: no separate upload limit).
     """
 
     max_lines: int = 50_000
     max_file_bytes: int = 200 * MB
     max_line_bytes: int = 1 * MB
+    max_upload_bytes: int | None = None
+
+    @property
+    def max_shard_bytes(self) -> int:
+        """The largest file that can be both uploaded and run as one batch."""
+        if self.max_upload_bytes is None:
+            return self.max_file_bytes
+        return min(self.max_file_bytes, self.max_upload_bytes)
 
     def tightened(
         self,
@@ -47,8 +57,9 @@ class Limits:
 
         return Limits(
             max_lines=pick(self.max_lines, max_lines),
-            max_file_bytes=pick(self.max_file_bytes, max_file_bytes),
+            max_file_bytes=pick(self.max_shard_bytes, max_file_bytes),
             max_line_bytes=pick(self.max_line_bytes, max_line_bytes),
+            max_upload_bytes=self.max_upload_bytes,
         )
 
 
@@ -60,6 +71,8 @@ class ValidationRules:
     :param limits: size limits.
     :param mixed_endpoints: whether lines of one file may target different urls.
     :param unique_custom_ids: whether custom_id must be unique within the file.
+    :param mixed_models: whether lines of one file may name different ``body.model`` values.
+    :param max_custom_id_chars: longest custom_id the vendor accepts (None: no limit).
     """
 
     endpoints: frozenset[str]
@@ -67,6 +80,8 @@ class ValidationRules:
     mixed_endpoints: bool = False
     unique_custom_ids: bool = True
     methods: frozenset[str] = frozenset({"POST"})
+    mixed_models: bool = False
+    max_custom_id_chars: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,9 +115,21 @@ class Dialect:
         {"/v1/chat/completions", "/v1/embeddings", "/v1/completions", "/v1/responses", "/v1/moderations"}
     )
     completion_windows: ClassVar[tuple[str, ...]] = ("24h",)
-    limits: ClassVar[Limits] = Limits()
+    # OpenAI documents 50,000 requests and 200 MB per file and no per-line limit, so a line may
+    # be as large as the file (base64 images, long documents).
+    limits: ClassVar[Limits] = Limits(max_line_bytes=200 * MB)
     mixed_endpoints: ClassVar[bool] = False
+    # OpenAI fails the whole batch when its lines name more than one model.
+    mixed_models: ClassVar[bool] = False
     unique_custom_ids: ClassVar[bool] = True
+    max_custom_id_chars: ClassVar[int | None] = 64
+    # Connection extras without which the vendor answers 401 (checked when the connection is read).
+    required_extras: ClassVar[tuple[str, ...]] = ()
+    # Statuses by which a cancel says the batch is already final (answered, not retried).
+    cancel_final_statuses: ClassVar[frozenset[int]] = frozenset()
+    # Error codes/types by which a 429 (or 402) means the account is out of quota or credit:
+    # waiting does not help, so the call fails at once.
+    quota_error_codes: ClassVar[frozenset[str]] = frozenset({"insufficient_quota"})
     upload_purpose: ClassVar[str | None] = "batch"
     supports_metadata: ClassVar[bool] = True
     max_metadata_pairs: ClassVar[int] = 16
@@ -150,7 +177,31 @@ class Dialect:
             limits=limits or self.limits,
             mixed_endpoints=self.mixed_endpoints,
             unique_custom_ids=self.unique_custom_ids,
+            mixed_models=self.mixed_models,
+            max_custom_id_chars=self.max_custom_id_chars,
         )
+
+    def check_connection(self, extra: Mapping[str, Any], conn_id: str) -> None:
+        """Refuse a connection that lacks what this vendor requires on every request."""
+        missing = [name for name in self.required_extras if not extra.get(name)]
+        if missing:
+            from airflow_batch_provider.exceptions import ConfigurationError
+
+            raise ConfigurationError(
+                f"connection {conn_id!r}: dialect {self.name!r} needs extra "
+                f"{', '.join(repr(m) for m in missing)} on every request (the vendor answers 401 without it)"
+            )
+
+    def is_quota_error(self, status_code: int, body: Any) -> bool:
+        """Whether an error answer means the account is out of quota (never worth retrying)."""
+        if status_code not in (402, 429) or not isinstance(body, Mapping):
+            return False
+        error = body.get("error")
+        if isinstance(error, Mapping):
+            values = (error.get("code"), error.get("type"))
+        else:
+            values = (body.get("code"), body.get("type"))
+        return any(isinstance(v, str) and v.lower() in self.quota_error_codes for v in values)
 
     def check_endpoint(self, endpoint: str) -> None:
         if endpoint not in self.endpoints:
@@ -217,11 +268,13 @@ class Dialect:
         return {"limit": limit or self.list_page_size}
 
     def parse_list_page(self, raw: Mapping[str, Any], params: Mapping[str, Any]) -> ListPage:
+        # The end marker is ``has_more``; a page shorter than the limit asked for is not the end
+        # (servers clamp ``limit``).
         data = raw.get("data") or []
         batches = [self.parse_batch(item) for item in data]
         next_params = None
-        if raw.get("has_more") and data:
-            last = raw.get("last_id") or data[-1].get("id")
+        last = raw.get("last_id") or (data[-1].get("id") if data else None)
+        if raw.get("has_more") and last:
             next_params = {**params, "after": last}
         return ListPage(batches=batches, next_params=next_params)
 
@@ -301,7 +354,10 @@ class Dialect:
     def results_params(self, limit: int | None = None) -> dict[str, Any]:
         raise NotImplementedError(f"dialect {self.name!r} has no results endpoint")
 
-    def parse_results_page(self, raw: Any, params: Mapping[str, Any]) -> ResultsPage:
+    def parse_results_page(
+        self, raw: Any, params: Mapping[str, Any], headers: Mapping[str, str] | None = None
+    ) -> ResultsPage:
+        """One page of the results endpoint; ``headers`` are the response's (some vendors page there)."""
         raise NotImplementedError(f"dialect {self.name!r} has no results endpoint")
 
     def __repr__(self) -> str:

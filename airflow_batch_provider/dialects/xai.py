@@ -11,7 +11,6 @@ Uploads send no ``purpose``; one file may mix endpoints; a batch is created from
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import datetime, timezone
 from typing import Any
 
 from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage
@@ -50,6 +49,9 @@ class XAIDialect(Dialect):
     )
     completion_windows = ("24h",)
     mixed_endpoints = True
+    # Each request names its own model; no custom_id length is documented.
+    mixed_models = True
+    max_custom_id_chars = None
     upload_purpose = None
     supports_metadata = False
     results_modes = ("results_endpoint",)
@@ -86,6 +88,8 @@ class XAIDialect(Dialect):
         success = int(state.get("num_success") or 0)
         failed = int(state.get("num_error") or 0) + int(state.get("num_cancelled") or 0)
         errors: list[BatchError] = []
+        # expire_time is when xAI will stop the batch, not a state: while it still reports
+        # pending requests and no cancel, the batch is running (its own counters decide).
         expire_time = to_utc(raw.get("expire_time"))
         cancel_time = to_utc(raw.get("cancel_time"))
         xai_message = raw.get("cancel_by_xai_message")
@@ -95,8 +99,6 @@ class XAIDialect(Dialect):
             errors.append(BatchError(code="cancelled_by_xai", message=str(xai_message)))
         elif cancel_time is not None:
             status = BatchState.CANCELLED if pending == 0 else BatchState.CANCELLING
-        elif pending > 0 and expire_time is not None and expire_time <= datetime.now(timezone.utc):
-            status = BatchState.EXPIRED
         elif pending > 0:
             status = BatchState.IN_PROGRESS
         elif total > 0:
@@ -105,9 +107,11 @@ class XAIDialect(Dialect):
             # Nothing counted yet: the input file is still being read.
             status = BatchState.VALIDATING
         name = raw.get("name")
+        input_file_id = raw.get("input_file_id")
         return Batch(
             id=str(batch_id),
             state=status,
+            input_file_id=str(input_file_id) if input_file_id else None,
             request_counts=RequestCounts(total=total, completed=success, failed=failed),
             created_at=to_utc(raw.get("create_time")),
             expires_at=expire_time,
@@ -121,21 +125,25 @@ class XAIDialect(Dialect):
         return {"limit": limit or self.list_page_size}
 
     def parse_list_page(self, raw: Mapping[str, Any], params: Mapping[str, Any]) -> ListPage:
+        # The end marker is an absent or null pagination_token, whatever the page's length.
         items = raw.get("batches") or raw.get("data") or []
         token = raw.get("pagination_token")
-        next_params = {**params, "pagination_token": token} if token and items else None
+        next_params = {**params, "pagination_token": token} if token else None
         return ListPage(batches=[self.parse_batch(item) for item in items], next_params=next_params)
 
     def results_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"limit": limit or self.results_page_size}
 
-    def parse_results_page(self, raw: Any, params: Mapping[str, Any]) -> ResultsPage:
+    def parse_results_page(
+        self, raw: Any, params: Mapping[str, Any], headers: Mapping[str, str] | None = None
+    ) -> ResultsPage:
         if not isinstance(raw, Mapping):
             raise BatchApiResponseError("unreadable results page", body=repr(raw)[:500])
         items = raw.get("results") or []
         token = raw.get("pagination_token")
         lines = [self.parse_results_item(item) for item in items]
-        next_params = {**params, "pagination_token": token} if token and items else None
+        # The end marker is an absent or null pagination_token, whatever the page's length.
+        next_params = {**params, "pagination_token": token} if token else None
         return ResultsPage(lines=lines, next_params=next_params)
 
     def parse_results_item(self, item: Mapping[str, Any]) -> ResultLine:
@@ -170,3 +178,56 @@ class XAIDialect(Dialect):
             error=error,
             source="inline",
         )
+
+    def parse_line_error(
+        self, raw_error: Any, *, status_code: Any = None, body: Any = None
+    ) -> LineError | None:
+        """A result's ``error`` is a gRPC status: code 0 (OK) or an empty object is no error;
+        code 1 (CANCELLED) is a line the batch's cancel stopped (``batch_cancelled``) and code 4
+        (DEADLINE_EXCEEDED) one its expiry stopped (``batch_expired``)."""
+        if isinstance(raw_error, Mapping):
+            code = raw_error.get("code")
+            name = _GRPC_CODES.get(code) if isinstance(code, int) and not isinstance(code, bool) else None
+            if name is None and isinstance(code, str):
+                name = _GRPC_CODES.get(int(code)) if code.isdigit() else code.strip().lower()
+            if name == "ok" or (name in (None, "") and not raw_error.get("message")):
+                return None
+            if name == "cancelled":
+                return LineError(
+                    code="batch_cancelled", message=_message(raw_error) or "the request was cancelled"
+                )
+            if name == "deadline_exceeded":
+                # A batch line whose deadline passed was stopped by the batch's expiry.
+                return LineError(
+                    code="batch_expired", message=_message(raw_error) or "the request's deadline passed"
+                )
+            if name is not None:
+                return LineError(code=name, message=_message(raw_error))
+        return super().parse_line_error(raw_error, status_code=status_code, body=body)
+
+
+# google.rpc.Code, by number, in the spelling of its enum names.
+_GRPC_CODES: dict[int, str] = {
+    0: "ok",
+    1: "cancelled",
+    2: "unknown",
+    3: "invalid_argument",
+    4: "deadline_exceeded",
+    5: "not_found",
+    6: "already_exists",
+    7: "permission_denied",
+    8: "resource_exhausted",
+    9: "failed_precondition",
+    10: "aborted",
+    11: "out_of_range",
+    12: "unimplemented",
+    13: "internal",
+    14: "unavailable",
+    15: "data_loss",
+    16: "unauthenticated",
+}
+
+
+def _message(raw_error: Mapping[str, Any]) -> str | None:
+    message = raw_error.get("message")
+    return None if message in (None, "") else str(message)

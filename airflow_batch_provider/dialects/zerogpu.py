@@ -1,7 +1,10 @@
-"""ZeroGPU: OpenAI-shaped batches, ``x-api-key`` auth, chat completions only.
+"""ZeroGPU: OpenAI-shaped batches, ``x-api-key`` + ``x-project-id`` auth, chat completions only.
 
 Validation happens synchronously at ``POST /v1/batches`` and answers 400 with
-``error.line``; a batch with failed lines still ends ``completed``.
+``error.line``; a batch with failed lines still ends ``completed``. A batch may be
+200 MB but one upload at most 100 MB (413 "Uploaded file is larger than 100 MB"),
+so shards are cut at 100 MB. Every request needs both the key and the project
+(401 otherwise); cancelling a finished batch answers 409.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from airflow_batch_provider.dialects.base import Dialect
+from airflow_batch_provider.dialects.base import MB, Dialect, Limits
 
 
 class ZeroGPUDialect(Dialect):
@@ -20,6 +23,11 @@ class ZeroGPUDialect(Dialect):
     default_base_url = "https://api.zerogpu.ai/v1"
     endpoints = frozenset({"/v1/chat/completions"})
     completion_windows = ("24h",)
+    # The only vendor documenting a per-line limit (1 MB); uploads stop at 100 MB.
+    limits = Limits(max_line_bytes=1 * MB, max_upload_bytes=100 * MB)
+    max_custom_id_chars = None
+    required_extras = ("project",)
+    cancel_final_statuses = frozenset({409})
 
     # Codes ZeroGPU documents on error lines; anything else is passed through unchanged.
     error_codes = frozenset(

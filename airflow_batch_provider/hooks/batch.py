@@ -33,8 +33,10 @@ from airflow_batch_provider import __version__
 from airflow_batch_provider.dialects import DIALECTS, Dialect, get_dialect
 from airflow_batch_provider.exceptions import (
     BatchApiError,
+    BatchApiQuotaError,
     BatchApiResponseError,
     ConfigurationError,
+    JsonlValidationError,
 )
 from airflow_batch_provider.hooks._http import (
     MAX_CONTROL_BODY,
@@ -268,6 +270,7 @@ class BatchApiHook(BaseHook):
         prefix = f"extra__{self.conn_type}__"
         extra = {str(k).removeprefix(prefix): v for k, v in raw_extra.items() if v not in (None, "")}
         dialect = self._dialect_override or get_dialect(extra.get("dialect"))
+        dialect.check_connection(extra, self.batch_conn_id)
         headers = extra.get("headers") or {}
         if isinstance(headers, str):
             try:
@@ -390,6 +393,7 @@ class BatchApiHook(BaseHook):
         create: bool = False,
         foreign_redirects: bool = False,
         max_body: int = MAX_CONTROL_BODY,
+        accept: frozenset[int] = frozenset(),
     ) -> httpx.Response:
         """Send with retries; return a 2xx response (open if ``stream``) or raise a typed error.
 
@@ -397,6 +401,9 @@ class BatchApiHook(BaseHook):
         are repeated here; other failures raise ``_AmbiguousCreate``. Each attempt has a total
         deadline of the connection's timeout; a body read whole may be ``max_body`` bytes at
         most; ``foreign_redirects`` lets a redirect reach another origin, without credentials.
+        A status in ``accept`` is returned (read and closed) instead of raised or retried. An
+        answer the dialect reads as out of quota raises ``BatchApiQuotaError`` at once: waiting
+        does not refill a quota.
         """
         settings = self.get_settings()
         client = self.get_conn()
@@ -435,6 +442,9 @@ class BatchApiHook(BaseHook):
                 return response
             response.read()
             response.close()
+            if response.status_code in accept:
+                return response
+            self._raise_if_quota(response, action, what)
             retryable = is_retryable_status(response.status_code)
             if create and retryable and response.status_code not in REFUSED_STATUS:
                 raise _AmbiguousCreate(self._status_error(response, action, what), response)
@@ -460,6 +470,7 @@ class BatchApiHook(BaseHook):
         create: bool = False,
         foreign_redirects: bool = False,
         max_body: int = MAX_CONTROL_BODY,
+        accept: frozenset[int] = frozenset(),
     ) -> httpx.Response:
         """The async twin of ``_request`` (same decisions, non-blocking sleeps)."""
         settings = await self.aget_settings()
@@ -499,6 +510,9 @@ class BatchApiHook(BaseHook):
                 return response
             await response.aread()
             await response.aclose()
+            if response.status_code in accept:
+                return response
+            self._raise_if_quota(response, action, what)
             retryable = is_retryable_status(response.status_code)
             if create and retryable and response.status_code not in REFUSED_STATUS:
                 raise _AmbiguousCreate(self._status_error(response, action, what), response)
@@ -573,6 +587,20 @@ class BatchApiHook(BaseHook):
             ) from None
         return response
 
+    def _raise_if_quota(self, response: httpx.Response, action: str, what: str | None) -> None:
+        settings = self._settings
+        assert settings is not None
+        if not settings.dialect.is_quota_error(response.status_code, _error_body(response)):
+            return
+        error = self._status_error(response, action, what)
+        raise BatchApiQuotaError(
+            f"{action}: the account is out of quota or credit at {settings.base_url} "
+            f"(HTTP {response.status_code}); not retried: add credit or raise the quota, then run again",
+            status_code=error.status_code,
+            request_id=error.request_id,
+            body=error.body,
+        )
+
     def _status_error(self, response: httpx.Response, action: str, what: str | None) -> BatchApiError:
         settings = self._settings
         assert settings is not None
@@ -598,9 +626,18 @@ class BatchApiHook(BaseHook):
     # ---- files -----------------------------------------------------------------------------
     def _upload_body(self, source: PathSource, filename: str | None, dialect: Dialect) -> MultipartUpload:
         try:
-            return MultipartUpload.from_source(source, filename=filename, fields=dialect.upload_form())
+            upload = MultipartUpload.from_source(source, filename=filename, fields=dialect.upload_form())
         except FileNotFoundError:
             raise ConfigurationError(f"cannot upload {source}: no such file") from None
+        limit = dialect.limits.max_shard_bytes
+        if upload.size > limit:
+            # Refused here, before sending: the vendor would read the whole body and then answer 413.
+            raise JsonlValidationError(
+                f"cannot upload {upload.filename}: it is {upload.size:,} bytes and dialect "
+                f"{dialect.name!r} uploads at most {limit:,} bytes per file; build it again "
+                f"(shards are cut at that size) or split it"
+            )
+        return upload
 
     def upload_file(self, source: PathSource, *, filename: str | None = None) -> str:
         """Upload a batch input file, streamed from disk or object storage; return its file id.
@@ -1041,8 +1078,15 @@ class BatchApiHook(BaseHook):
         dialect = self.dialect
         action = f"cancelling batch {batch_id}"
         response = self._request(
-            "POST", dialect.cancel_path(batch_id), action=action, what=f"batch {batch_id!r}"
+            "POST",
+            dialect.cancel_path(batch_id),
+            action=action,
+            what=f"batch {batch_id!r}",
+            accept=dialect.cancel_final_statuses,
         )
+        if not response.is_success:
+            self.log.info("Batch %s is already final (HTTP %d to cancel)", batch_id, response.status_code)
+            return self.get_batch(batch_id)
         self.log.info("Cancel requested for batch %s", batch_id)
         return self._batch_or_get(response, batch_id, action)
 
@@ -1050,8 +1094,15 @@ class BatchApiHook(BaseHook):
         dialect = (await self.aget_settings()).dialect
         action = f"cancelling batch {batch_id}"
         response = await self._arequest(
-            "POST", dialect.cancel_path(batch_id), action=action, what=f"batch {batch_id!r}"
+            "POST",
+            dialect.cancel_path(batch_id),
+            action=action,
+            what=f"batch {batch_id!r}",
+            accept=dialect.cancel_final_statuses,
         )
+        if not response.is_success:
+            self.log.info("Batch %s is already final (HTTP %d to cancel)", batch_id, response.status_code)
+            return await self.aget_batch(batch_id)
         self.log.info("Cancel requested for batch %s", batch_id)
         if not response.content.strip():
             return await self.aget_batch(batch_id)
@@ -1177,6 +1228,7 @@ class BatchApiHook(BaseHook):
         params: dict[str, Any] | None = dialect.results_params()
         pages: set[bytes] = set()
         action = f"reading results of batch {batch.id}"
+        yielded, most = 0, _most_results(dialect, batch)
         while params is not None:
             response = self._request(
                 "GET",
@@ -1186,7 +1238,11 @@ class BatchApiHook(BaseHook):
                 params=params,
                 max_body=MAX_RESULT_LINE_BYTES,
             )
-            page = dialect.parse_results_page(_results_body(response, action, self._settings), params)
+            page = dialect.parse_results_page(
+                _results_body(response, action, self._settings), params, response.headers
+            )
+            yielded += len(page.lines)
+            _check_page_total(yielded, most, action)
             yield from page.lines
             params = _next_params(page.next_params, params, pages, action)
 
@@ -1207,6 +1263,7 @@ class BatchApiHook(BaseHook):
         params: dict[str, Any] | None = dialect.results_params()
         pages: set[bytes] = set()
         action = f"reading results of batch {batch.id}"
+        yielded, most = 0, _most_results(dialect, batch)
         while params is not None:
             response = await self._arequest(
                 "GET",
@@ -1216,7 +1273,11 @@ class BatchApiHook(BaseHook):
                 params=params,
                 max_body=MAX_RESULT_LINE_BYTES,
             )
-            page = dialect.parse_results_page(_results_body(response, action, self._settings), params)
+            page = dialect.parse_results_page(
+                _results_body(response, action, self._settings), params, response.headers
+            )
+            yielded += len(page.lines)
+            _check_page_total(yielded, most, action)
             for line in page.lines:
                 yield line
             params = _next_params(page.next_params, params, pages, action)
@@ -1313,6 +1374,14 @@ def _result_line(
         raise BatchApiResponseError(f"file {file_id!r} line {number}: {exc.args[0]}", body=exc.body) from None
 
 
+def _error_body(response: httpx.Response) -> Any:
+    """The parsed JSON of an error answer (already read), or None."""
+    try:
+        return orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        return None
+
+
 def _results_body(response: httpx.Response, action: str, settings: BatchApiSettings | None) -> Any:
     """A results page as the dialect takes it: parsed JSON, or raw bytes for a JSONL body.
 
@@ -1330,6 +1399,20 @@ def _results_body(response: httpx.Response, action: str, settings: BatchApiSetti
         if b"\n" in content.strip():
             return content
         return parse_json_body(response, action, settings.secrets if settings else None)
+
+
+def _most_results(dialect: Dialect, batch: Batch) -> int:
+    """How many result lines a batch can have: its request count, else the dialect's line limit."""
+    return batch.request_counts.total or dialect.limits.max_lines
+
+
+def _check_page_total(yielded: int, most: int, action: str) -> None:
+    """A results endpoint that pages past every request of the batch would page forever."""
+    if yielded > most:
+        raise BatchApiResponseError(
+            f"{action}: the server returned more result lines ({yielded:,}) than the batch has "
+            f"requests ({most:,}); stopped reading instead of paging without end"
+        )
 
 
 def _next_params(

@@ -14,7 +14,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import IO, TYPE_CHECKING, Any, Literal
 
@@ -310,7 +310,7 @@ class SubmitBatchOperator(BaseOperator):
             state = None
         if state is not None:
             # Intent without an id: the create may have happened before a crash. Look first.
-            found = self._find_orphan(hook, key, fingerprint)
+            found = self._find_orphan(hook, key, fingerprint, state.input_file_id)
             if found is not None:
                 self.log.info(
                     "Shard %d: found batch %s created by an earlier try; re-attaching", shard.index, found.id
@@ -375,11 +375,16 @@ class SubmitBatchOperator(BaseOperator):
         self.log.info("Shard %d: re-attaching to batch %s (%s)", state.shard, batch.id, batch.state.value)
         return state
 
-    def _find_orphan(self, hook: BatchApiHook, key: str, fingerprint: str) -> Batch | None:
+    def _find_orphan(
+        self, hook: BatchApiHook, key: str, fingerprint: str, input_file_id: str | None = None
+    ) -> Batch | None:
+        # A batch made from another file is not this shard's, whatever its tags say (xAI carries
+        # no fingerprint tag, only the batch's input_file_id).
         candidates = [
             b
             for b in hook.find_batches({KEY_NAME: key})
             if hook.dialect.metadata_of(b).get(FINGERPRINT_NAME, fingerprint) == fingerprint
+            and (input_file_id is None or b.input_file_id in (None, input_file_id))
         ]
         if self.resubmit_failed:
             candidates = [b for b in candidates if b.state not in _BAD_END]
@@ -556,6 +561,9 @@ class SubmitBatchOperator(BaseOperator):
     def _validated(self, dialect: Dialect, path: ObjectStoragePath, endpoint: str | None) -> ShardInput:
         """Validate a file with the dialect's rules while hashing it; a bad file fails naming its lines."""
         rules = dialect.validation_rules()
+        if self.model:
+            # Every line is sent with the override model, so the file's own models may differ.
+            rules = replace(rules, mixed_models=True)
         validator = LineValidator(rules, endpoint)
         problems: list[Problem] = []
         count = 0

@@ -19,6 +19,7 @@ from airflow.sdk.exceptions import AirflowSensorTimeout
 
 from airflow_batch_provider.exceptions import (
     BatchApiError,
+    BatchApiQuotaError,
     BatchFailedError,
     ConfigurationError,
     PartialFailureError,
@@ -163,6 +164,8 @@ def terminal_event_now(hook: BatchApiHook, batch_ids: Sequence[str], *, log: Any
     """
     try:
         batches = [hook.get_batch(b) for b in batch_ids]
+    except BatchApiQuotaError:
+        raise  # out of quota: no wait cures it (a rate limit is transient, this is not)
     except TRANSIENT_ERRORS as exc:
         log.info("Could not read the batches before deferring (%s); the trigger will", exc)
         return None
@@ -192,6 +195,8 @@ def wait_sync(
         now = datetime.now(timezone.utc)
         try:
             batches = [hook.get_batch(b) for b in batch_ids]
+        except BatchApiQuotaError:
+            raise  # out of quota: no wait cures it (a rate limit is transient, this is not)
         except TRANSIENT_ERRORS as exc:
             # The failed poll may have taken a while: judge the deadline at the time it ended,
             # and before the error budget (past the deadline the answer is timeout, not error).
@@ -336,6 +341,8 @@ class BatchSensor(BaseSensorOperator):
         hook = self.hook()
         try:
             batches = [hook.get_batch(b) for b in ids]
+        except BatchApiQuotaError:
+            raise  # out of quota: no wait cures it (a rate limit is transient, this is not)
         except TRANSIENT_ERRORS as exc:
             # A transient error is one more poke; the sensor's timeout bounds how long we keep trying.
             self.log.warning("Reading batch status failed, will poke again: %s", exc)

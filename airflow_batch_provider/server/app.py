@@ -72,6 +72,9 @@ async def _guard(request: Request) -> None:
     if forced == "slow" or (not forced and faults.fires("slow", cfg.slow_rate)):
         faults.count("slow")
         await asyncio.sleep(cfg.slow_seconds)
+    if forced == "quota":
+        faults.count("quota")
+        raise st.wire.quota_exceeded()
     for status, rate in ((429, cfg.rate_429), (500, cfg.rate_500), (503, cfg.rate_503)):
         if forced == str(status) or (not forced and faults.fires(str(status), rate)):
             faults.count(f"status_{status}")
@@ -300,6 +303,10 @@ def _files_routes(r: APIRouter) -> None:
         if sink.error or sink.filename is None:
             temp.unlink(missing_ok=True)
             raise wire.error(400, sink.error or "Missing required parameter: 'file'.", param="file")
+        upload_limit = st.config.limits().max_upload_bytes
+        if upload_limit is not None and sink.size > upload_limit:
+            temp.unlink(missing_ok=True)
+            raise wire.upload_too_large(upload_limit)
         purpose = sink.fields.get("purpose")
         if wire.upload_requires_purpose and not purpose:
             temp.unlink(missing_ok=True)
@@ -467,13 +474,13 @@ def _batch_routes(r: APIRouter) -> None:
             )
         rec = _batch(st, batch_id)
         q = request.query_params
+        limit = wire.results_limit(q.get("limit"))
         try:
-            limit = int(q.get("limit") or 1000)
             skip = int(q.get("skip") or 0)
         except ValueError:
-            raise wire.error(400, "skip and limit must be integers.") from None
-        if not 1 <= limit <= 10000 or skip < 0:
-            raise wire.error(400, "limit must be 1..10000 and skip >= 0.", param="limit")
+            raise wire.error(400, "skip must be an integer.") from None
+        if skip < 0:
+            raise wire.error(400, "skip must be >= 0.", param="skip")
         if wire.name == "xai":
             try:
                 page = await asyncio.to_thread(xai_page, st.store, rec, q.get("pagination_token"), limit)
@@ -490,7 +497,8 @@ def _batch_routes(r: APIRouter) -> None:
                 code="not_found",
                 param="input_file_id",
             ) from None
-        return Response(data, media_type="application/x-ndjson")
+        headers = wire.results_headers(rec, skip, data.count(b"\n"))
+        return Response(data, media_type="application/x-ndjson", headers=headers)
 
 
 def _batch(st: ServerState, batch_id: str) -> dict[str, Any]:
@@ -504,7 +512,7 @@ def _cancel(st: ServerState, batch_id: str) -> dict[str, Any]:
     rec = _batch(st, batch_id)
     if rec["status"] in ("completed", "failed", "expired"):
         raise st.wire.error(
-            400,
+            st.wire.cancel_final_status,
             f"Cannot cancel a batch with status {st.wire.status_of(rec)!r}.",
             code="invalid_state",
             param="batch_id",
@@ -577,7 +585,7 @@ async def _admin_guard(request: Request) -> None:
     with a "simple" cross-site request (``text/plain`` or a form needs no CORS preflight).
     """
     st = _state(request)
-    st.wire.check_auth(request.headers, st.config.api_key)
+    st.wire.check_key(request.headers, st.config.api_key)
     if request.method == "POST":
         ctype, _ = parse_options_header(request.headers.get("content-type", ""))
         if ctype != b"application/json":

@@ -11,7 +11,7 @@ from airflow_batch_provider.dialects import DIALECTS, get_dialect
 from airflow_batch_provider.dialects.base import Limits
 
 # Fault kinds a request can ask for with the X-Batch-Fault header.
-REQUEST_FAULTS = ("429", "500", "503", "slow", "drop")
+REQUEST_FAULTS = ("429", "500", "503", "slow", "drop", "quota")
 # Fault kinds that change a batch when sent on POST /v1/batches.
 BATCH_FAULTS = ("fail_validation", "expire", "stall")
 # Largest Retry-After (seconds) and slow-call delay an admin may set.
@@ -78,6 +78,7 @@ class ServerConfig(BaseModel):
     :param max_line_bytes: limit on one line (default: the dialect's).
     :param max_storage_bytes: cap on the bytes kept under ``data_dir`` (files and work files);
         an upload or batch that would pass it is refused with a 507 (None: no cap).
+    :param max_upload_bytes: limit on one upload, answered 413 (default: the dialect's, if any).
     :param max_reported_errors: most validation problems listed on a failed batch.
     :param embedding_dim: dimension of echo embeddings when the request names none.
     :param upstream_url: base URL (with /v1) of the OpenAI-compatible endpoint for ``upstream``.
@@ -106,6 +107,7 @@ class ServerConfig(BaseModel):
     max_file_bytes: int | None = Field(None, ge=1)
     max_line_bytes: int | None = Field(None, ge=1)
     max_storage_bytes: int | None = Field(None, ge=1)
+    max_upload_bytes: int | None = Field(None, ge=1)
     max_reported_errors: int = Field(1000, ge=1)
     embedding_dim: int = Field(16, ge=1, le=8192)
     upstream_url: str | None = None
@@ -131,6 +133,7 @@ class ServerConfig(BaseModel):
             max_lines=self.max_lines or base.max_lines,
             max_file_bytes=self.max_file_bytes or base.max_file_bytes,
             max_line_bytes=self.max_line_bytes or base.max_line_bytes,
+            max_upload_bytes=self.max_upload_bytes or base.max_upload_bytes,
         )
 
     def scaled(self, seconds: float) -> float:

@@ -217,7 +217,15 @@ def _xai_item(result: dict[str, Any]) -> dict[str, Any]:
                 "code": inner.get("code") or f"http_{status_code}",
                 "message": inner.get("message") or "request failed",
             }
+    if isinstance(error, dict) and error.get("code") in _GRPC_STATUS:
+        # xAI's per-line error is a gRPC status: the lines a cancel or the expiry stopped carry
+        # CANCELLED (1) or DEADLINE_EXCEEDED (4).
+        error = {"code": _GRPC_STATUS[error["code"]], "message": error.get("message") or ""}
     return {
         "batch_request_id": result.get("custom_id"),
-        "batch_result": {"response": out_response, "error": error},
+        # A success carries an empty status, as a proto3 message rendered to JSON does.
+        "batch_result": {"response": out_response, "error": error if error is not None else {}},
     }
+
+
+_GRPC_STATUS = {"batch_cancelled": 1, "batch_expired": 4}

@@ -7,6 +7,7 @@ dialects are tested against shapes they did not produce themselves.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
@@ -61,6 +62,8 @@ class Wire:
     # ``response: null`` error lines (ZeroGPU's documented error schema).
     error_lines_keep_response = True
     results_endpoint = False
+    # What a cancel of a finished batch answers.
+    cancel_final_status = 400
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
@@ -89,12 +92,18 @@ class Wire:
         return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
     def check_auth(self, headers: Mapping[str, str], api_key: str | None) -> None:
+        """What the vendor requires on every API request (the key, and a vendor's own extras)."""
+        self.check_key(headers, api_key)
+
+    def check_key(self, headers: Mapping[str, str], api_key: str | None) -> None:
+        """The API key alone (also what guards the server's own /admin endpoints)."""
         if api_key is None:
             return
         presented = self.presented_key(headers)
         if presented is None:
             raise self.error(401, "No API key provided.", code="missing_api_key")
-        if presented != api_key:
+        # Constant-time: the comparison must not tell an attacker how much of a guess was right.
+        if not hmac.compare_digest(presented.encode(), api_key.encode()):
             # Never echo the key back: only say that it did not match.
             raise self.error(401, "Incorrect API key provided.", code="invalid_api_key")
 
@@ -109,6 +118,30 @@ class Wire:
             code="rate_limit_exceeded",
             headers={"Retry-After": f"{retry_after:g}", "retry-after-ms": str(int(retry_after * 1000))},
         )
+
+    def quota_exceeded(self) -> ApiError:
+        """A 429 that no wait cures: the account is out of quota (OpenAI's ``insufficient_quota``)."""
+        return self.error(
+            429,
+            "You exceeded your current quota (injected by the local batch server).",
+            type_="insufficient_quota",
+            code="insufficient_quota",
+        )
+
+    def upload_too_large(self, limit: int) -> ApiError:
+        size = f"{limit // (1 << 20)} MB" if limit % (1 << 20) == 0 else f"{limit:,} bytes"
+        return self.error(413, f"Uploaded file is larger than {size}", param="file", code="file_too_large")
+
+    def results_limit(self, value: str | None) -> int:
+        """The page size of a results endpoint, from its ``limit`` parameter."""
+        limit = _int_param(value, 1000, "limit", self)
+        if not 1 <= limit <= 10000:
+            raise self.error(400, "limit must be 1..10000.", param="limit")
+        return limit
+
+    def results_headers(self, rec: Mapping[str, Any], skip: int, lines: int) -> dict[str, str]:
+        """Headers of a results page (where a vendor says whether more pages follow)."""
+        return {}
 
     def server_error(self, status: int, retry_after: float) -> ApiError:
         headers = {"Retry-After": f"{retry_after:g}"} if status == 503 else {}
@@ -323,6 +356,22 @@ class DoublewordWire(Wire):
     id_style = "uuid"
     results_endpoint = True
 
+    # Its results endpoint clamps ``limit`` to 1..101 (10 when absent) instead of refusing it, and
+    # says whether more results exist in ``X-Incomplete`` (true while the batch still runs).
+    RESULTS_DEFAULT_LIMIT = 10
+    RESULTS_MAX_LIMIT = 101
+
+    def results_limit(self, value: str | None) -> int:
+        limit = _int_param(value, self.RESULTS_DEFAULT_LIMIT, "limit", self)
+        return max(1, min(limit, self.RESULTS_MAX_LIMIT))
+
+    def results_headers(self, rec: Mapping[str, Any], skip: int, lines: int) -> dict[str, str]:
+        counts = rec["request_counts"]
+        running = rec["status"] in ("validating", "in_progress", "finalizing", "cancelling")
+        last = skip + lines
+        more = running or last < counts["completed"] + counts["failed"]
+        return {"X-Incomplete": "true" if more else "false", "X-Last-Line": str(last)}
+
     def status_of(self, rec: Mapping[str, Any]) -> str:
         # Doubleword derives status from its request counts and never says "expired":
         # a batch whose window ran out is complete, its unfinished lines failed.
@@ -341,6 +390,7 @@ class ZeroGPUWire(Wire):
     name = "zerogpu"
     sync_validation = True
     error_lines_keep_response = False
+    cancel_final_status = 409
 
     _CODES = {
         400: "invalid_request_error",
@@ -369,6 +419,12 @@ class ZeroGPUWire(Wire):
 
     def presented_key(self, headers: Mapping[str, str]) -> str | None:
         return (headers.get("x-api-key") or "").strip() or None
+
+    def check_auth(self, headers: Mapping[str, str], api_key: str | None) -> None:
+        super().check_auth(headers, api_key)
+        if api_key is not None and not (headers.get("x-project-id") or "").strip():
+            # ZeroGPU needs the project on every request, beside the key.
+            raise self.error(401, "Missing x-project-id header.", code="missing_project")
 
     _SIZE_RULES = frozenset({"line_too_large", "file_too_large", "too_many_lines"})
 
@@ -426,18 +482,19 @@ class XAIWire(Wire):
     def render_batch(self, rec: Mapping[str, Any]) -> dict[str, Any]:
         counts = rec["request_counts"]
         progress = rec.get("progress") or {}
-        expired = int(progress.get("expired", 0))
         cancelled = int(progress.get("cancelled", 0))
-        errored = counts["failed"] - expired - cancelled
+        # Lines the expiry stopped end as errors (gRPC DEADLINE_EXCEEDED in the results), so the
+        # counters, the only state xAI reports, reach zero pending.
+        errored = counts["failed"] - cancelled
         total = counts["total"]
         status = rec["status"]
-        # Expired lines were never run: xAI leaves them pending past the expire time.
         pending = total - counts["completed"] - errored - cancelled
         if status in ("validating", "failed"):
             total = pending = 0
         return {
             "batch_id": rec["id"],
             "name": rec.get("name"),
+            "input_file_id": rec.get("input_file_id"),
             "create_time": _iso(rec["created_at"]),
             "expire_time": _iso(rec.get("expires_at")),
             "cancel_time": _iso(rec.get("cancelled_at") or rec.get("cancelling_at") or rec.get("failed_at")),

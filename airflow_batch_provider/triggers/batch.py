@@ -28,6 +28,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from airflow_batch_provider.exceptions import (
     BatchApiConnectionError,
     BatchApiError,
+    BatchApiQuotaError,
     BatchApiRateLimitError,
     BatchApiResponseError,
     BatchApiServerError,
@@ -307,6 +308,11 @@ class BatchTrigger(BaseTrigger):
                     # poll in flight is given up (a TimeoutError, transient) once its budget is spent.
                     async with asyncio.timeout(poll_budget(deadline, self.poll_interval, now)):
                         batches = await self._poll(hook)
+                except BatchApiQuotaError as exc:
+                    # Out of quota: no wait refills it, so the watch ends now (before the
+                    # transient clause, which would take it for a rate limit).
+                    yield TriggerEvent(error_event(self.batch_ids, f"cannot poll batch(es): {exc}"))
+                    return
                 except TRANSIENT_ERRORS as exc:
                     # The poll may have taken a while: judge the deadline at the time it ended.
                     now = datetime.now(timezone.utc)

@@ -95,9 +95,20 @@ def test_failed_items(item: dict, code: str, message: str) -> None:
     assert line.error is not None and (line.error.code, line.error.message) == (code, message)
 
 
-def test_item_needs_custom_id() -> None:
+@pytest.mark.parametrize("item", [{"id": "x", "response_body": {}}, {"id": "x", "custom_id": None}])
+def test_item_without_custom_id_is_kept_as_an_unmatched_failure(item: dict) -> None:
+    # Doubleword's custom_id is optional (null on the results endpoint): the line is reported,
+    # not a crash of the whole read.
+    line = D.parse_results_item({**item, "status": "completed"})
+    assert line.custom_id == "" and not line.ok and line.line_id == "x"
+    assert (
+        line.error is not None and line.error.code == "missing_custom_id" and "'x'" in str(line.error.message)
+    )
+
+
+def test_item_with_an_unreadable_custom_id() -> None:
     with pytest.raises(BatchApiResponseError, match="custom_id"):
-        D.parse_results_item({"id": "x", "response_body": {}})
+        D.parse_results_item({"id": "x", "custom_id": 5, "response_body": {}})
 
 
 def _item(i: int) -> dict:
@@ -114,14 +125,42 @@ def _item(i: int) -> dict:
     ],
 )
 def test_results_page_shapes(raw: object) -> None:
-    page = D.parse_results_page(raw, {"skip": 0, "limit": 10})
+    page = D.parse_results_page(raw, {"skip": 0, "limit": 10}, {"X-Incomplete": "false"})
     assert [line.custom_id for line in page.lines] == ["c0", "c1", "c2"]
-    assert page.next_params is None  # a short page is the last one
+    assert page.next_params is None  # the server said it was the last page
+
+
+def test_a_short_page_is_not_the_end() -> None:
+    # The server clamps limit (to 101): 3 lines for a limit of 1000 says nothing about the rest.
+    page = D.parse_results_page([_item(i) for i in range(3)], {"skip": 0, "limit": 1000})
+    assert page.next_params == {"skip": 3, "limit": 1000}
+    page = D.parse_results_page(
+        [_item(i) for i in range(3)], {"skip": 0, "limit": 1000}, {"X-Incomplete": "true"}
+    )
+    assert page.next_params == {"skip": 3, "limit": 1000}
+
+
+def test_the_end_is_x_incomplete_false_or_an_empty_page() -> None:
+    assert (
+        D.parse_results_page([_item(0)], {"skip": 4, "limit": 2}, {"x-incomplete": "false"}).next_params
+        is None
+    )
+    assert D.parse_results_page(b"", {"skip": 4, "limit": 2}).next_params is None
+    # An empty page ends the walk even while the server says the batch still runs.
+    assert D.parse_results_page(b"", {"skip": 4, "limit": 2}, {"X-Incomplete": "true"}).next_params is None
 
 
 def test_full_page_asks_for_the_next() -> None:
     page = D.parse_results_page([_item(i) for i in range(2)], {"skip": 4, "limit": 2})
     assert page.next_params == {"skip": 6, "limit": 2}
+
+
+def test_doubleword_limits() -> None:
+    # 10 MB request bodies, 100 MB uploads (so shards are cut at 100 MB), 64-character custom_ids.
+    assert D.limits.max_line_bytes == 10 << 20
+    assert D.limits.max_upload_bytes == 100 << 20 and D.limits.max_shard_bytes == 100 << 20
+    rules = D.validation_rules()
+    assert rules.max_custom_id_chars == 64 and rules.mixed_models
 
 
 def test_a_single_item_answered_as_one_json_object_is_not_dropped() -> None:

@@ -260,8 +260,10 @@ def test_result_line_needs_custom_id(raw: dict[str, Any]) -> None:
 
 def test_validation_rules_and_tightened_limits() -> None:
     rules = D.validation_rules()
-    assert rules.unique_custom_ids and not rules.mixed_endpoints
-    assert rules.limits.max_lines == 50_000 and rules.limits.max_line_bytes == 1024 * 1024
+    assert rules.unique_custom_ids and not rules.mixed_endpoints and not rules.mixed_models
+    # OpenAI documents no per-line limit: a line may be as large as the 200 MB file.
+    assert rules.limits.max_lines == 50_000 and rules.limits.max_line_bytes == 200 * 1024 * 1024
+    assert rules.max_custom_id_chars == 64
     tight = D.limits.tightened(max_lines=10, max_file_bytes=10**12)
     assert tight.max_lines == 10 and tight.max_file_bytes == D.limits.max_file_bytes
     assert D.validation_rules(tight).limits.max_lines == 10
@@ -270,3 +272,45 @@ def test_validation_rules_and_tightened_limits() -> None:
 def test_repr() -> None:
     assert repr(D) == "<Dialect openai>"
     assert isinstance(D, Dialect)
+
+
+def test_null_fields_of_a_validating_batch() -> None:
+    # OpenAI-compatible servers send null counts, errors, usage, model and timestamps while
+    # validating: the counts are unknown (read as 0), nothing crashes.
+    raw = {
+        "id": "batch_n",
+        "object": "batch",
+        "status": "validating",
+        "endpoint": "/v1/chat/completions",
+        "input_file_id": "file-1",
+        "completion_window": "24h",
+        "request_counts": None,
+        "errors": None,
+        "usage": None,
+        "model": None,
+        "metadata": None,
+        "created_at": None,
+        "in_progress_at": None,
+        "expires_at": None,
+        "completed_at": None,
+        "output_file_id": None,
+        "error_file_id": None,
+    }
+    batch = D.parse_batch(raw)
+    assert batch.state is BatchState.VALIDATING and batch.input_file_id == "file-1"
+    assert batch.request_counts.total == 0 and batch.request_counts.pending == 0
+    assert batch.errors == [] and batch.metadata == {} and batch.created_at is None
+    partial = D.parse_batch({**raw, "request_counts": {"total": 3, "completed": None, "failed": None}})
+    assert (partial.request_counts.total, partial.request_counts.completed) == (3, 0)
+
+
+def test_quota_errors_are_named_by_code_or_type() -> None:
+    quota = {
+        "error": {"message": "You exceeded your current quota", "type": "insufficient_quota", "code": None}
+    }
+    assert D.is_quota_error(429, quota)
+    assert D.is_quota_error(429, {"error": {"code": "insufficient_quota"}})
+    assert D.is_quota_error(402, {"error": {"type": "insufficient_quota"}})
+    assert not D.is_quota_error(429, {"error": {"code": "rate_limit_exceeded", "type": "requests"}})
+    assert not D.is_quota_error(400, quota)
+    assert not D.is_quota_error(429, "insufficient_quota")

@@ -41,7 +41,9 @@ def xbatch(**state: int) -> dict[str, Any]:
             xbatch(num_success=1, num_cancelled=3) | {"cancel_time": "2026-11-30T10:05:00Z"},
             BatchState.CANCELLED,
         ),
-        (xbatch(num_pending=2) | {"expire_time": PAST}, BatchState.EXPIRED),
+        # Past expire_time with pending requests and no cancel: xAI still runs it.
+        (xbatch(num_pending=2) | {"expire_time": PAST}, BatchState.IN_PROGRESS),
+        (xbatch(num_success=2, num_error=2) | {"expire_time": PAST}, BatchState.COMPLETED),
         (
             xbatch(num_requests=0, num_success=0) | {"cancel_by_xai_message": "line 3: invalid JSON"},
             BatchState.FAILED,
@@ -101,7 +103,12 @@ def test_list_page_pagination_token() -> None:
     assert (
         D.parse_list_page({"batches": [xbatch()], "pagination_token": None}, {"limit": 1}).next_params is None
     )
-    assert D.parse_list_page({"batches": [], "pagination_token": "tok"}, {"limit": 1}).next_params is None
+    # The token is the end marker, not the page's length.
+    assert D.parse_list_page({"batches": [], "pagination_token": "tok"}, {"limit": 1}).next_params == {
+        "limit": 1,
+        "pagination_token": "tok",
+    }
+    assert D.parse_list_page({"batches": [xbatch()]}, {"limit": 5}).next_params is None
 
 
 def test_results_page() -> None:
@@ -141,8 +148,51 @@ def test_results_page() -> None:
 
 
 def test_results_page_last_and_bad() -> None:
-    assert D.parse_results_page({"results": [], "pagination_token": "x"}, {"limit": 5}).next_params is None
+    assert D.parse_results_page({"results": [], "pagination_token": None}, {"limit": 5}).next_params is None
+    assert D.parse_results_page({"results": []}, {"limit": 5}).next_params is None
+    # A page shorter than the limit asked for, with a token, is not the end.
+    short = {
+        "results": [{"batch_request_id": "a", "batch_result": {"response": {"x": {}}}}],
+        "pagination_token": "t",
+    }
+    assert D.parse_results_page(short, {"limit": 1000}).next_params == {
+        "limit": 1000,
+        "pagination_token": "t",
+    }
     with pytest.raises(BatchApiResponseError, match="unreadable"):
         D.parse_results_page([1, 2], {"limit": 5})
     with pytest.raises(BatchApiResponseError, match="batch_request_id"):
         D.parse_results_item({"batch_result": {}})
+
+
+@pytest.mark.parametrize(
+    "error", [{}, {"code": 0}, {"code": "0"}, {"code": "OK", "message": ""}, {"code": 0, "message": "ok"}]
+)
+def test_grpc_ok_or_empty_error_is_a_success(error: dict[str, Any]) -> None:
+    item = {
+        "batch_request_id": "a",
+        "batch_result": {"response": {"chat_get_completion": {"id": "r"}}, "error": error},
+    }
+    line = D.parse_results_item(item)
+    assert line.ok and line.error is None and line.body == {"id": "r"}
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        ({"code": 1, "message": "cancelled by user"}, "batch_cancelled"),
+        ({"code": "CANCELLED"}, "batch_cancelled"),
+        ({"code": 4, "message": "deadline"}, "batch_expired"),
+        ({"code": 3, "message": "bad request"}, "invalid_argument"),
+        ({"code": "RESOURCE_EXHAUSTED", "message": "m"}, "resource_exhausted"),
+        ({"message": "no code"}, None),
+    ],
+)
+def test_grpc_error_codes(error: dict[str, Any], code: str | None) -> None:
+    line = D.parse_results_item({"batch_request_id": "a", "batch_result": {"response": None, "error": error}})
+    assert not line.ok and line.error is not None and line.error.code == code
+
+
+def test_batch_keeps_its_input_file_id() -> None:
+    assert D.parse_batch(xbatch() | {"input_file_id": "file-9"}).input_file_id == "file-9"
+    assert D.parse_batch(xbatch()).input_file_id is None

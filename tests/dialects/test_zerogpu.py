@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from airflow_batch_provider.dialects import ZeroGPUDialect
+from airflow_batch_provider import staging
+from airflow_batch_provider.dialects import Limits, ZeroGPUDialect
 from airflow_batch_provider.exceptions import ConfigurationError
 from airflow_batch_provider.models import BatchState
 
@@ -109,3 +112,31 @@ def test_every_error_code_passes_through(code: str) -> None:
         {"custom_id": "c", "response": None, "error": {"code": code, "message": "m"}}, "error"
     )
     assert line.error is not None and line.error.code == code and not line.ok
+
+
+def test_limits_shard_at_the_100mb_upload_limit() -> None:
+    # A batch may be 200 MB, but one upload at most 100 MB: shards are cut at the upload limit.
+    assert D.limits.max_file_bytes == 200 << 20 and D.limits.max_upload_bytes == 100 << 20
+    assert D.limits.max_shard_bytes == 100 << 20
+    assert D.limits.tightened().max_file_bytes == 100 << 20  # what the build operator shards to
+    assert D.limits.tightened(max_file_bytes=1000).max_file_bytes == 1000
+    assert D.limits.max_line_bytes == 1 << 20  # the only documented per-line limit
+
+
+def test_sharded_writer_cuts_at_the_upload_limit(tmp_path: Path) -> None:
+    directory = staging.resolve_path(tmp_path)
+    limits = Limits(max_lines=100, max_file_bytes=40, max_line_bytes=10, max_upload_bytes=20)
+    with staging.ShardedJsonlWriter(directory, limits) as writer:
+        indexes = [writer.add(b"x" * 9) for _ in range(4)]
+    assert indexes == [0, 0, 1, 1]
+    assert [s.bytes for s in writer.shards] == [20, 20]
+    # The resubmission path of the merge hands the dialect's own limits to the same writer.
+    assert staging.ShardedJsonlWriter(directory, D.limits)._max_bytes == 100 << 20
+
+
+def test_project_is_required_and_a_finished_batch_cancel_is_final() -> None:
+    assert D.required_extras == ("project",)
+    with pytest.raises(ConfigurationError, match="'zerogpu' needs extra 'project'"):
+        D.check_connection({"dialect": "zerogpu"}, "c")
+    D.check_connection({"project": "p"}, "c")
+    assert D.cancel_final_statuses == {409}

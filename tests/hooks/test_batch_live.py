@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,12 @@ from typing import Any
 import orjson
 import pytest
 
-from airflow_batch_provider.exceptions import BatchApiAuthError, BatchApiNotFoundError, BatchApiRateLimitError
+from airflow_batch_provider.exceptions import (
+    BatchApiAuthError,
+    BatchApiNotFoundError,
+    BatchApiQuotaError,
+    BatchApiRateLimitError,
+)
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.hooks.retry import RetryPolicy
 from airflow_batch_provider.models import Batch, BatchState
@@ -280,3 +286,81 @@ def test_transfers_keep_memory_flat(live, tmp_path: Path) -> None:
     for peak in (peak_upload, peak_download, peak_iter):
         assert peak < size / 3, f"peak {peak:,} bytes for a {size:,}-byte file"
     assert (tmp_path / "copy.jsonl").read_bytes() == source.read_bytes()
+
+
+# ---- vendor conformance (issue #13) ----------------------------------------------------------
+
+
+async def test_doubleword_results_with_the_default_page_size_yield_every_line(live, tmp_path: Path) -> None:
+    # The doubleword server clamps limit to 101 however many are asked for (the default is 1000):
+    # a walk that stopped at the first short page would lose 149 of these 250 lines.
+    server, hook = live("doubleword")
+    ids = write_input(tmp_path / "in.jsonl", n=250)
+    file_id = hook.upload_file(tmp_path / "in.jsonl")
+    batch = wait_terminal(hook, hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT).id)
+    before = server.stats()["counters"]["requests"]
+    lines = list(hook.iter_results(batch, mode="results_endpoint"))
+    assert sorted(line.custom_id for line in lines) == sorted(ids) and all(line.ok for line in lines)
+    assert (
+        server.stats()["counters"]["requests"] - before == 3
+    )  # 101 + 101 + 48, the last says X-Incomplete: false
+    alines = [line async for line in hook.aiter_results(batch, mode="results_endpoint")]
+    assert sorted(line.custom_id for line in alines) == sorted(ids)
+
+
+async def test_zerogpu_cancel_of_a_completed_batch_answers_409_and_is_not_retried(
+    live, tmp_path: Path
+) -> None:
+    server, hook = live("zerogpu")
+    write_input(tmp_path / "in.jsonl", n=2)
+    file_id = hook.upload_file(tmp_path / "in.jsonl")
+    batch = wait_terminal(hook, hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT).id)
+    before = server.stats()["counters"]["requests"]
+    assert hook.cancel_batch(batch.id).state is BatchState.COMPLETED
+    assert (await hook.acancel_batch(batch.id)).state is BatchState.COMPLETED
+    assert server.stats()["counters"]["requests"] - before == 4  # cancel + get, twice; no retry
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_quota_exhaustion_fails_at_once(live, monkeypatch: pytest.MonkeyPatch, dialect: str) -> None:
+    server, _ = live(dialect)
+    conn = json.loads(server.connection_json())
+    conn["extra"]["headers"] = {"X-Batch-Fault": "quota"}
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_QUOTA", json.dumps(conn))
+    hook = BatchApiHook("batch_quota", retry_policy=FAST)
+    with pytest.raises(BatchApiQuotaError, match="out of quota") as caught:
+        list(hook.list_batches())
+    assert caught.value.status_code == 429
+    with pytest.raises(BatchApiQuotaError):
+        await hook.aget_batch("batch_x")
+    assert server.stats()["counters"]["quota"] == 2  # one request each, never retried
+
+
+def test_xai_batch_keeps_its_input_file_for_the_orphan_lookup(live, tmp_path: Path) -> None:
+    server, hook = live("xai")
+    write_input(tmp_path / "in.jsonl", n=2)
+    file_id = hook.upload_file(tmp_path / "in.jsonl")
+    created = hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT, name="run-x")
+    assert created.input_file_id == file_id
+    assert [b.input_file_id for b in hook.find_batches({"name": "run-x"})] == [file_id]
+    # The lookup after a lost create skips a batch made from another file.
+    assert hook._matches(created, file_id) and not hook._matches(created, "file-other")
+
+
+def test_xai_cancelled_and_expired_lines_follow_the_vendor_state(live, tmp_path: Path) -> None:
+    server, hook = live("xai", faults={"stall_batches": True})
+    ids = write_input(tmp_path / "in.jsonl", n=3)
+    file_id = hook.upload_file(tmp_path / "in.jsonl")
+    batch = hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT)
+    hook.cancel_batch(batch.id)
+    cancelled = wait_terminal(hook, batch.id)
+    assert cancelled.state is BatchState.CANCELLED
+    lines = list(hook.iter_results(cancelled))
+    assert sorted(line.custom_id for line in lines) == ids
+    assert {line.error.code for line in lines if line.error} == {"batch_cancelled"}
+    server.set_faults(stall_batches=False, expire_batches=True)
+    expiring = hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT)
+    ended = wait_terminal(hook, expiring.id)
+    # xAI reports no "expired" state: the lines its expiry stopped end as errors (DEADLINE_EXCEEDED).
+    assert ended.state is BatchState.COMPLETED and ended.request_counts.failed == 3
+    assert {line.error.code for line in hook.iter_results(ended) if line.error} == {"batch_expired"}

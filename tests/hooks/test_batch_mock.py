@@ -19,10 +19,12 @@ from airflow_batch_provider.exceptions import (
     BatchApiConnectionError,
     BatchApiError,
     BatchApiNotFoundError,
+    BatchApiQuotaError,
     BatchApiRateLimitError,
     BatchApiResponseError,
     BatchApiServerError,
     ConfigurationError,
+    JsonlValidationError,
     UnknownBatchStatusError,
 )
 from airflow_batch_provider.hooks.batch import BatchApiHook, normalize_base_url
@@ -677,7 +679,9 @@ def test_doubleword_results_endpoint_pages_with_skip_and_limit(mock_hook) -> Non
             seen.append(params)
             skip, limit = int(params["skip"]), int(params["limit"])
             body = jsonl(items[skip : skip + limit])
-            return httpx.Response(200, content=body, headers={"content-type": "application/x-ndjson"})
+            more = "true" if skip + limit < len(items) else "false"
+            headers = {"content-type": "application/x-ndjson", "X-Incomplete": more}
+            return httpx.Response(200, content=body, headers=headers)
         return json_response(200, openai_batch("dw-1", status="completed"))
 
     hook = mock_hook(handler, dialect="doubleword")
@@ -686,7 +690,7 @@ def test_doubleword_results_endpoint_pages_with_skip_and_limit(mock_hook) -> Non
     assert [line.custom_id for line in lines] == [f"c{i}" for i in range(5)]
     assert [line.ok for line in lines] == [True, True, True, False, True]
     assert lines[3].error is not None and lines[3].error.message == "model overloaded"
-    # The default page size is 1000, so 5 items end paging after one request.
+    # The default page size is 1000 and the server says X-Incomplete: false: one request.
     assert seen == [{"skip": "0", "limit": "1000"}]
 
 
@@ -710,7 +714,8 @@ def test_doubleword_results_endpoint_follows_full_pages(mock_hook, monkeypatch) 
     assert [line.custom_id for line in hook.iter_results(batch, mode="results_endpoint")] == [
         f"c{i}" for i in range(5)
     ]
-    assert seen == ["0:2", "2:2", "4:2"]
+    # No X-Incomplete header here: the short page at 4 is not the end, the empty one at 5 is.
+    assert seen == ["0:2", "2:2", "4:2", "5:2"]
 
 
 def test_xai_results_page_with_pagination_token(mock_hook) -> None:
@@ -1149,3 +1154,171 @@ async def test_concurrent_first_calls_share_one_async_client(mock_hook) -> None:
     clients = await asyncio.gather(*(hook.aget_conn() for _ in range(5)))
     assert all(c is clients[0] for c in clients)
     await hook.aclose()
+
+
+# ---- vendor conformance (issue #13) ----------------------------------------------------------
+
+
+def _clamping_doubleword(items: list[dict[str, Any]], seen: list[str], *, marker: bool):
+    """A Doubleword results endpoint that clamps limit to 3, with or without its X-Incomplete marker."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        skip, limit = int(request.url.params["skip"]), min(int(request.url.params["limit"]), 3)
+        seen.append(f"{skip}:{request.url.params['limit']}")
+        headers = {"content-type": "application/x-ndjson"}
+        if marker:
+            headers["X-Incomplete"] = "true" if skip + limit < len(items) else "false"
+        return httpx.Response(200, content=jsonl(items[skip : skip + limit]), headers=headers)
+
+    return handler
+
+
+@pytest.mark.parametrize("marker", [True, False])
+async def test_doubleword_short_pages_are_not_the_end(mock_hook, marker: bool) -> None:
+    items = [
+        {"id": f"r{i}", "custom_id": f"c{i}", "response_body": {"n": i}, "status": "completed"}
+        for i in range(7)
+    ]
+    seen: list[str] = []
+    hook = mock_hook(_clamping_doubleword(items, seen, marker=marker), dialect="doubleword")
+    batch = hook.dialect.parse_batch(openai_batch("dw-3", status="completed"))
+    assert [line.custom_id for line in hook.iter_results(batch, mode="results_endpoint")] == [
+        f"c{i}" for i in range(7)
+    ]
+    # With the marker the walk stops on X-Incomplete: false; without it, only an empty page ends it.
+    assert seen == (["0:1000", "3:1000", "6:1000"] if marker else ["0:1000", "3:1000", "6:1000", "7:1000"])
+    seen.clear()
+    lines = [line.custom_id async for line in hook.aiter_results(batch, mode="results_endpoint")]
+    assert lines == [f"c{i}" for i in range(7)]
+
+
+def test_doubleword_result_without_custom_id_is_yielded_not_raised(mock_hook) -> None:
+    items = [
+        {"id": "r0", "custom_id": "c0", "response_body": {"n": 0}, "status": "completed"},
+        {"id": "r1", "custom_id": None, "response_body": {"n": 1}, "status": "completed"},
+    ]
+    hook = mock_hook(_clamping_doubleword(items, [], marker=True), dialect="doubleword")
+    batch = hook.dialect.parse_batch(openai_batch("dw-4", status="completed"))
+    lines = list(hook.iter_results(batch, mode="results_endpoint"))
+    assert [(line.custom_id, line.ok) for line in lines] == [("c0", True), ("", False)]
+    assert lines[1].error is not None and lines[1].error.code == "missing_custom_id"
+
+
+def test_openai_list_follows_has_more_past_a_short_page(mock_hook) -> None:
+    # A server that clamps limit answers 2 of the 100 asked for, with has_more: the walk goes on.
+    pages = {
+        None: {"data": [openai_batch("b1"), openai_batch("b2")], "has_more": True, "last_id": "b2"},
+        "b2": {"data": [openai_batch("b3")], "has_more": False},
+    }
+    hook = mock_hook(lambda r: json_response(200, pages[r.url.params.get("after")]))
+    assert [b.id for b in hook.list_batches()] == ["b1", "b2", "b3"]
+
+
+def test_null_request_counts_and_fields_read_as_unknown(mock_hook) -> None:
+    nulls = openai_batch(status="validating", request_counts=None, errors=None, usage=None, model=None)
+    nulls.update(created_at=None, in_progress_at=None, expires_at=None, output_file_id=None)
+    hook = mock_hook(lambda r: json_response(200, nulls))
+    batch = hook.get_batch("batch_1")
+    assert batch.state is BatchState.VALIDATING and batch.request_counts.total == 0
+
+
+@pytest.mark.parametrize(
+    ("status", "error"),
+    [
+        (
+            429,
+            {
+                "message": "You exceeded your current quota",
+                "type": "insufficient_quota",
+                "code": "insufficient_quota",
+            },
+        ),
+        (429, {"message": "quota", "type": "requests", "code": "insufficient_quota"}),
+        (402, {"message": "Insufficient credits", "type": "insufficient_quota", "code": None}),
+    ],
+)
+async def test_quota_errors_fail_at_once(mock_hook, sleeps, status: int, error: dict[str, Any]) -> None:
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        return json_response(status, {"error": error})
+
+    hook = mock_hook(handler)
+    with pytest.raises(BatchApiQuotaError, match="out of quota or credit") as caught:
+        hook.get_batch("batch_1")
+    assert isinstance(caught.value, BatchApiRateLimitError) and caught.value.status_code == status
+    with pytest.raises(BatchApiQuotaError):
+        await hook.aget_batch("batch_1")
+    with pytest.raises(BatchApiQuotaError):
+        hook.create_batch(input_file_id="f", endpoint="/v1/chat/completions", metadata={"k": "v"})
+    assert len(calls) == 3 and sleeps == []
+
+
+def test_a_plain_429_is_still_retried(mock_hook, sleeps) -> None:
+    answers = iter(
+        [json_response(429, {"error": {"code": "rate_limit_exceeded"}}), json_response(200, openai_batch())]
+    )
+    assert mock_hook(lambda r: next(answers)).get_batch("batch_1").id == "batch_1"
+    assert len(sleeps) == 1
+
+
+def test_zerogpu_connection_needs_the_project(batch_conn) -> None:
+    hook = BatchApiHook(batch_conn("batch_zg", dialect="zerogpu"))
+    with pytest.raises(ConfigurationError, match="'batch_zg'.*'zerogpu' needs extra 'project'"):
+        hook.get_settings()
+    ok, message = hook.test_connection()
+    assert not ok and "needs extra 'project'" in message
+    assert BatchApiHook(batch_conn("batch_zg2", dialect="zerogpu", project="p-1")).get_settings()
+
+
+async def test_zerogpu_cancel_of_a_finished_batch_is_already_final(mock_hook, sleeps) -> None:
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(f"{request.method} {request.url.path}")
+        if request.url.path.endswith("/cancel"):
+            return json_response(
+                409, {"error": {"code": "invalid_request_error", "message": "already completed"}}
+            )
+        return json_response(200, openai_batch("bz", status="completed"))
+
+    hook = mock_hook(handler, dialect="zerogpu", project="p-1")
+    assert hook.cancel_batch("bz").state is BatchState.COMPLETED
+    assert (await hook.acancel_batch("bz")).state is BatchState.COMPLETED
+    assert calls == ["POST /v1/batches/bz/cancel", "GET /v1/batches/bz"] * 2 and sleeps == []
+
+
+def test_openai_409_to_cancel_is_still_retried(mock_hook, sleeps) -> None:
+    answers = iter(
+        [
+            json_response(409, {"error": {"message": "conflict"}}),
+            json_response(200, openai_batch(status="cancelling")),
+        ]
+    )
+    assert mock_hook(lambda r: next(answers)).cancel_batch("batch_1").state is BatchState.CANCELLING
+    assert len(sleeps) == 1
+
+
+async def test_upload_over_the_dialect_upload_limit_is_refused_before_sending(
+    mock_hook, tmp_path: Path
+) -> None:
+    calls: list[str] = []
+    big = tmp_path / "shard-00000.jsonl"
+    with big.open("wb") as fh:
+        fh.truncate(100 * 1024 * 1024 + 1)  # sparse: no disk is used, and nothing is read
+    hook = mock_hook(
+        lambda r: calls.append(r.url.path) or json_response(200, {"id": "f"}), dialect="zerogpu", project="p"
+    )
+    with pytest.raises(
+        JsonlValidationError, match=r"104,857,601 bytes.*'zerogpu' uploads at most 104,857,600"
+    ):
+        hook.upload_file(big)
+    with pytest.raises(JsonlValidationError, match="uploads at most"):
+        await hook.aupload_file(big)
+    assert calls == []
+    # OpenAI takes files up to 200 MB: the same file is sent.
+    assert (
+        mock_hook(lambda r: calls.append(r.url.path) or json_response(200, {"id": "f"})).upload_file(big)
+        == "f"
+    )

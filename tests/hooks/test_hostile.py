@@ -388,10 +388,15 @@ async def test_key_echoed_in_a_results_page_is_redacted(
     def results_page(ex: Exchange) -> None:
         auth = ex.request.headers.get("authorization", "")
         item = {"custom_id": "a", "status": "failed", "error": {"code": "auth", "message": f"bad {auth}"}}
+        # Doubleword marks the last page with X-Incomplete: false (without it, paging goes on).
         if jsonl:
-            ex.respond(200, orjson.dumps(item) + b"\n", {"Content-Type": "application/jsonl"})
+            ex.respond(
+                200,
+                orjson.dumps(item) + b"\n",
+                {"Content-Type": "application/jsonl", "X-Incomplete": "false"},
+            )
         else:
-            ex.respond(200, {"data": [item]})
+            ex.respond(200, {"data": [item]}, {"X-Incomplete": "false"})
 
     api = hostile_server()
     api.route("/v1/batches/b1/results", results_page)
@@ -406,3 +411,35 @@ async def test_key_echoed_in_a_results_page_is_redacted(
     assert len(lines) == 2
     for line in lines:
         assert line.error is not None and line.error.message == "bad Bearer ***"
+
+
+async def test_results_endpoint_that_never_ends_is_stopped(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    from airflow_batch_provider.exceptions import BatchApiResponseError
+
+    served = {"pages": 0}
+
+    def endless_page(ex: Exchange) -> None:
+        # Always one more line and "more to come": a cursor that never repeats and never ends.
+        served["pages"] += 1
+        item = {"custom_id": f"c{served['pages']}", "status": "completed", "response_body": {"ok": 1}}
+        ex.respond(
+            200, orjson.dumps(item) + b"\n", {"Content-Type": "application/jsonl", "X-Incomplete": "true"}
+        )
+
+    api = hostile_server()
+    api.route("/v1/batches/b1/results", endless_page)
+    api.route("/v1/batches/b1", reply(200, openai_batch("b1", "completed")))
+    hook = hostile_hook(api, dialect="doubleword")
+    with pytest.raises(
+        BatchApiResponseError, match=r"more result lines \(3\) than the batch has requests \(2\)"
+    ):
+        list(hook.iter_results("b1", mode="results_endpoint"))
+    with pytest.raises(
+        BatchApiResponseError, match=r"more result lines \(3\) than the batch has requests \(2\)"
+    ):
+        [line async for line in hook.aiter_results("b1", mode="results_endpoint")]
+    await hook.aclose()
+    hook.close()
+    assert served["pages"] == 6

@@ -308,10 +308,12 @@ def test_dialect_from_batch_connection(
     _, out = build(sqlite_warehouse, tmp_path, messages=MESSAGES, batch_conn_id="my_batch")
     manifest = staging.read_manifest(out)
     assert manifest.dialect == "zerogpu"
+    # ZeroGPU shards are cut at its 100 MB upload limit, below its 200 MB batch limit.
     assert manifest.extra["limits"] == {
         "max_lines": get_dialect("zerogpu").limits.max_lines,
-        "max_file_bytes": get_dialect("zerogpu").limits.max_file_bytes,
+        "max_file_bytes": 100 * 1024 * 1024,
         "max_line_bytes": get_dialect("zerogpu").limits.max_line_bytes,
+        "max_upload_bytes": 100 * 1024 * 1024,
     }
 
 

@@ -437,3 +437,56 @@ def test_on_bad_result_line_is_checked() -> None:
 
     with pytest.raises(ConfigurationError, match="on_bad_result_line must be one of fail, record"):
         MergeBatchResultsOperator(task_id="m", target_table="t", conn_id="c", on_bad_result_line="skip")
+
+
+def test_a_doubleword_result_without_custom_id_is_counted_not_a_crash(
+    sqlite_warehouse: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Doubleword's results endpoint may answer an item with "custom_id": null (a misbehaving
+    # vendor, so a MockTransport stands in for it): the merge reports it as an orphan line.
+    import httpx
+
+    items = [
+        {"id": "r1", "custom_id": "t-1", "response_body": _chat("one"), "error": None, "status": "completed"},
+        {"id": "r2", "custom_id": None, "response_body": _chat("who?"), "error": None, "status": "completed"},
+        {"id": "r3", "custom_id": "t-2", "response_body": _chat("two"), "error": None, "status": "completed"},
+    ]
+
+    def vendor(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/results"):
+            skip = int(request.url.params["skip"])
+            body = b"".join(orjson.dumps(i) + b"\n" for i in items[skip:])
+            return httpx.Response(200, content=body, headers={"X-Incomplete": "false"})
+        batch = {
+            "id": "dw-1",
+            "status": "completed",
+            "request_counts": {"total": 3, "completed": 3, "failed": 0},
+        }
+        return httpx.Response(200, json=batch)
+
+    class Merge(MergeBatchResultsOperator):
+        def get_batch_hook(self) -> BatchApiHook:
+            transport = httpx.MockTransport(vendor)
+            return BatchApiHook(self.batch_conn_id, dialect="doubleword", transport=transport)
+
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_BATCH_API_DEFAULT", '{"conn_type": "batch_api", "host": "http://vendor.test/v1"}'
+    )
+    manifest = stage(tmp_path / "stage", [(1, "a"), (2, "b"), (3, "c")])
+    xcom = {"batches": [{"shard": 0, "batch_id": "dw-1"}], "manifest_path": str(manifest)}
+    op = Merge(
+        task_id="merge",
+        target_table="dw results",
+        conn_id=sqlite_warehouse.conn_id,
+        batches=xcom,
+        results_mode="results_endpoint",
+    )
+    result = op.execute(context={})  # type: ignore[arg-type]
+    assert result["counts"]["succeeded"] == 2 and result["counts"]["missing"] == 1
+    assert result["orphan_results"] == 1 and result["rows_written"] == 3
+
+
+def _chat(text: str) -> dict[str, Any]:
+    return {
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]
+    }

@@ -238,3 +238,28 @@ def test_deferrable_sensor_dag_runs_under_airflow_dags_test(
     assert rows == {"submit": "success", "wait": "success"}
     assert xcom, "the sensor pushed no outcome"
     assert [b.state.value for b in BatchApiHook().list_batches()] == ["completed"]
+
+
+def test_quota_exhaustion_fails_the_poke_at_once(
+    batch_server: Any, monkeypatch: pytest.MonkeyPatch, task_context: Any
+) -> None:
+    import json
+
+    from airflow_batch_provider.exceptions import BatchApiQuotaError
+    from airflow_batch_provider.sensors.batch import terminal_event_now, wait_sync
+
+    server = batch_server()
+    conn = json.loads(server.connection_json())
+    conn["extra"]["headers"] = {"X-Batch-Fault": "quota"}
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", json.dumps(conn))
+    sensor = BatchSensor(
+        task_id="wait", batch_ids="batch_q", deferrable=False, poke_interval=0.05, timeout=60
+    )
+    with pytest.raises(BatchApiQuotaError, match="out of quota"):
+        sensor.poke(task_context())
+    hook = BatchApiHook()
+    with pytest.raises(BatchApiQuotaError):
+        terminal_event_now(hook, ["batch_q"], log=sensor.log)
+    with pytest.raises(BatchApiQuotaError):
+        wait_sync(hook, ["batch_q"], deadline=None, poll_interval=0.01, log=sensor.log, sleep=lambda s: None)
+    assert server.stats()["counters"]["quota"] == 3

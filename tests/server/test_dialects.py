@@ -290,7 +290,9 @@ def test_zerogpu_size_limits_answer_request_too_large(batch_server):
     assert forced.status_code == 400
 
 
-def test_xai_expired_batch_leaves_lines_pending_past_expire_time(batch_server):
+def test_xai_expired_batch_ends_its_pending_lines_as_deadline_errors(batch_server):
+    # xAI reports only counters: the lines its expiry stopped end as errors (gRPC
+    # DEADLINE_EXCEEDED), so nothing stays pending and the client follows that state.
     server = batch_server(dialect="xai")
     with _client(server) as client:
         file_id = upload(client, jsonl(_xai_lines(3)), purpose=None)
@@ -301,5 +303,101 @@ def test_xai_expired_batch_leaves_lines_pending_past_expire_time(batch_server):
         batch = dialect.parse_batch(client.get(f"/batches/{batch_id}").json())
         while not batch.state.is_terminal:
             batch = dialect.parse_batch(client.get(f"/batches/{batch_id}").json())
-    assert batch.state is BatchState.EXPIRED
-    assert batch.raw["state"]["num_pending"] == 3
+        results = client.get(f"/batches/{batch_id}/results").json()["results"]
+    assert batch.state is BatchState.COMPLETED
+    assert batch.raw["state"]["num_pending"] == 0 and batch.raw["state"]["num_error"] == 3
+    assert batch.input_file_id == file_id
+    assert {r["batch_result"]["error"]["code"] for r in results} == {4}
+
+
+def test_xai_cancelled_lines_carry_grpc_cancelled_and_successes_an_empty_status(batch_server):
+    server = batch_server(dialect="xai")
+    with _client(server) as client:
+        file_id = upload(client, jsonl(_xai_lines(2)), purpose=None)
+        done_id = client.post("/batches", json={"name": "ok", "input_file_id": file_id}).json()["batch_id"]
+        stalled = client.post(
+            "/batches", json={"name": "c", "input_file_id": file_id}, headers={"X-Batch-Fault": "stall"}
+        ).json()["batch_id"]
+        client.post(f"/batches/{stalled}:cancel")
+        while client.get(f"/batches/{stalled}").json()["state"]["num_pending"]:
+            pass
+        while client.get(f"/batches/{done_id}").json()["state"]["num_success"] < 2:
+            pass
+        cancelled = client.get(f"/batches/{stalled}/results").json()["results"]
+        done = client.get(f"/batches/{done_id}/results").json()["results"]
+    assert {r["batch_result"]["error"]["code"] for r in cancelled} == {1}
+    assert [r["batch_result"]["error"] for r in done] == [{}, {}]
+    lines = get_dialect("xai").parse_results_page({"results": cancelled + done}, {}).lines
+    assert [line.error.code if line.error else None for line in lines] == ["batch_cancelled"] * 2 + [None] * 2
+
+
+def test_doubleword_results_clamp_limit_and_mark_the_last_page(batch_server):
+    server = batch_server(dialect="doubleword")
+    with _client(server) as client:
+        done = wait_for(client, create(client, upload(client, jsonl(chat_line(i) for i in range(120))))["id"])
+        first = client.get(f"/batches/{done['id']}/results", params={"limit": 1000})
+        last = client.get(f"/batches/{done['id']}/results", params={"skip": 101, "limit": 1000})
+        default = client.get(f"/batches/{done['id']}/results")
+        past = client.get(f"/batches/{done['id']}/results", params={"skip": 120, "limit": 5})
+    assert len(first.content.splitlines()) == 101
+    assert first.headers["X-Incomplete"] == "true" and first.headers["X-Last-Line"] == "101"
+    assert len(last.content.splitlines()) == 19
+    assert last.headers["X-Incomplete"] == "false" and last.headers["X-Last-Line"] == "120"
+    assert len(default.content.splitlines()) == 10  # limit defaults to 10
+    assert past.content == b"" and past.headers["X-Incomplete"] == "false"
+
+
+def test_zerogpu_needs_the_project_on_every_request(batch_server):
+    server = batch_server(dialect="zerogpu", api_key="zg-key")
+    with _client(server, **{"x-api-key": "zg-key"}) as client:
+        refused = client.get("/batches")
+    assert refused.status_code == 401
+    assert refused.json()["error"]["type"] == "authentication_error"
+    assert "x-project-id" in refused.json()["error"]["message"]
+    with _client(server, **{"x-api-key": "zg-key", "x-project-id": "p1"}) as client:
+        assert client.get("/batches").status_code == 200
+
+
+def test_zerogpu_upload_limit_answers_413(batch_server):
+    server = batch_server(dialect="zerogpu", max_upload_bytes=2000)
+    small = jsonl(chat_line(i) for i in range(3))
+    big = jsonl(chat_line(i) for i in range(40))
+    assert len(small) < 2000 < len(big)
+    with _client(server) as client:
+        upload(client, small)
+        refused = client.post("/files", files={"file": ("big.jsonl", big)}, data={"purpose": "batch"})
+    assert refused.status_code == 413
+    assert refused.json()["error"]["message"] == "Uploaded file is larger than 2,000 bytes"
+    assert refused.json()["error"]["type"] == "request_too_large"
+    # The vendor's own limit, without the override, is 100 MB.
+    assert batch_server(dialect="zerogpu").config.limits().max_upload_bytes == 100 << 20
+
+
+def test_zerogpu_cancel_of_a_finished_batch_answers_409(batch_server):
+    server = batch_server(dialect="zerogpu")
+    with _client(server) as client:
+        done = wait_for(client, create(client, upload(client, jsonl([chat_line(1)])))["id"])
+        refused = client.post(f"/batches/{done['id']}/cancel")
+    assert done["status"] == "completed"
+    assert refused.status_code == 409
+
+
+@pytest.mark.parametrize("dialect", ["openai", "doubleword", "zerogpu", "xai"])
+def test_quota_fault_answers_insufficient_quota(batch_server, dialect):
+    server = batch_server(dialect=dialect)
+    with _client(server, **{"X-Batch-Fault": "quota"}) as client:
+        refused = client.get("/batches")
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "insufficient_quota"
+    assert get_dialect(dialect).is_quota_error(429, refused.json())
+    assert server.stats()["counters"]["quota"] == 1
+
+
+def test_openai_mode_fails_a_batch_that_mixes_models(batch_server):
+    server = batch_server(dialect="openai")
+    with _client(server) as client:
+        lines = [chat_line(1), chat_line(2, model="other-model")]
+        done = wait_for(client, create(client, upload(client, jsonl(lines)))["id"])
+    assert done["status"] == "failed"
+    assert done["errors"]["data"][0]["line"] == 2
+    assert done["errors"]["data"][0]["code"] == "mismatched_model"

@@ -56,7 +56,7 @@ def test_output_file_object_and_listing(client):
 
 def test_failed_lines_go_to_the_error_file_and_batch_still_completes(client):
     # The echo model answers 400 to a chat line without messages: a per-line failure.
-    bad = {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}
+    bad = {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "gpt-test"}}
     file_id = upload(client, jsonl([chat_line(1), bad, chat_line(2)]))
     done = wait_for(client, create(client, file_id)["id"])
     assert done["status"] == "completed"

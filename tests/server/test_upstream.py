@@ -32,7 +32,7 @@ def proxy(batch_server, upstream, monkeypatch):
 
 def test_lines_are_answered_by_the_upstream_with_retries(upstream, proxy):
     upstream.set_faults(rate_429=0.3, rate_503=0.1, retry_after=0.01)
-    bad = {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}
+    bad = {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "gpt-test"}}
     lines = [chat_line(i) for i in range(40)] + [bad]
     with httpx.Client(base_url=proxy.base_url, timeout=10) as client:
         done = wait_for(client, create(client, upload(client, jsonl(lines)))["id"])

@@ -366,3 +366,13 @@ def test_a_bad_freeze_setting_is_ignored_not_fatal(unfrozen: Any, monkeypatch: p
 
     monkeypatch.setenv("AIRFLOW__BATCH_PROVIDER__TRIGGERER_GC_FREEZE", "sometimes")
     assert unfrozen.freeze_triggerer_heap() is False and gc.get_freeze_count() == 0
+
+
+async def test_quota_exhaustion_ends_the_watch_at_once(server_conn: Any) -> None:
+    # 429 insufficient_quota is not a rate limit: no poll budget is spent waiting for it.
+    server = server_conn(extra={"headers": {"X-Batch-Fault": "quota"}})
+    trigger = BatchTrigger(batch_ids=["batch_q"], poll_interval=0.01, max_consecutive_errors=5)
+    events = await events_of(trigger)
+    assert [e["status"] for e in events] == ["error"]
+    assert "out of quota" in events[0]["message"]
+    assert server.stats()["counters"]["quota"] == 1
