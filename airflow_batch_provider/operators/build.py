@@ -426,11 +426,12 @@ class SqlToBatchJsonlOperator(BaseOperator):
     # ---- configuration resolved at run time -------------------------------------------------
 
     def _dialect(self) -> Dialect:
-        name = self.dialect
-        if name is None and self.batch_conn_id:
-            extra = BaseHook.get_connection(self.batch_conn_id).extra_dejson
-            name = extra.get("dialect")
-        return get_dialect(name or "openai")
+        if self.dialect is None and self.batch_conn_id:
+            # The hook reads the connection's extra in every spelling it accepts.
+            from airflow_batch_provider.hooks.batch import BatchApiHook
+
+            return BatchApiHook(self.batch_conn_id).dialect
+        return get_dialect(self.dialect or "openai")
 
     def _endpoint(self) -> str:
         if self.endpoint:

@@ -315,6 +315,22 @@ def test_dialect_from_batch_connection(
     }
 
 
+def test_dialect_from_batch_connection_with_the_form_spelling_of_the_extra(
+    sqlite_warehouse: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Older web servers save the form field as ``extra__batch_api__dialect``; the hook reads it, so must the build."""
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_MY_BATCH",
+        '{"conn_type": "batch_api", "host": "http://127.0.0.1:1/v1", '
+        '"extra": {"extra__batch_api__dialect": "zerogpu"}}',
+    )
+    seed(sqlite_warehouse, [(1, "a", "b")])
+    _, out = build(sqlite_warehouse, tmp_path, messages=MESSAGES, batch_conn_id="my_batch")
+    manifest = staging.read_manifest(out)
+    assert manifest.dialect == "zerogpu"
+    assert manifest.extra["limits"]["max_file_bytes"] == get_dialect("zerogpu").limits.max_file_bytes
+
+
 # ---- sharding at both limits ----------------------------------------------------------------------
 
 
