@@ -6,6 +6,8 @@ A single integer key, or a single short string key made of safe characters, is u
 ids stay readable in vendor consoles; everything else is hashed. Hashed ids start with
 ``HASH_PREFIX`` and a readable id never does, so the two forms cannot collide. The way back
 from a hashed id is ``keys.jsonl`` in staging, which records the key values of every line.
+Two rows with the same key are found with bounded memory by :class:`HashBuckets` (hashes of
+every custom_id, spilled to disk past a threshold) and confirmed by :func:`check_unique`.
 """
 
 from __future__ import annotations

@@ -166,12 +166,11 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                     # BodyBuilder) gets the same verdict on every row, so the validator sees the
                     # first row of each fetched batch; what does vary per row (custom_id, line
                     # size, JSON encoding, NULLs, bytes) is checked here for every row.
-                    if validate_all or first:
-                        first = False
-                        problems = check_object(line_obj, row_number)
-                        if problems:
-                            validate_all = True  # the verdict would repeat: check each row from now on
-                            raise RowRejected(problems[0].code, problems[0].message, problems[0].param)
+                    problems = check_object(line_obj, row_number) if validate_all or first else None
+                    first = False
+                    if problems:
+                        validate_all = True  # the verdict would repeat: check each row from now on
+                        raise RowRejected(problems[0].code, problems[0].message, problems[0].param)
                     try:
                         line = dumps(line_obj)
                     except orjson.JSONEncodeError as exc:
