@@ -331,18 +331,30 @@ def body_builder(source: BodySource, columns: list[str], endpoint: str) -> BodyB
     )
 
 
+def _json_template(
+    source: str, columns: list[str], templates: list[RowTemplate], what: str
+) -> Callable[[Sequence[Any]], Any]:
+    """A template rendering JSON text (values JSON-escaped), as ``row -> parsed JSON value``."""
+    tpl = RowTemplate(source, columns, _jinja_env(json_text=True), json_text=True)
+    templates.append(tpl)
+    render = tpl.render
+
+    def parse(row: Sequence[Any]) -> Any:
+        try:
+            return orjson.loads(render(row))
+        except orjson.JSONDecodeError as exc:
+            raise RowRejected("invalid_json", f"{what} rendered invalid JSON: {exc}") from None
+
+    return parse
+
+
 def _template_body(
     source: str, columns: list[str], defaults: dict[str, Any], model: str | None, templates: list[RowTemplate]
 ) -> Callable[[Sequence[Any]], dict[str, Any]]:
-    tpl = RowTemplate(source, columns, _jinja_env(json_text=True), json_text=True)
-    templates.append(tpl)
+    parse = _json_template(source, columns, templates, "body_template")
 
     def build_from_template(row: Sequence[Any]) -> dict[str, Any]:
-        text = tpl.render(row)
-        try:
-            parsed = orjson.loads(text)
-        except orjson.JSONDecodeError as exc:
-            raise RowRejected("invalid_json", f"body_template rendered invalid JSON: {exc}") from None
+        parsed = parse(row)
         if not isinstance(parsed, dict):
             raise RowRejected(
                 "invalid_body", f"body_template rendered a {type(parsed).__name__}, not an object"
@@ -362,15 +374,10 @@ def _template_body(
 def _text_messages_body(
     source: str, columns: list[str], defaults: dict[str, Any], field: str, templates: list[RowTemplate]
 ) -> Callable[[Sequence[Any]], dict[str, Any]]:
-    tpl = RowTemplate(source, columns, _jinja_env(json_text=True), json_text=True)
-    templates.append(tpl)
+    parse = _json_template(source, columns, templates, "messages template")
 
     def build_from_text(row: Sequence[Any]) -> dict[str, Any]:
-        text = tpl.render(row)
-        try:
-            parsed = orjson.loads(text)
-        except orjson.JSONDecodeError as exc:
-            raise RowRejected("invalid_json", f"messages template rendered invalid JSON: {exc}") from None
+        parsed = parse(row)
         if not isinstance(parsed, list) or not parsed:
             raise RowRejected("invalid_body", "messages template must render a non-empty JSON list")
         return {**defaults, field: parsed}
