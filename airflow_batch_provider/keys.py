@@ -6,15 +6,21 @@ A single integer key, or a single short string key made of safe characters, is u
 ids stay readable in vendor consoles; everything else is hashed. Hashed ids start with
 ``HASH_PREFIX`` and a readable id never does, so the two forms cannot collide. The way back
 from a hashed id is ``keys.jsonl`` in staging, which records the key values of every line.
+Two rows with the same key are found with bounded memory by :class:`HashBuckets` (hashes of
+every custom_id, spilled to disk past a threshold) and confirmed by :func:`check_unique`.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import re
+import tempfile
 import uuid
-from collections.abc import Sequence
+from array import array
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import date, datetime, time, timedelta
 from decimal import Decimal
 from typing import Any
@@ -31,6 +37,7 @@ _SAFE = re.compile(r"[A-Za-z0-9_.:-]+")
 _INTEGER_TEXT = re.compile(r"-?[0-9]+")
 
 KEY_TYPES = ("integer", "float", "text", "boolean", "date", "timestamp", "json")
+_DUPLICATES_SHOWN = 10
 
 
 def check_prefix(prefix: str) -> str:
@@ -106,7 +113,12 @@ def custom_id_for(values: Sequence[Any], prefix: str = "") -> str:
     :param prefix: optional text put in front (letters, digits, ``_.:-``; at most ``MAX_PREFIX``).
     """
     if len(values) == 1:
-        readable = readable_id(values[0])
+        value = values[0]
+        if type(value) is int:
+            # The common case first: an integer key is its own id when it fits.
+            text = prefix + str(value)
+            return text if len(text) <= MAX_CUSTOM_ID else prefix + hashed_id(values)
+        readable = readable_id(value)
         if readable is not None and len(prefix) + len(readable) <= MAX_CUSTOM_ID:
             return prefix + readable
     return prefix + hashed_id(values)
@@ -115,6 +127,22 @@ def custom_id_for(values: Sequence[Any], prefix: str = "") -> str:
 def jsonable_key(values: Sequence[Any]) -> list[Any]:
     """Key values as written to ``keys.jsonl`` and ``rejects.jsonl`` (dates as ISO text, decimals as text)."""
     return [_jsonable(v) for v in values]
+
+
+def stored_key(values: list[Any]) -> list[Any]:
+    """``jsonable_key(values)``, returning ``values`` itself when JSON already holds them as they are.
+
+    The build calls this for every row: a 64-bit integer or text key (the usual kinds) skips
+    the conversion.
+    """
+    if len(values) == 1:
+        value = values[0]
+        kind = type(value)
+        if (kind is int and -(1 << 63) <= value < (1 << 64)) or kind is str:
+            return values
+    elif all(type(v) is str for v in values):
+        return values
+    return jsonable_key(values)
 
 
 def _jsonable(value: Any) -> Any:
@@ -163,3 +191,110 @@ def _decode(value: Any, kind: str) -> Any:
     if kind == "timestamp" and isinstance(value, str):
         return datetime.fromisoformat(value)
     return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Duplicate keys: two rows with the same custom_id
+# ---------------------------------------------------------------------------------------------
+
+
+class HashBuckets:
+    """Find repeated 64-bit hashes among millions with bounded memory.
+
+    Duplicate keys are found through the hash of each row's custom_id: 8 bytes per row,
+    spread over 256 buckets by the low byte. Past ``spill_at`` hashes in memory every bucket
+    is appended to its own temporary file, so memory stays flat however many rows there are;
+    at the end each bucket is checked on its own (1/256 of the rows at a time). Repeated
+    hashes are only candidates: the caller confirms them against the real custom_ids, so a
+    collision never fails a build.
+
+    :param spill_at: hashes held in memory before spilling to disk.
+    """
+
+    def __init__(self, spill_at: int = 1 << 20) -> None:
+        self._buckets = [array("q") for _ in range(256)]
+        self._held = 0
+        self._spill_at = spill_at
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self.spills = 0
+
+    def add(self, h: int) -> None:
+        self._buckets[h & 255].append(h)
+        self._held += 1
+        if self._held >= self._spill_at:
+            self._spill()
+
+    def _spill(self) -> None:
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="abp-keys-")
+        for i, bucket in enumerate(self._buckets):
+            if bucket:
+                with open(os.path.join(self._dir.name, f"{i:03d}"), "ab") as fh:
+                    bucket.tofile(fh)
+                self._buckets[i] = array("q")
+        self._held = 0
+        self.spills += 1
+
+    def repeated(self) -> set[int]:
+        """The hashes seen more than once; frees the buckets and any spill files."""
+        candidates: set[int] = set()
+        try:
+            for i, bucket in enumerate(self._buckets):
+                if self._dir is not None:
+                    path = os.path.join(self._dir.name, f"{i:03d}")
+                    if os.path.exists(path):
+                        spilled = array("q")
+                        with open(path, "rb") as fh:
+                            spilled.frombytes(fh.read())
+                        spilled.extend(bucket)
+                        bucket = spilled
+                seen: set[int] = set()
+                for h in bucket:
+                    if h in seen:
+                        candidates.add(h)
+                    else:
+                        seen.add(h)
+                self._buckets[i] = array("q")
+        finally:
+            if self._dir is not None:
+                self._dir.cleanup()
+                self._dir = None
+        return candidates
+
+
+def check_unique(
+    hashes: HashBuckets, records: Iterable[Mapping[str, Any]], key_columns: Sequence[str]
+) -> None:
+    """Raise ``DuplicateKeyError`` naming the keys given to more than one row, if any.
+
+    :param hashes: ``hash(custom_id)`` of every row (written or rejected).
+    :param records: the ``{"custom_id", "key"}`` records of every row, read only when a hash
+        repeats; a repeated hash counts only when the custom_ids themselves repeat.
+    :param key_columns: the key column names, for the message.
+    """
+    candidates = hashes.repeated()
+    if not candidates:
+        return
+    from airflow_batch_provider.exceptions import DuplicateKeyError  # loads Airflow: only when needed
+
+    counts: Counter[str] = Counter()
+    key_of: dict[str, Any] = {}
+    for record in records:
+        cid = record.get("custom_id")
+        if isinstance(cid, str) and hash(cid) in candidates:
+            counts[cid] += 1
+            key_of[cid] = record.get("key")
+    dups = [(cid, n) for cid, n in counts.items() if n > 1]
+    if not dups:
+        return
+    dups.sort(key=lambda item: -item[1])
+    shown = "; ".join(
+        f"{dict(zip(key_columns, key_of[cid] or [], strict=False))} x{n}"
+        for cid, n in dups[:_DUPLICATES_SHOWN]
+    )
+    more = f" and {len(dups) - _DUPLICATES_SHOWN} more" if len(dups) > _DUPLICATES_SHOWN else ""
+    raise DuplicateKeyError(
+        f"{len(dups)} key(s) of ({', '.join(key_columns)}) appear on more than one row: "
+        f"{shown}{more}. "
+        "Make key_columns unique per row (add a column or deduplicate in the query)."
+    )

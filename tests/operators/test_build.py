@@ -317,6 +317,22 @@ def test_dialect_from_batch_connection(
     }
 
 
+def test_dialect_from_batch_connection_with_the_form_spelling_of_the_extra(
+    sqlite_warehouse: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Older web servers save the form field as ``extra__batch_api__dialect``; the build reads it too."""
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_MY_BATCH",
+        '{"conn_type": "batch_api", "host": "http://127.0.0.1:1/v1", '
+        '"extra": {"extra__batch_api__dialect": "zerogpu"}}',
+    )
+    seed(sqlite_warehouse, [(1, "a", "b")])
+    _, out = build(sqlite_warehouse, tmp_path, messages=MESSAGES, batch_conn_id="my_batch")
+    manifest = staging.read_manifest(out)
+    assert manifest.dialect == "zerogpu"
+    assert manifest.extra["limits"]["max_file_bytes"] == get_dialect("zerogpu").limits.max_file_bytes
+
+
 # ---- sharding at both limits ----------------------------------------------------------------------
 
 
@@ -638,7 +654,7 @@ def test_postgres_dict_cursor_extra_still_streams_tuples(
 
 
 def test_hash_buckets_spill_to_disk_and_still_find_repeats() -> None:
-    from airflow_batch_provider.operators.build import HashBuckets
+    from airflow_batch_provider.keys import HashBuckets
 
     buckets = HashBuckets(spill_at=1_000)
     values = [hash(f"id-{i}") for i in range(10_000)]
@@ -653,14 +669,14 @@ def test_hash_buckets_spill_to_disk_and_still_find_repeats() -> None:
 def test_duplicates_found_across_spills(
     sqlite_warehouse: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from airflow_batch_provider.operators import build as build_module
+    from airflow_batch_provider import keys as keys_module
 
-    original = build_module.HashBuckets.__init__
+    original = keys_module.HashBuckets.__init__
 
     def small(self: Any, spill_at: int = 0) -> None:
         original(self, spill_at=50)
 
-    monkeypatch.setattr(build_module.HashBuckets, "__init__", small)
+    monkeypatch.setattr(keys_module.HashBuckets, "__init__", small)
     seed(sqlite_warehouse, [(i, "t", "b") for i in range(1, 400)] + [(17, "t", "again")])
     with pytest.raises(DuplicateKeyError, match=r"1 key\(s\) of \(id\).*\{'id': 17\} x2"):
         build(sqlite_warehouse, tmp_path, messages=MESSAGES)

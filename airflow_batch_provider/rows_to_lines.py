@@ -1,0 +1,249 @@
+"""The row loop of a build: warehouse rows into validated shards, ``keys.jsonl`` and ``rejects.jsonl``.
+
+:func:`build_lines` reads a :class:`~airflow_batch_provider.warehouse.read.RowStream` once and
+does, per row: key (NULL check, custom_id, duplicate tracking), body (NULL and bytes columns,
+the compiled :class:`~airflow_batch_provider.rendering.BodyBuilder`), validation and size, then
+writes the line to its shard and the key record to ``keys.jsonl``; a row that cannot become a
+line goes to ``rejects.jsonl`` with its key and reason. Everything it needs comes in a frozen
+:class:`BuildSpec`; what it counted comes back as a :class:`BuildResult`. This is the hot path
+of the build: the per-row code stays in one flat loop with its lookups bound to locals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from airflow_batch_provider import keys as keymod
+from airflow_batch_provider import staging
+from airflow_batch_provider.exceptions import BatchProviderError, ConfigurationError
+from airflow_batch_provider.jsonl import LineValidator
+from airflow_batch_provider.rendering import BodySource, RowRejected, body_builder, decode_bytes
+from airflow_batch_provider.warehouse.read import value_type
+
+if TYPE_CHECKING:
+    from airflow.sdk import ObjectStoragePath
+
+    from airflow_batch_provider.dialects import Limits, ValidationRules
+    from airflow_batch_provider.models import Shard
+    from airflow_batch_provider.warehouse.read import RowStream
+
+ON_NULL_CHOICES = ("reject", "empty", "fail")
+_LOG_EVERY = 100_000
+_BYTES = (bytes, bytearray, memoryview)
+
+
+class NullValueError(BatchProviderError):
+    """A column the request body uses is NULL and ``on_null='fail'``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildSpec:
+    """Everything one build's row loop needs, resolved before the first row.
+
+    :param directory: the staging directory the shards, keys and rejects go to.
+    :param endpoint: the url of every line.
+    :param limits: the (tightened) limits every shard and line must meet.
+    :param rules: the dialect's validation rules for a line.
+    :param key_columns: the columns that make the custom_id.
+    :param body: how the body is made from a row.
+    :param on_null: a NULL in a column the body uses: ``reject``, ``empty`` or ``fail``.
+    :param prefix: text put in front of every custom_id (already checked).
+    """
+
+    directory: ObjectStoragePath
+    endpoint: str
+    limits: Limits
+    rules: ValidationRules
+    key_columns: tuple[str, ...]
+    body: BodySource
+    on_null: str = "reject"
+    prefix: str = ""
+
+
+@dataclasses.dataclass
+class BuildResult:
+    """What a build wrote and rejected: the manifest's counts, shards and key types."""
+
+    rows_read: int = 0
+    rows_written: int = 0
+    rows_rejected: int = 0
+    reject_codes: Counter[str] = dataclasses.field(default_factory=Counter)
+    shards: list[Shard] = dataclasses.field(default_factory=list)
+    key_types: list[str] = dataclasses.field(default_factory=list)
+    column_names: list[str] = dataclasses.field(default_factory=list)
+
+
+def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResult:
+    """Turn every row of ``rows`` into a line or a reject record; return the counts.
+
+    :param spec: what to build.
+    :param rows: the open row stream of the query.
+    :param log: a logger for progress every 100,000 rows (the operator's), or None.
+
+    :raises ConfigurationError: a key column (or a column a template names) is not in the result.
+    :raises NullValueError: ``on_null='fail'`` and a column the body uses is NULL.
+    :raises DuplicateKeyError: two rows have the same key.
+    :raises SecurityError: the template is blocked by the sandbox on every row.
+    """
+    columns = rows.column_names
+    index = {c: i for i, c in enumerate(columns)}
+    key_columns = spec.key_columns
+    missing = [k for k in key_columns if k not in index]
+    if missing:
+        raise ConfigurationError(
+            f"key column(s) {', '.join(missing)} not in the query result (columns: {', '.join(columns)})"
+        )
+    key_idx = [index[k] for k in key_columns]
+    single = key_idx[0] if len(key_idx) == 1 else -1
+    types: list[str | None] = [rows.columns[i].type for i in key_idx]
+    builder = body_builder(spec.body, columns, spec.endpoint)
+    checked = list(range(len(columns))) if builder.checks_all_columns else builder.columns
+    checked_names = [(i, columns[i]) for i in checked]
+    result = BuildResult(column_names=columns)
+    reject_codes = result.reject_codes
+    first_cause: BaseException | None = None
+    hashes = keymod.HashBuckets()
+    track = hashes.add
+    on_null = spec.on_null
+    endpoint = spec.endpoint
+    prefix = spec.prefix
+    build_body = builder.build
+    check_object = LineValidator(spec.rules, endpoint).check_object
+    dumps = orjson.dumps
+    newline = orjson.OPT_APPEND_NEWLINE
+    custom_id_for = keymod.custom_id_for
+    stored_key = keymod.stored_key
+    jsonable_key = keymod.jsonable_key
+    # A line must also fit an otherwise empty shard.
+    max_line = min(spec.limits.max_line_bytes, spec.limits.max_file_bytes - 1)
+    validate_all = not builder.fixed_shape
+    types_pending = None in types
+    row_number = written = rejected = 0
+    with (
+        staging.ShardedJsonlWriter(spec.directory, spec.limits, endpoint=endpoint) as writer,
+        staging.atomic_writer(spec.directory / staging.KEYS_NAME) as keys_out,
+        staging.atomic_writer(spec.directory / staging.REJECTS_NAME) as rejects_out,
+    ):
+        add_line = writer.add
+        write_key = keys_out.write
+        for batch in rows.batches():
+            first = True
+            for row in batch:
+                row_number += 1
+                key_values = [row[single]] if single >= 0 else [row[i] for i in key_idx]
+                cid: str | None = None
+                try:
+                    if None in key_values:
+                        col = key_columns[key_values.index(None)]
+                        raise RowRejected("null_key", f"key column {col!r} is NULL", col)
+                    if types_pending:
+                        types = [
+                            t if t is not None else value_type(v)
+                            for t, v in zip(types, key_values, strict=True)
+                        ]
+                        types_pending = None in types
+                    cid = custom_id_for(key_values, prefix)
+                    track(hash(cid))
+                    values: Sequence[Any] = row
+                    for i, _ in checked_names:
+                        v = row[i]
+                        if v is None or isinstance(v, _BYTES):
+                            values = _usable_values(row, checked_names, on_null, row_number, key_values)
+                            break
+                    line_obj = {
+                        "custom_id": cid,
+                        "method": "POST",
+                        "url": endpoint,
+                        "body": build_body(values),
+                    }
+                    # Every line of a variable-shape body is validated. A fixed-shape body (see
+                    # BodyBuilder) gets the same verdict on every row, so the validator sees the
+                    # first row of each fetched batch; what does vary per row (custom_id, line
+                    # size, JSON encoding, NULLs, bytes) is checked here for every row.
+                    problems = check_object(line_obj, row_number) if validate_all or first else None
+                    first = False
+                    if problems:
+                        validate_all = True  # the verdict would repeat: check each row from now on
+                        raise RowRejected(problems[0].code, problems[0].message, problems[0].param)
+                    try:
+                        line = dumps(line_obj)
+                    except orjson.JSONEncodeError as exc:
+                        raise RowRejected(
+                            "unserializable", f"body cannot be written as JSON: {exc}"
+                        ) from None
+                    if len(line) > max_line:
+                        raise RowRejected(
+                            "line_too_large", f"line is {len(line):,} bytes; the limit is {max_line:,}"
+                        )
+                except RowRejected as err:
+                    rejected += 1
+                    reject_codes[err.code] += 1
+                    if err.cause is not None and first_cause is None:
+                        first_cause = err.cause
+                    record = {
+                        "row": row_number,
+                        "key": jsonable_key(key_values),
+                        "custom_id": cid,
+                        "code": err.code,
+                        "reason": err.reason,
+                        "column": err.column,
+                    }
+                    rejects_out.write(dumps(record, option=newline))
+                    continue
+                shard = add_line(line)
+                write_key(
+                    dumps({"custom_id": cid, "key": stored_key(key_values), "shard": shard}, option=newline)
+                )
+                written += 1
+            if log is not None and row_number and row_number % _LOG_EVERY < len(batch):
+                log.info("%d rows read, %d written, %d rejected", row_number, written, rejected)
+        result.shards = writer.close()
+    result.rows_read, result.rows_written, result.rows_rejected = row_number, written, rejected
+    result.key_types = [t or "text" for t in types]
+    unsafe = reject_codes.get("template_unsafe", 0)
+    if unsafe and unsafe == row_number and first_cause is not None:
+        # Every row was blocked: the template itself is unsafe, not one row's data.
+        raise first_cause
+    records = itertools.chain(
+        _iter_jsonl(spec.directory / staging.KEYS_NAME), _iter_jsonl(spec.directory / staging.REJECTS_NAME)
+    )
+    keymod.check_unique(hashes, records, key_columns)
+    return result
+
+
+def _usable_values(
+    row: Sequence[Any],
+    checked_names: list[tuple[int, str]],
+    on_null: str,
+    row_number: int,
+    key_values: list[Any],
+) -> list[Any]:
+    """The row with NULLs the body uses made empty text and bytes decoded, or why it cannot be."""
+    values = list(row)
+    for i, name in checked_names:
+        v = values[i]
+        if v is None:
+            if on_null == "reject":
+                raise RowRejected("null_value", f"column {name!r} is NULL", name)
+            if on_null == "fail":
+                raise NullValueError(
+                    f"row {row_number} (key {keymod.jsonable_key(key_values)}): "
+                    f"column {name!r} is NULL and on_null='fail'"
+                )
+            values[i] = ""
+        elif isinstance(v, _BYTES):
+            values[i] = decode_bytes(v, name)
+    return values
+
+
+def _iter_jsonl(path: ObjectStoragePath) -> Iterator[dict[str, Any]]:
+    with staging.open_read(path) as handle:
+        for raw in handle:
+            if raw.strip():
+                yield orjson.loads(raw)
