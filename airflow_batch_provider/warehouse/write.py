@@ -28,6 +28,7 @@ import orjson
 from airflow_batch_provider.exceptions import WarehouseSchemaError
 from airflow_batch_provider.jsonl import iter_objects
 from airflow_batch_provider.models import ResultLine
+from airflow_batch_provider.records import KeyRecord, RejectRecord
 from airflow_batch_provider.warehouse.databases import SqlDialect, get_sql_dialect
 from airflow_batch_provider.warehouse.plan import WriteMode, WritePlan, plan_write
 from airflow_batch_provider.warehouse.rows import RETRYABLE_STATUSES, STATUSES, Column, ResultMapper
@@ -216,7 +217,7 @@ class ResultsWriter:
         results: Iterable[tuple[ResultLine, str | None]],
         *,
         keys: KeysSource | None = None,
-        rejects: Iterable[Mapping[str, Any]] | None = None,
+        rejects: Iterable[RejectRecord | Mapping[str, Any]] | None = None,
         shards: Mapping[int, ShardOutcome] | None = None,
         on_retry: RetryCallback | None = None,
         merged_at: datetime | None = None,
@@ -225,8 +226,10 @@ class ResultsWriter:
 
         :param results: ``(result line, batch id)`` pairs, streamed.
         :param keys: keys.jsonl (a path / ObjectStoragePath, loaded by the database where it
-            can) or its records ``{custom_id, key, shard}`` (manifest mode only).
-        :param rejects: rejects.jsonl records (manifest mode only).
+            can) or its records (:class:`~airflow_batch_provider.records.KeyRecord` or their
+            dicts; manifest mode only).
+        :param rejects: rejects.jsonl records (:class:`~airflow_batch_provider.records.RejectRecord`
+            or their dicts; manifest mode only).
         :param shards: per shard, its batch and the status of keys it has no result for.
         :param on_retry: receives ``(shard, custom_id, key values)`` of every retryable key before
             commit; an exception from it rolls the merge back.
@@ -325,7 +328,7 @@ class ResultsWriter:
         tables: tuple[str, str, str, str],
         shards: dict[int, ShardOutcome],
         created: list[str],
-        rejects: Iterable[Mapping[str, Any]],
+        rejects: Iterable[RejectRecord | Mapping[str, Any]],
         merged_at: datetime,
     ) -> _KeyedSql:
         """Stage rejects and shards and build the keyed upsert's SELECT list (before the results)."""
@@ -868,44 +871,41 @@ class ResultsWriter:
             for v, c in zip(key, self.key_columns, strict=True)
         )
 
-    def _key_rows(self, keys: Iterable[tuple[int, Mapping[str, Any]]]) -> Iterator[tuple[Any, ...]]:
+    def _key_rows(
+        self, keys: Iterable[tuple[int, KeyRecord | Mapping[str, Any]]]
+    ) -> Iterator[tuple[Any, ...]]:
         """Staged rows of ``(line number, record)`` pairs of keys.jsonl."""
         nkeys = len(self.key_columns)
         blank = (None,) * nkeys
         for seq, record in keys:
-            custom_id = record.get("custom_id")
-            shard = record.get("shard")
-            key = record.get("key")
+            fields = KeyRecord.fields_of(record.as_dict() if isinstance(record, KeyRecord) else record)
+            custom_id, key, shard = fields
             # A malformed line is staged as is and reported, with its line number, by _load_keys.
-            ok = isinstance(key, list) and len(key) == nkeys
             yield (
-                custom_id if isinstance(custom_id, str) else None,
-                shard if isinstance(shard, int) else None,
+                custom_id,
+                shard,
                 seq,
-                len(key) if isinstance(key, list) else None,
-                *(self._key_values(key, f"keys.jsonl line {seq}") if ok else blank),
+                None if key is None else len(key),
+                *(self._key_values(key, f"keys.jsonl line {seq}") if key and len(key) == nkeys else blank),
             )
 
     def _reject_rows(
-        self, rejects: Iterable[Mapping[str, Any]], report: MergeReport
+        self, rejects: Iterable[RejectRecord | Mapping[str, Any]], report: MergeReport
     ) -> Iterator[tuple[Any, ...]]:
         for seq, record in enumerate(rejects, start=1):
-            key = record.get("key")
-            reason = str(record.get("reason") or "")
-            if record.get("column"):
-                reason = f"{reason} (column {record['column']})"
-            if key is None or any(v is None for v in key):
+            reject = record if isinstance(record, RejectRecord) else RejectRecord.from_dict(record)
+            if not reject.keyed:
                 # A row without a usable key cannot be written to a keyed table: count and log it.
                 report.unkeyed_rejects += 1
                 if len(report.unkeyed_reject_samples) < _SAMPLES:
-                    report.unkeyed_reject_samples.append(dict(record))
+                    report.unkeyed_reject_samples.append(reject.as_dict())
                 continue
             yield (
-                record.get("custom_id"),
+                reject.custom_id,
                 seq,
-                record.get("code"),
-                reason,
-                *self._key_values(key, f"rejects.jsonl line {seq}"),
+                reject.code,
+                reject.message,
+                *self._key_values(reject.key, f"rejects.jsonl line {seq}"),
             )
 
     def _execute(self, conn: Any, sql: str, params: Sequence[Any] | None = None) -> None:
