@@ -2,10 +2,11 @@
 
 Everything happens on one connection in one transaction:
 
-1. the target table is created (typed columns) or checked for the columns the merge needs;
+1. the write plan is decided once from the table's facts (``warehouse/plan.py``: insert into
+   the new table, replace by key, update then insert, or upsert), creating the table if needed;
 2. the manifest's keys, the build's rejects and the streamed result rows are bulk-loaded
    into temp tables (COPY on PostgreSQL, ``read_json`` on DuckDB, ``executemany`` elsewhere);
-3. one ``INSERT ... SELECT keys LEFT JOIN results ... ON CONFLICT`` writes one row per key,
+3. one ``INSERT ... SELECT keys LEFT JOIN results ...`` (as the plan says) writes one row per key,
    so a key with no result becomes ``missing`` without Python ever holding the key set;
 4. counts, orphans and retryable keys are read back from the temp tables; then commit.
 
