@@ -27,7 +27,13 @@ class KeyRecord:
     shard: int
 
     def as_dict(self) -> dict[str, Any]:
-        return {"custom_id": self.custom_id, "key": self.key, "shard": self.shard}
+        return KeyRecord.line(self.custom_id, self.key, self.shard)
+
+    @staticmethod
+    def line(custom_id: str, key: list[Any], shard: int) -> dict[str, Any]:
+        """The JSON object of a keys.jsonl line, built without a record (for a loop writing
+        millions of lines: a record costs about a microsecond more per line)."""
+        return {"custom_id": custom_id, "key": key, "shard": shard}
 
     @staticmethod
     def fields_of(obj: Mapping[str, Any]) -> tuple[str | None, list[Any] | None, int | None]:
@@ -63,13 +69,25 @@ class RejectRecord:
     column: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        return RejectRecord.line(self.row, self.key, self.custom_id, self.code, self.reason, self.column)
+
+    @staticmethod
+    def line(
+        row: int | None,
+        key: list[Any] | None,
+        custom_id: str | None,
+        code: str | None,
+        reason: str,
+        column: str | None = None,
+    ) -> dict[str, Any]:
+        """The JSON object of a rejects.jsonl line, built without a record (see ``KeyRecord.line``)."""
         return {
-            "row": self.row,
-            "key": self.key,
-            "custom_id": self.custom_id,
-            "code": self.code,
-            "reason": self.reason,
-            "column": self.column,
+            "row": row,
+            "key": key,
+            "custom_id": custom_id,
+            "code": code,
+            "reason": reason,
+            "column": column,
         }
 
     @classmethod

@@ -27,6 +27,9 @@ def test_records_round_trip_through_their_json_lines() -> None:
         "column": "text",
     }
     assert RejectRecord.from_dict(line) == reject
+    # The builders for a loop writing millions of lines spell the same objects.
+    assert KeyRecord.line("c1", [1, "a"], 3) == key.as_dict()
+    assert RejectRecord.line(7, [7], None, "too_long", "prompt over limit", "text") == reject.as_dict()
 
 
 def test_malformed_lines_are_read_as_found() -> None:

@@ -66,7 +66,7 @@ class SqlDialect:
     conn_types: ClassVar[tuple[str, ...]] = ()
     #: Whether a results table can be merged into on this database.
     merges: ClassVar[bool] = False
-    capabilities = Capabilities()
+    capabilities: Capabilities = Capabilities()
     #: Longest identifier in bytes the database keeps whole (PostgreSQL cuts longer ones).
     max_identifier_bytes: ClassVar[int | None] = None
     #: Whether a streaming cursor describes its columns only after the first fetch.
@@ -83,6 +83,8 @@ class SqlDialect:
     }
     key_types: dict[str, str] = {}
     merged_at_type = "TIMESTAMP"
+    #: A session setting (see ``set_setting``).
+    set_format = "SET {} = {}"
 
     def __init__(self, hook: Any) -> None:
         self.hook = hook
@@ -217,8 +219,6 @@ class SqlDialect:
             return [tuple(r) for r in cur.fetchall()]
         finally:
             cur.close()
-
-    set_format = "SET {} = {}"
 
     def set_setting(self, name: str, value: Any) -> str:
         """A statement changing one setting for this session (or transaction, where possible)."""

@@ -48,6 +48,8 @@ class PostgresSqlDialect(SqlDialect):
     temp_table = "CREATE TEMP TABLE {} ({}) ON COMMIT DROP"
     types = {**SqlDialect.types, "json": "JSONB"}
     merged_at_type = "TIMESTAMP WITH TIME ZONE"
+    # Only for this transaction: the connection may come back from a pool.
+    set_format = "SET LOCAL {} = {}"
 
     def merged_at_value(self, when: datetime) -> Any:
         return when.astimezone(timezone.utc)
@@ -89,9 +91,6 @@ class PostgresSqlDialect(SqlDialect):
             [self.table(table, schema)],
         )
         return [frozenset(r[0]) for r in rows]
-
-    # Only for this transaction: the connection may come back from a pool.
-    set_format = "SET LOCAL {} = {}"
 
     def load_keys_jsonl(self, conn: Any, table: str, handle: IO[bytes], key_types: Sequence[str]) -> bool:
         raw = self.quote(f"{table}_raw")
