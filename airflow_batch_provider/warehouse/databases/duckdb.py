@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -84,24 +82,11 @@ class DuckDBSqlDialect(SqlDialect):
         return [frozenset(r[0]) for r in rows]
 
     def load_keys_jsonl(self, conn: Any, table: str, handle: IO[bytes], key_types: Sequence[str]) -> bool:
-        # The keys file may live on an object store: its lines go to a local temp file, each
-        # wrapped with its line number as ``[n, line]`` (no parsing in Python), for read_json:
-        # it has no line numbers, and numbering in SQL (ROW_NUMBER() OVER ()) would hold every
-        # key in memory at once.
-        fd, path = tempfile.mkstemp(prefix="abp-keys-", suffix=".jsonl")
-        try:
-            longest = 0
-            with os.fdopen(fd, "wb", buffering=1 << 20) as out:
-                write = out.write
-                for number, line in enumerate(handle, start=1):
-                    line = line.strip()
-                    if line:
-                        longest = max(longest, len(line))
-                        write(b"[%d,%s]\n" % (number, line))
-            keys = ", ".join(self._key_expr(i, t) for i, t in enumerate(key_types))
+        keys = ", ".join(self._key_expr(i, t) for i, t in enumerate(key_types))
+        with duckdb_files.numbered_lines(handle) as (path, longest):
             conn.execute(
-                # A line that is not one JSON value (``{...},{...}``) wraps into a longer array:
-                # no custom_id, reported with its line number.
+                # Each line arrives as ``[n, line]``. A line that is not one JSON value
+                # (``{...},{...}``) wraps into a longer array: no custom_id, reported by number.
                 f"INSERT INTO {self.quote(table)} SELECT CASE WHEN json_array_length(j) = 2 "
                 f"THEN j->1->>'custom_id' END, CAST(j->1->>'shard' AS BIGINT), "
                 f"CAST(j->>0 AS BIGINT), json_array_length(j->1->'key')"
@@ -110,8 +95,6 @@ class DuckDBSqlDialect(SqlDialect):
                 f"maximum_object_size={duckdb_files.json_buffer(longest + 32)})",
                 [path],
             )
-        finally:
-            os.unlink(path)
         return True
 
     def _key_expr(self, index: int, portable: str) -> str:

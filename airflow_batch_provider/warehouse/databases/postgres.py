@@ -94,33 +94,24 @@ class PostgresSqlDialect(SqlDialect):
 
     def load_keys_jsonl(self, conn: Any, table: str, handle: IO[bytes], key_types: Sequence[str]) -> bool:
         raw = self.quote(f"{table}_raw")
-        cur = conn.cursor()
-        if not hasattr(cur, "copy"):  # psycopg2: parse in Python instead
-            cur.close()
-            return False
-        try:
-            cur.execute(
-                f"CREATE TEMP TABLE {raw} (seq BIGINT GENERATED ALWAYS AS IDENTITY, line TEXT) ON COMMIT DROP"
-            )
-            # CSV with delimiter and quote bytes that valid JSON never contains raw (control
-            # characters must be escaped inside JSON strings): each line arrives verbatim,
-            # backslashes included, and PostgreSQL parses the JSON on its own core.
-            with cur.copy(
-                f"COPY {raw} (line) FROM STDIN WITH (FORMAT csv, DELIMITER E'\\x01', QUOTE E'\\x02')"
-            ) as copy:
-                while chunk := handle.read(1 << 20):
-                    copy.write(chunk)
-            keys = ", ".join(self._key_expr(i, t) for i, t in enumerate(key_types))
-            cur.execute(
-                f"INSERT INTO {self.quote(table)} SELECT j->>'custom_id', CAST(j->>'shard' AS BIGINT), seq, "
-                f"CASE WHEN jsonb_typeof(j->'key') = 'array' THEN jsonb_array_length(j->'key') END"
-                f"{', ' + keys if keys else ''} "
-                f"FROM (SELECT seq, CAST(line AS JSONB) AS j FROM {raw} WHERE btrim(line) <> '' OFFSET 0) x"
-            )
-            cur.execute(f"DROP TABLE {raw}")
-        finally:
-            cur.close()
-        return True
+        create = (
+            f"CREATE TEMP TABLE {raw} (seq BIGINT GENERATED ALWAYS AS IDENTITY, line TEXT) ON COMMIT DROP"
+        )
+        # CSV with delimiter and quote bytes that valid JSON never contains raw (control
+        # characters must be escaped inside JSON strings): each line arrives verbatim,
+        # backslashes included, and PostgreSQL parses the JSON on its own core.
+        copy = f"COPY {raw} (line) FROM STDIN WITH (FORMAT csv, DELIMITER E'\\x01', QUOTE E'\\x02')"
+        keys = ", ".join(self._key_expr(i, t) for i, t in enumerate(key_types))
+        parse = (
+            f"INSERT INTO {self.quote(table)} SELECT j->>'custom_id', CAST(j->>'shard' AS BIGINT), seq, "
+            f"CASE WHEN jsonb_typeof(j->'key') = 'array' THEN jsonb_array_length(j->'key') END"
+            f"{', ' + keys if keys else ''} "
+            f"FROM (SELECT seq, CAST(line AS JSONB) AS j FROM {raw} WHERE btrim(line) <> '' OFFSET 0) x"
+        )
+        # psycopg2 has no streaming COPY writer: the caller parses the lines in Python instead.
+        return pg_copy.copy_file(
+            conn, handle, before=create, copy_sql=copy, after=[parse, f"DROP TABLE {raw}"]
+        )
 
     def _key_expr(self, index: int, portable: str) -> str:
         if portable == "json":

@@ -12,10 +12,10 @@ import contextlib
 import itertools
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
@@ -69,3 +69,26 @@ def json_buffer(longest: int) -> int:
     memory the buffer manager's limit does not cover; the longest line is known here.
     """
     return max(1 << 20, 2 * longest)
+
+
+@contextlib.contextmanager
+def numbered_lines(handle: IO[bytes]) -> Iterator[tuple[str, int]]:
+    """The non-blank lines of ``handle`` in a local temp file, each as ``[line number, line]``
+    (no parsing in Python), with the longest line's length; the file is deleted afterwards.
+
+    For ``read_json`` over a file that may live on an object store: read_json has no line
+    numbers, and numbering in SQL (``ROW_NUMBER() OVER ()``) would hold every line in memory.
+    """
+    fd, path = tempfile.mkstemp(prefix="abp-keys-", suffix=".jsonl")
+    try:
+        longest = 0
+        with os.fdopen(fd, "wb", buffering=1 << 20) as out:
+            write = out.write
+            for number, line in enumerate(handle, start=1):
+                line = line.strip()
+                if line:
+                    longest = max(longest, len(line))
+                    write(b"[%d,%s]\n" % (number, line))
+        yield path, longest
+    finally:
+        os.unlink(path)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
-from typing import Any
+from typing import IO, Any
 
 log = logging.getLogger(__name__)
 
@@ -310,6 +310,24 @@ def copy_rows(conn: Any, sql: str, rows: Iterable[Sequence[Any]]) -> int:
     finally:
         cur.close()
     return count
+
+
+def copy_file(conn: Any, handle: IO[bytes], *, before: str, copy_sql: str, after: Sequence[str]) -> bool:
+    """Run ``before``, stream ``handle``'s bytes into ``copy_sql`` as they are, then run ``after``
+    (psycopg 3); False, doing nothing, on a psycopg2 connection."""
+    cur = conn.cursor()
+    try:
+        if not hasattr(cur, "copy"):
+            return False
+        cur.execute(before)
+        with cur.copy(copy_sql) as copy:
+            while chunk := handle.read(1 << 20):
+                copy.write(chunk)
+        for statement in after:
+            cur.execute(statement)
+    finally:
+        cur.close()
+    return True
 
 
 def can_load_in_rounds(conn: Any) -> bool:
