@@ -13,6 +13,7 @@ from airflow.sdk import BaseHook, BaseOperator
 from airflow_batch_provider.exceptions import BatchProviderError, ConfigurationError
 from airflow_batch_provider.jsonl import iter_objects
 from airflow_batch_provider.models import BatchState, Manifest, ResultLine
+from airflow_batch_provider.records import KeyRecord
 from airflow_batch_provider.warehouse.rows import STATUSES, Column, OutputSchema, ResultMapper
 from airflow_batch_provider.warehouse.write import MergeReport, ResultsWriter, ShardOutcome
 
@@ -371,9 +372,7 @@ class MergeBatchResultsOperator(BaseOperator):
                         if key is None:
                             continue
                         new_shard = writer.add(orjson.dumps(obj))
-                        keys_out.write(
-                            orjson.dumps({"custom_id": obj["custom_id"], "key": key, "shard": new_shard})
-                        )
+                        keys_out.write(orjson.dumps(KeyRecord(obj["custom_id"], key, new_shard).as_dict()))
                         keys_out.write(b"\n")
                         written += 1
                 if wanted:

@@ -1,14 +1,15 @@
 """Stream the rows of a query from any common-sql ``DbApiHook`` with bounded memory.
 
-Each driver is asked for its own streaming cursor, because a plain DB-API cursor
-materialises the whole result on the client for several of them:
+Each database's SQL dialect (``warehouse/databases/``, found from the hook's connection type)
+opens its own streaming cursor, because a plain DB-API cursor materialises the whole result on
+the client for several of them:
 
 * PostgreSQL (psycopg 3 or psycopg2): a named, server-side cursor; rows arrive ``batch_size``
   at a time from a portal inside a transaction.
 * MySQL/MariaDB (mysqlclient, PyMySQL): an unbuffered ``SSCursor``; mysql-connector cursors
   are unbuffered by default.
 * DuckDB: ``execute`` + ``fetchmany`` reads the result chunk by chunk. A file-backed database
-  gets a bounded buffer pool for the read (``DUCKDB_READ_MEMORY_LIMIT``) unless the caller sets
+  gets a bounded buffer pool for the read (``databases.duckdb.READ_MEMORY_LIMIT``) unless the caller sets
   its own limit: by default DuckDB keeps every scanned block cached, so the worker would grow
   with the table (measured: +124 MB at 3M rows, +197 MB at 6M; capped: +56 MB and +58 MB).
 * SQLite and anything else: ``fetchmany`` on an ordinary cursor (sqlite3 steps lazily).
@@ -19,54 +20,13 @@ materialises the whole result on the client for several of them:
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-DEFAULT_BATCH_SIZE = 5_000
-# DuckDB spills what does not fit to its temp directory, so a query that needs more still runs.
-DUCKDB_READ_MEMORY_LIMIT = "32MB"
+from airflow_batch_provider.warehouse.databases import SqlDialect, detect_sql_dialect
 
-# PostgreSQL type OIDs -> portable type names (psycopg 3 and psycopg2 both report the OID).
-_PG_OIDS: dict[int, str] = {
-    16: "boolean",
-    20: "integer",
-    21: "integer",
-    23: "integer",
-    26: "integer",
-    700: "float",
-    701: "float",
-    1700: "float",
-    18: "text",
-    19: "text",
-    25: "text",
-    1042: "text",
-    1043: "text",
-    2950: "text",
-    1082: "date",
-    1114: "timestamp",
-    1184: "timestamp",
-    114: "json",
-    3802: "json",
-}
-# MySQL FIELD_TYPE codes (mysqlclient, PyMySQL and mysql-connector share them).
-_MYSQL_CODES: dict[int, str] = {
-    1: "integer",
-    2: "integer",
-    3: "integer",
-    8: "integer",
-    9: "integer",
-    13: "integer",
-    4: "float",
-    5: "float",
-    0: "float",
-    246: "float",
-    10: "date",
-    7: "timestamp",
-    12: "timestamp",
-    245: "json",
-}
+DEFAULT_BATCH_SIZE = 5_000
 
 
 @dataclass(frozen=True)
@@ -128,95 +88,6 @@ def value_type(value: Any) -> str | None:
     return "text"
 
 
-def _column_type(driver: str, description_row: Sequence[Any]) -> str | None:
-    code = description_row[1] if len(description_row) > 1 else None
-    if code is None:
-        return None
-    if driver == "postgres" and isinstance(code, int):
-        kind = _PG_OIDS.get(code)
-        if kind == "float" and code == 1700 and len(description_row) > 5 and description_row[5] == 0:
-            return "integer"  # numeric(p, 0)
-        return kind or "text"
-    if driver == "mysql" and isinstance(code, int):
-        return _MYSQL_CODES.get(code, "text")
-    return portable_type_name(str(code))
-
-
-def driver_of(conn: Any) -> str:
-    """Which driver family a DB-API connection belongs to: postgres, mysql, duckdb, sqlite or generic."""
-    module = type(conn).__module__.split(".")[0].lower()
-    if module in ("psycopg", "psycopg2"):
-        return "postgres"
-    if module in ("mysqldb", "pymysql", "mysql", "_mysql_connector"):
-        return "mysql"
-    if module in ("duckdb", "_duckdb"):
-        return "duckdb"
-    if module == "sqlite3":
-        return "sqlite"
-    return "generic"
-
-
-def _sqlite_text(data: bytes) -> str | bytes:
-    # SQLite accepts any bytes as TEXT; the stdlib raises mid-stream on invalid UTF-8 and
-    # kills the whole read. Hand such a value through as bytes so the row can be rejected.
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return data
-
-
-def _open_cursor(conn: Any, driver: str, batch_size: int) -> Any:
-    if driver == "postgres":
-        name = f"abp_{uuid.uuid4().hex}"
-        # Plain tuples whatever row factory the connection's "cursor" extra chose (dict rows...).
-        if type(conn).__module__.startswith("psycopg2"):
-            import psycopg2.extensions
-
-            cursor = conn.cursor(name=name, cursor_factory=psycopg2.extensions.cursor)
-        else:
-            from psycopg.rows import tuple_row
-
-            cursor = conn.cursor(name=name, row_factory=tuple_row)
-        with contextlib.suppress(AttributeError):
-            cursor.itersize = batch_size
-        return cursor
-    if driver == "mysql":
-        module = type(conn).__module__.split(".")[0].lower()
-        if module == "mysqldb":
-            import MySQLdb.cursors
-
-            return conn.cursor(MySQLdb.cursors.SSCursor)
-        if module == "pymysql":
-            import pymysql.cursors
-
-            return conn.cursor(pymysql.cursors.SSCursor)
-        return conn.cursor()
-    if driver == "sqlite":
-        conn.text_factory = _sqlite_text
-    cursor = conn.cursor()
-    with contextlib.suppress(AttributeError, TypeError):
-        cursor.arraysize = batch_size
-    return cursor
-
-
-def _duckdb_read_settings(conn: Any, session_sql: Sequence[str]) -> list[str]:
-    """The bounded buffer pool for a read of a file-backed DuckDB, unless the caller chose one.
-
-    An in-memory database keeps its data in that pool, so it is left alone.
-    """
-    if any("memory_limit" in s.lower() or "max_memory" in s.lower() for s in session_sql):
-        return []
-    try:
-        row = conn.execute(
-            "SELECT path FROM duckdb_databases() WHERE database_name = current_database()"
-        ).fetchone()
-    except Exception:  # an older DuckDB without duckdb_databases(): keep its defaults
-        return []
-    if not row or not row[0]:
-        return []
-    return [f"SET memory_limit = '{DUCKDB_READ_MEMORY_LIMIT}'"]
-
-
 class RowStream:
     """Rows of one query, read in batches; use as a context manager.
 
@@ -243,7 +114,10 @@ class RowStream:
         self.batch_size = batch_size
         self.session_sql = list(session_sql)
         self.columns: list[Column] = []
-        self.driver = "generic"
+        #: The database's SQL dialect (its streaming cursor, read settings and column types).
+        self.dialect: SqlDialect = detect_sql_dialect(hook)
+        #: The database's name: postgres, mysql, duckdb, sqlite or generic.
+        self.driver = self.dialect.name
         self._conn: Any = None
         self._cursor: Any = None
         self._first: list[Any] | None = None
@@ -251,10 +125,8 @@ class RowStream:
     def __enter__(self) -> RowStream:
         self._conn = self.hook.get_conn()
         try:
-            self.driver = driver_of(self._conn)
             statements = list(self.session_sql)
-            if self.driver == "duckdb":
-                statements = _duckdb_read_settings(self._conn, statements) + statements
+            statements = self.dialect.read_settings(self._conn, statements) + statements
             if statements:
                 setup = self._conn.cursor()
                 try:
@@ -262,18 +134,18 @@ class RowStream:
                         setup.execute(statement)
                 finally:
                     setup.close()
-            self._cursor = _open_cursor(self._conn, self.driver, self.batch_size)
+            self._cursor = self.dialect.stream_cursor(self._conn, self.batch_size)
             if self.parameters is None:
                 self._cursor.execute(self.sql)
             else:
                 self._cursor.execute(self.sql, self.parameters)
-            if self.driver == "postgres" and self._cursor.description is None:
-                # psycopg 3 declares the portal lazily; the description arrives with the first fetch.
+            if self.dialect.describes_after_fetch and self._cursor.description is None:
+                # The description arrives with the first fetch.
                 self._first = list(self._cursor.fetchmany(self.batch_size))
             else:
                 self._first = None
             description = self._cursor.description or []
-            self.columns = [Column(str(d[0]), _column_type(self.driver, d)) for d in description]
+            self.columns = [Column(str(d[0]), self.dialect.column_type(d)) for d in description]
         except BaseException:
             self.close()
             raise

@@ -2,10 +2,11 @@
 
 Everything happens on one connection in one transaction:
 
-1. the target table is created (typed columns) or checked for the columns the merge needs;
+1. the write plan is decided once from the table's facts (``warehouse/plan.py``: insert into
+   the new table, replace by key, update then insert, or upsert), creating the table if needed;
 2. the manifest's keys, the build's rejects and the streamed result rows are bulk-loaded
    into temp tables (COPY on PostgreSQL, ``read_json`` on DuckDB, ``executemany`` elsewhere);
-3. one ``INSERT ... SELECT keys LEFT JOIN results ... ON CONFLICT`` writes one row per key,
+3. one ``INSERT ... SELECT keys LEFT JOIN results ...`` (as the plan says) writes one row per key,
    so a key with no result becomes ``missing`` without Python ever holding the key set;
 4. counts, orphans and retryable keys are read back from the temp tables; then commit.
 
@@ -21,17 +22,20 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
 from airflow_batch_provider.exceptions import WarehouseSchemaError
 from airflow_batch_provider.jsonl import iter_objects
 from airflow_batch_provider.models import ResultLine
-from airflow_batch_provider.warehouse.dialect import WarehouseDialect, get_warehouse_dialect
+from airflow_batch_provider.records import KeyRecord, RejectRecord
+from airflow_batch_provider.warehouse.databases import SqlDialect, get_sql_dialect
+from airflow_batch_provider.warehouse.plan import WriteMode, WritePlan, plan_write
 from airflow_batch_provider.warehouse.rows import RETRYABLE_STATUSES, STATUSES, Column, ResultMapper
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _SAMPLES = 10
 _FETCH = 10_000
@@ -122,7 +126,7 @@ class ResultsWriter:
         session_settings: Mapping[str, str] | None = None,
     ) -> None:
         self.hook = hook
-        self.dialect: WarehouseDialect = get_warehouse_dialect(hook)
+        self.dialect: SqlDialect = get_sql_dialect(hook)
         self.table_name = table
         self.schema = schema
         self.qtable = self.dialect.table(table, schema)
@@ -141,10 +145,6 @@ class ResultsWriter:
                 f"key column(s) {clash} clash with results columns of the same name; rename them in the build"
             )
         self.manifest_mode = bool(self.key_columns)
-        self._pk_pending = False
-        self._fresh_table = False
-        self._replace = False
-        self._update_insert = False
         # Target layout: keys, custom_id, result columns, merged_at.
         self.target_columns: list[Column] = [
             *self.key_columns,
@@ -193,46 +193,24 @@ class ResultsWriter:
         keys = ", ".join(self.dialect.quote(k) for k in self.target_keys)
         return f"ALTER TABLE {self.qtable} ADD PRIMARY KEY ({keys})"
 
-    def _ensure_table(self, conn: Any, report: MergeReport, existing: list[str] | None) -> None:
-        if existing is None:
-            if not self.create_table:
-                raise WarehouseSchemaError(f"table {self.qtable} does not exist and create_table is False")
-            # Where a failed statement can be undone alone, a new table gets its primary key
-            # after the bulk insert: building the index once is cheaper than growing it row by
-            # row, and a repeated key still fails (and falls back) before commit.
-            self._pk_pending = bool(self.dialect.savepoint and self.dialect.exclusive_merge)
-            keyless = self.dialect.keyless_tables
-            self._execute(conn, self._create_sql(primary_key=not self._pk_pending and not keyless))
+    def _plan(self, conn: Any, report: MergeReport) -> WritePlan:
+        """Decide how this merge writes (see ``warehouse/plan.py``) and create the table if it must."""
+        d = self.dialect
+        existing = d.probe_columns(conn, self.table_name, self.schema)
+        plan = plan_write(
+            d.capabilities,
+            table=self.qtable,
+            columns=existing,
+            unique_keys=None if existing is None else d.unique_key_sets(conn, self.table_name, self.schema),
+            target_columns=[c.name for c in self.target_columns],
+            target_keys=self.target_keys,
+            create_table=self.create_table,
+        )
+        log.debug("Write plan for %s: %s", self.qtable, plan)
+        if plan.create_table:
+            self._execute(conn, self._create_sql(primary_key=plan.key_in_create))
             report.created_table = True
-            # Only a merge that holds the table alone knows the new table is still empty.
-            self._fresh_table = self.dialect.exclusive_merge
-            return
-        have = {name.lower() for name in existing}
-        missing = [c.name for c in self.target_columns if c.name.lower() not in have]
-        # Replacing rows is only the same as updating them when the table has no columns of
-        # its own, whose values an update keeps.
-        ours = {c.name.lower() for c in self.target_columns}
-        self._replace = self.dialect.upsert_by_replace and have == ours
-        if missing:
-            raise WarehouseSchemaError(
-                f"table {self.qtable} exists but lacks column(s) {', '.join(repr(m) for m in missing)}; "
-                f"add them or merge into a new table"
-            )
-        if self._replace and self.dialect.keyless_tables:
-            # Rows are replaced by key (see keyless_tables): no unique index is needed.
-            return
-        unique = self.dialect.unique_key_sets(conn, self.table_name, self.schema)
-        if self.dialect.keyless_tables and (unique is None or frozenset(self.target_keys) not in unique):
-            # A table the merge created (no key) and then given columns of its own: update the
-            # rows by key, keeping those columns' values, and insert the new keys.
-            self._update_insert = True
-            return
-        if unique is not None and frozenset(self.target_keys) not in unique:
-            raise WarehouseSchemaError(
-                f"table {self.qtable} has no primary key or unique index on exactly "
-                f"({', '.join(self.target_keys)}); the merge upserts by these columns, so re-runs would "
-                f"duplicate rows: add one, or merge into a new table"
-            )
+        return plan
 
     # ---- the merge --------------------------------------------------------------------------
     def merge(
@@ -240,7 +218,7 @@ class ResultsWriter:
         results: Iterable[tuple[ResultLine, str | None]],
         *,
         keys: KeysSource | None = None,
-        rejects: Iterable[Mapping[str, Any]] | None = None,
+        rejects: Iterable[RejectRecord | Mapping[str, Any]] | None = None,
         shards: Mapping[int, ShardOutcome] | None = None,
         on_retry: RetryCallback | None = None,
         merged_at: datetime | None = None,
@@ -249,8 +227,10 @@ class ResultsWriter:
 
         :param results: ``(result line, batch id)`` pairs, streamed.
         :param keys: keys.jsonl (a path / ObjectStoragePath, loaded by the database where it
-            can) or its records ``{custom_id, key, shard}`` (manifest mode only).
-        :param rejects: rejects.jsonl records (manifest mode only).
+            can) or its records (:class:`~airflow_batch_provider.records.KeyRecord` or their
+            dicts; manifest mode only).
+        :param rejects: rejects.jsonl records (:class:`~airflow_batch_provider.records.RejectRecord`
+            or their dicts; manifest mode only).
         :param shards: per shard, its batch and the status of keys it has no result for.
         :param on_retry: receives ``(shard, custom_id, key values)`` of every retryable key before
             commit; an exception from it rolls the merge back.
@@ -270,13 +250,11 @@ class ResultsWriter:
         conn = self.hook.get_conn()
         created: list[str] = []
         try:
-            self._pk_pending = self._fresh_table = self._replace = self._update_insert = False
             self.dialect.begin(conn)
             for name, value in self.session_settings.items():
                 self._execute(conn, self.dialect.set_setting(name, value))
             self.dialect.lock_table(conn, self.table_name, self.schema)
-            existing = self.dialect.probe_columns(conn, self.table_name, self.schema)
-            self._ensure_table(conn, report, existing)
+            plan = self._plan(conn, report)
             # Staging: results.
             res_cols = self._staging_columns(
                 ["custom_id", "seq", *[c.name for c in self.mapper.columns]],
@@ -292,20 +270,18 @@ class ResultsWriter:
                 def load_keys() -> None:
                     self._load_keys(conn, t_keys, key_cols, keys or ())
 
-                keyed = self._stage_keyed(
-                    conn,
-                    report,
-                    _Keyed(
-                        t_results,
-                        t_keys,
-                        t_rejects,
-                        t_shards,
+                keyed = _Keyed(
+                    plan,
+                    self._stage_keyed(
+                        conn,
+                        report,
+                        (t_results, t_keys, t_rejects, t_shards),
                         dict(shards or {}),
-                        quote=self.dialect.quote,
+                        created,
+                        rejects or (),
+                        merged_at,
                     ),
-                    created,
-                    rejects or (),
-                    merged_at,
+                    _Rounds(),
                 )
 
             rows = (self.mapper.row(line, batch_id) for line, batch_id in results)
@@ -329,7 +305,7 @@ class ResultsWriter:
             if keyed is not None:
                 self._merge_keyed(conn, report, keyed, on_retry)
             else:
-                self._merge_unkeyed(conn, report, t_results, merged_at)
+                self._merge_unkeyed(conn, report, plan, t_results, merged_at)
             for name in created:
                 drop = self.dialect.drop_temp_table(name)
                 if drop:
@@ -350,57 +326,69 @@ class ResultsWriter:
         self,
         conn: Any,
         report: MergeReport,
-        keyed: _Keyed,
+        tables: tuple[str, str, str, str],
+        shards: dict[int, ShardOutcome],
         created: list[str],
-        rejects: Iterable[Mapping[str, Any]],
+        rejects: Iterable[RejectRecord | Mapping[str, Any]],
         merged_at: datetime,
-    ) -> _Keyed:
+    ) -> _KeyedSql:
         """Stage rejects and shards and build the keyed upsert's SELECT list (before the results)."""
         d = self.dialect
         q = d.quote
+        t_results, t_keys, t_rejects, t_shards = tables
         key_names = [f"k{i}" for i in range(len(self.key_columns))]
         key_types = [self._staging_type(c.type) for c in self.key_columns]
         rej_cols = self._staging_columns(
             ["custom_id", "seq", "code", "reason", *key_names],
             ["text", "integer", "text", "text", *key_types],
         )
-        self._create_temp(conn, keyed.t_rejects, rej_cols, created)
-        d.bulk_load(conn, keyed.t_rejects, rej_cols, self._reject_rows(rejects, report))
+        self._create_temp(conn, t_rejects, rej_cols, created)
+        d.bulk_load(conn, t_rejects, rej_cols, self._reject_rows(rejects, report))
 
         shard_cols = self._staging_columns(["shard", "batch_id", "absent"], ["integer", "text", "text"])
-        self._create_temp(conn, keyed.t_shards, shard_cols, created)
+        self._create_temp(conn, t_shards, shard_cols, created)
         d.bulk_load(
             conn,
-            keyed.t_shards,
+            t_shards,
             shard_cols,
-            ((i, s.batch_id, s.absent_status) for i, s in keyed.shards.items()),
+            ((i, s.batch_id, s.absent_status) for i, s in shards.items()),
         )
 
-        keyed.status_expr = (
+        status_expr = (
             f"CASE WHEN r.{q('custom_id')} IS NULL THEN COALESCE(s.{q('absent')}, 'missing') "
             f"ELSE r.{q('status')} END"
         )
-        keyed.target = [c.name for c in self.key_columns]
-        keyed.key_exprs = [
+        target = [c.name for c in self.key_columns]
+        key_exprs = [
             self._cast_json(f"k.{q(n)}", c) for n, c in zip(key_names, self.key_columns, strict=True)
         ]
-        select_cols = list(keyed.key_exprs)
-        keyed.target.append("custom_id")
+        select_cols = list(key_exprs)
+        target.append("custom_id")
         select_cols.append(f"k.{q('custom_id')}")
         for col in self.mapper.columns:
-            keyed.target.append(col.name)
+            target.append(col.name)
             if col.name == "status":
-                select_cols.append(keyed.status_expr)
+                select_cols.append(status_expr)
             elif col.name == "batch_id":
                 select_cols.append(f"COALESCE(r.{q('batch_id')}, s.{q('batch_id')})")
             else:
                 select_cols.append(self._cast_json(f"r.{q(col.name)}", col))
-        keyed.target.append("merged_at")
+        target.append("merged_at")
         select_cols.append(d.cast(d.placeholder, "timestamp"))
-        keyed.select = ", ".join(select_cols)
-        keyed.stamp = [d.merged_at_value(merged_at)]
-        keyed.key_names = key_names
-        return keyed
+        return _KeyedSql(
+            t_results=t_results,
+            t_keys=t_keys,
+            t_rejects=t_rejects,
+            t_shards=t_shards,
+            target=tuple(target),
+            params=(d.merged_at_value(merged_at),),
+            select_list=", ".join(select_cols),
+            key_exprs=tuple(key_exprs),
+            key_names=tuple(key_names),
+            status_expr=status_expr,
+            all_absent_missing=all(o.absent_status == "missing" for o in shards.values()),
+            quote=q,
+        )
 
     def _write_round(self, conn: Any, keyed: _Keyed, part: str) -> None:
         """Write the keys that have a result line in ``part`` (one round of staged results).
@@ -410,47 +398,47 @@ class ResultsWriter:
         after the load (see ``_finish_rounds``). Either way the one ranked statement then
         decides every key, as it does where rounds are not used.
         """
-        d = self.dialect
-        q = d.quote
-        if keyed.rounds == 0:
+        sql, rounds = keyed.sql, keyed.rounds
+        if rounds.done == 0:
             self._prepare_rounds(conn, keyed)
-        keyed.rounds += 1
-        if keyed.repeated:
+        rounds.done += 1
+        if rounds.repeated:
             return
-        select = f"SELECT {keyed.select} {keyed.from_clause(q(part), join='JOIN')}"
-        if self._fresh_table:
+        select = f"SELECT {sql.select_list} {sql.from_clause(self.dialect.quote(part), join='JOIN')}"
+        if keyed.plan.mode is WriteMode.INSERT:
             # No primary key yet: a repeated custom_id shows when it is added after the load.
-            written = self._write_counted(conn, select, keyed)
+            written = self._write_counted(conn, keyed, select)
         else:
-            self._execute(conn, d.savepoint.format("abp_round"))  # type: ignore[union-attr]
-            try:
-                written = self._write_counted(conn, select, keyed)
-            except Exception as exc:
-                # 21000: one statement would update a row twice (a repeat within the round).
-                if _sqlstate(exc) != "21000":
-                    raise
-                self._execute(conn, "ROLLBACK TO SAVEPOINT abp_round")
-                keyed.repeated = True
+            # One statement would update a row twice: a repeat within the round.
+            ok, counted = self._attempt(
+                conn,
+                "abp_round",
+                lambda: self._write_counted(conn, keyed, select),
+                self.dialect.is_row_written_twice,
+            )
+            if not ok or counted is None:
+                rounds.repeated = True
                 return
-            self._execute(conn, "RELEASE SAVEPOINT abp_round")
+            written = counted
         for status, n in written.items():
-            keyed.counts[status] = keyed.counts.get(status, 0) + n
+            rounds.counts[status] = rounds.counts.get(status, 0) + n
 
-    def _write_counted(self, conn: Any, select: str, keyed: _Keyed) -> dict[str, int]:
+    def _write_counted(self, conn: Any, keyed: _Keyed, select: str) -> dict[str, int]:
         """Write ``select`` (keyed rows) into the target; the rows written per status."""
-        written = self._write_select(conn, select, keyed.target, keyed.stamp)
+        written = self._write_select(conn, keyed.plan, select, keyed.sql.target, keyed.sql.params)
         assert written is not None, "rounds run only where the database counts while writing"
         return written
 
     def _write_select(
         self,
         conn: Any,
+        plan: WritePlan,
         select: str,
         target: Sequence[str],
         params: Sequence[Any],
         keys_select: str | None = None,
     ) -> dict[str, int] | None:
-        """Write the rows of ``select`` as this merge writes: insert into a table it created,
+        """Write the rows of ``select`` as the plan says: insert into a table this merge created,
         replace by key (``keys_select`` returns the keys), update then insert, or upsert.
 
         Returns the rows written per status where the database counts them while writing
@@ -458,21 +446,21 @@ class ResultsWriter:
         """
         d = self.dialect
         q = d.quote
-        if self._fresh_table:
+        if plan.mode is WriteMode.INSERT:
             # The table was created by this transaction, so it is empty: nothing to update.
             sql = d.insert(self.qtable, target, select)
-        elif self._replace:
-            # Delete the rows about to be written, then insert (see upsert_by_replace).
+        elif plan.mode is WriteMode.REPLACE:
+            # Delete the rows about to be written, then insert (see Capabilities.upsert_by_replace).
             if keys_select is None:
                 raise ValueError("replacing rows needs the keys they are replaced by")
             self._execute(conn, d.delete_keys(self.qtable, self.target_keys, keys_select))
             sql = d.insert(self.qtable, target, select)
-        elif self._update_insert:
+        elif plan.mode is WriteMode.UPDATE_INSERT:
             update, sql = d.update_then_insert(self.qtable, target, self.target_keys, select)
             self._execute(conn, update, params)
         else:
             sql = d.upsert(self.qtable, target, self.target_keys, select)
-        if not d.returning_counts:
+        if not d.capabilities.returning_counts:
             self._execute(conn, sql, params)
             return None
         # Count the written rows per status in the same statement, not a second join.
@@ -484,39 +472,53 @@ class ResultsWriter:
         )
         return {str(status): int(n) for status, n in rows}
 
+    def _attempt(
+        self, conn: Any, name: str, action: Callable[[], _T], expected: Callable[[BaseException], bool]
+    ) -> tuple[bool, _T | None]:
+        """Run ``action`` inside a savepoint: ``(True, its result)``, or ``(False, None)`` when it
+        failed with an ``expected`` error, which is then undone alone (other errors propagate)."""
+        d = self.dialect
+        self._execute(conn, d.savepoint(name))
+        try:
+            result = action()
+        except Exception as exc:
+            if not expected(exc):
+                raise
+            self._execute(conn, d.rollback_to(name))
+            self._execute(conn, d.release(name))
+            return False, None
+        self._execute(conn, d.release(name))
+        return True, result
+
     def _prepare_rounds(self, conn: Any, keyed: _Keyed) -> None:
         """Before the first round (keys staged): statistics for the rounds' joins and, for an
         existing table, a unique index on the staged keys, so that two custom_ids with one key
         (a manifest no build writes) fail by line instead of updating one row in two rounds.
         A table this merge created gets its primary key after the load, which finds that too.
         """
-        q = self.dialect.quote
-        if not self._fresh_table:
+        d = self.dialect
+        q = d.quote
+        if keyed.plan.mode is not WriteMode.INSERT:
             # Compared as the target compares them (JSON keys as JSON: {"a":1,"b":2} is one key
             # however its members are ordered).
-            cols = ", ".join(f"({e})" for e in self._typed_key_exprs(keyed))
-            self._execute(conn, "SAVEPOINT abp_keys")
-            try:
-                self._execute(conn, f"CREATE UNIQUE INDEX ON {q(keyed.t_keys)} ({cols})")
-            except Exception as exc:
-                if _sqlstate(exc) != "23505":
-                    raise
-                self._execute(conn, "ROLLBACK TO SAVEPOINT abp_keys")
-                self._raise_repeated_key(conn, keyed)
-            self._execute(conn, "RELEASE SAVEPOINT abp_keys")
-        self.dialect.analyze(conn, q(keyed.t_keys))
+            cols = ", ".join(f"({e})" for e in self._typed_key_exprs(keyed.sql))
+            index = f"CREATE UNIQUE INDEX ON {q(keyed.sql.t_keys)} ({cols})"
+            ok, _ = self._attempt(conn, "abp_keys", lambda: self._execute(conn, index), d.is_duplicate_key)
+            if not ok:
+                self._raise_repeated_key(conn, keyed.sql)
+        d.analyze(conn, q(keyed.sql.t_keys))
 
-    def _typed_key_exprs(self, keyed: _Keyed) -> list[str]:
+    def _typed_key_exprs(self, sql: _KeyedSql) -> list[str]:
         q = self.dialect.quote
-        return [self._cast_json(q(n), c) for n, c in zip(keyed.key_names, self.key_columns, strict=True)]
+        return [self._cast_json(q(n), c) for n, c in zip(sql.key_names, self.key_columns, strict=True)]
 
-    def _raise_repeated_key(self, conn: Any, keyed: _Keyed) -> None:
+    def _raise_repeated_key(self, conn: Any, sql: _KeyedSql) -> None:
         """Raise naming the first two keys.jsonl lines with one key, if there are such lines."""
         q = self.dialect.quote
-        cols = ", ".join(self._typed_key_exprs(keyed))
+        cols = ", ".join(self._typed_key_exprs(sql))
         repeated = self._fetchall(
             conn,
-            f"SELECT MIN({q('seq')}), MAX({q('seq')}) FROM {q(keyed.t_keys)} "
+            f"SELECT MIN({q('seq')}), MAX({q('seq')}) FROM {q(sql.t_keys)} "
             f"GROUP BY {cols} HAVING COUNT(*) > 1 ORDER BY 1 LIMIT 1",
         )
         if repeated:
@@ -532,38 +534,34 @@ class ResultsWriter:
         rows of the rounds are then rewritten by the ranked statement)."""
         d = self.dialect
         q = d.quote
-        counts = dict(keyed.counts)
+        sql = keyed.sql
+        counts = dict(keyed.rounds.counts)
         matched = sum(counts.values())
-        total_keys = int(self._fetchall(conn, f"SELECT COUNT(*) FROM {q(keyed.t_keys)}")[0][0])
+        total_keys = int(self._fetchall(conn, f"SELECT COUNT(*) FROM {q(sql.t_keys)}")[0][0])
         unmatched = 0
         # A new table without repeats has exactly ``matched`` keys with a result; an existing
         # table's upsert may have written one key in two rounds, which only this count shows.
-        if total_keys > matched or not self._fresh_table:
+        if total_keys > matched or keyed.plan.mode is not WriteMode.INSERT:
             without = (
-                f"(SELECT * FROM {q(keyed.t_keys)} x WHERE NOT EXISTS (SELECT 1 FROM {q(keyed.t_results)} v "
+                f"(SELECT * FROM {q(sql.t_keys)} x WHERE NOT EXISTS (SELECT 1 FROM {q(sql.t_results)} v "
                 f"WHERE v.{q('custom_id')} = x.{q('custom_id')}))"
             )
-            nothing = f"(SELECT * FROM {q(keyed.t_results)} WHERE 1=0)"
-            select = f"SELECT {keyed.select} {keyed.from_clause(nothing, keys=without)}"
-            for status, n in self._write_counted(conn, select, keyed).items():
+            nothing = f"(SELECT * FROM {q(sql.t_results)} WHERE 1=0)"
+            select = f"SELECT {sql.select_list} {sql.from_clause(nothing, keys=without)}"
+            for status, n in self._write_counted(conn, keyed, select).items():
                 counts[status] = counts.get(status, 0) + n
                 unmatched += n
             if matched > total_keys - unmatched:
                 # More result rows joined than keys have results: a custom_id repeated.
                 return None
-        if self._pk_pending:
-            self._execute(conn, "SAVEPOINT abp_pk")
-            try:
-                self._execute(conn, self._add_primary_key_sql())
-            except Exception as exc:
-                if _sqlstate(exc) != "23505":
-                    raise
-                self._execute(conn, "ROLLBACK TO SAVEPOINT abp_pk")
+        if keyed.plan.key_after_load:
+            ok, _ = self._attempt(
+                conn, "abp_pk", lambda: self._execute(conn, self._add_primary_key_sql()), d.is_duplicate_key
+            )
+            if not ok:
                 # Two rows with one key: a custom_id repeated (ranked below), or a bad manifest.
-                self._raise_repeated_key(conn, keyed)
+                self._raise_repeated_key(conn, sql)
                 return None
-            self._execute(conn, "RELEASE SAVEPOINT abp_pk")
-            self._pk_pending = False
         return counts
 
     def _merge_keyed(
@@ -571,48 +569,42 @@ class ResultsWriter:
     ) -> None:
         d = self.dialect
         q = d.quote
-        t_results, t_keys, t_rejects = keyed.t_results, keyed.t_keys, keyed.t_rejects
-        shards = keyed.shards
-        status_expr = keyed.status_expr
-        target, stamp = keyed.target, keyed.stamp
-        key_names = keyed.key_names
-        from_clause_for = keyed.from_clause
-        if keyed.rounds == 0:
+        plan, sql = keyed.plan, keyed.sql
+        t_results, t_keys, t_rejects = sql.t_results, sql.t_keys, sql.t_rejects
+        status_expr = sql.status_expr
+        target, stamp = sql.target, sql.params
+        key_names = sql.key_names
+        if keyed.rounds.done == 0:
             d.analyze(conn, q(t_keys))
-        if d.keyless_tables:
+        if plan.check_repeated_keys:
             # Nothing in a table without a key would refuse two rows for one key.
-            self._raise_repeated_key(conn, keyed)
+            self._raise_repeated_key(conn, sql)
         matched_lines: int | None = None
-        written = self._finish_rounds(conn, keyed) if keyed.rounds and not keyed.repeated else None
+        rounds_whole = keyed.rounds.done and not keyed.rounds.repeated
+        written = self._finish_rounds(conn, keyed) if rounds_whole else None
         if written is not None:
-            matched_lines = sum(keyed.counts.values())
-            from_clause, deduplicated = from_clause_for(q(t_results)), False
+            matched_lines = sum(keyed.rounds.counts.values())
+            from_clause, deduplicated = sql.from_clause(q(t_results)), False
             if on_retry is not None:
                 d.analyze(conn, q(t_results))
+        elif keyed.rounds.done:
+            # Rounds stopped at, or found, a repeated custom_id: every key of the manifest gets
+            # its row from the ranked results (rewriting each row the rounds wrote).
+            log.info("A custom_id has more than one result line; keeping one per key")
+            if plan.mode is WriteMode.INSERT:
+                # Named by line before the primary key would fail on it without a line.
+                self._raise_repeated_key(conn, sql)
+                # The ranked statement below writes every key of this merge's new table
+                # again, so the rows of the rounds go.
+                self._execute(conn, f"TRUNCATE {self.qtable}")
+            d.analyze(conn, q(t_results))
+            ranked = self._ranked_sql(t_results)
+            written = self._write_rows(conn, plan, sql, ranked)
+            from_clause, deduplicated = sql.source(ranked), True
         else:
-            if keyed.rounds:
-                keyed.repeated = True
-                log.info("A custom_id has more than one result line; keeping one per key")
-                if self._fresh_table:
-                    # Named by line before the primary key would fail on it without a line.
-                    self._raise_repeated_key(conn, keyed)
-                    # The ranked statement below writes every key of this merge's new table
-                    # again, so the rows of the rounds go.
-                    self._execute(conn, f"TRUNCATE {self.qtable}")
-            # Every key of the manifest gets a row. (After stopped rounds on an existing table,
-            # this upsert rewrites each row those rounds wrote.)
-            written_keys = f"SELECT {', '.join(keyed.key_exprs)} FROM {q(t_keys)} k"
-            from_clause, written, deduplicated = self._write_results(
-                conn,
-                report,
-                t_results,
-                lambda source: f"SELECT {keyed.select} {from_clause_for(source)}",
-                target,
-                stamp,
-                from_clause_for,
-                lambda source: written_keys,
-                repeated=keyed.repeated,
-            )
+            # Every key of the manifest gets a row.
+            d.analyze(conn, q(t_results))
+            from_clause, written, deduplicated = self._write_all(conn, plan, sql, t_results)
 
         # Rejects: one row per rejected key, unless the build also wrote that key.
         rej_exprs = [
@@ -641,6 +633,7 @@ class ResultsWriter:
         # Rejected keys are not in keys.jsonl, so none of them was written above.
         self._write_select(
             conn,
+            plan,
             f"SELECT {', '.join(rej_exprs)} {rej_from}",
             target,
             stamp,
@@ -655,7 +648,7 @@ class ResultsWriter:
             if matched_lines is not None:
                 # Rounds counted only the keys that had a result line.
                 known_orphans = report.result_lines - matched_lines
-            elif all(outcome.absent_status == "missing" for outcome in shards.values()):
+            elif sql.all_absent_missing:
                 # No result line is ever "missing", so the keys with a result are all the others,
                 # and every other staged line matched no key: no anti-join needed to count them.
                 matched = sum(written.values()) - written.get("missing", 0)
@@ -681,12 +674,12 @@ class ResultsWriter:
 
         if on_retry is not None:
             wanted = ", ".join(f"'{s}'" for s in sorted(RETRYABLE_STATUSES))
-            sql = (
+            retry = (
                 f"SELECT k.{q('shard')}, k.{q('custom_id')}, {', '.join('k.' + q(n) for n in key_names)} "
                 f"{from_clause} WHERE {status_expr} IN ({wanted}) "
                 f"ORDER BY k.{q('shard')}, k.{q('seq')}"
             )
-            on_retry(self._stream(conn, sql))
+            on_retry(self._stream(conn, retry))
 
     def _orphans(
         self, conn: Any, report: MergeReport, t_results: str, t_keys: str, known: int | None = None
@@ -714,25 +707,24 @@ class ResultsWriter:
             )
 
     # ---- no manifest ------------------------------------------------------------------------
-    def _merge_unkeyed(self, conn: Any, report: MergeReport, t_results: str, merged_at: datetime) -> None:
+    def _merge_unkeyed(
+        self, conn: Any, report: MergeReport, plan: WritePlan, t_results: str, merged_at: datetime
+    ) -> None:
         d = self.dialect
         q = d.quote
-        target = ["custom_id", *[c.name for c in self.mapper.columns], "merged_at"]
         select_cols = [
             f"r.{q('custom_id')}",
             *[self._cast_json(f"r.{q(c.name)}", c) for c in self.mapper.columns],
         ]
         select_cols.append(d.cast(d.placeholder, "timestamp"))
-        ranked, written, _ = self._write_results(
-            conn,
-            report,
-            t_results,
-            lambda source: f"SELECT {', '.join(select_cols)} FROM {source} r",
-            target,
-            [d.merged_at_value(merged_at)],
-            lambda source: source,
-            lambda source: f"SELECT r.{q('custom_id')} FROM {source} r",
+        rows = _UnkeyedSql(
+            target=("custom_id", *[c.name for c in self.mapper.columns], "merged_at"),
+            params=(d.merged_at_value(merged_at),),
+            select_list=", ".join(select_cols),
+            quote=q,
         )
+        d.analyze(conn, q(t_results))
+        ranked, written, _ = self._write_all(conn, plan, rows, t_results)
         if written is not None:
             counts = list(written.items())
         else:
@@ -745,24 +737,14 @@ class ResultsWriter:
         report.duplicate_results = report.result_lines - report.rows_written
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _write_results(
-        self,
-        conn: Any,
-        report: MergeReport,
-        t_results: str,
-        select_for: Callable[[str], str],
-        target: list[str],
-        params: list[Any],
-        source_for: Callable[[str], str],
-        keys_for: Callable[[str], str],
-        *,
-        repeated: bool = False,
+    def _write_all(
+        self, conn: Any, plan: WritePlan, rows: _Rows, t_results: str
     ) -> tuple[str, dict[str, int] | None, bool]:
-        """Run the one upsert.
+        """Write every row of the merge from the staged results ``t_results``.
 
-        Returns what later queries should read results from, the rows written per status when
-        the database counted them while writing (RETURNING), and whether repeated custom_ids
-        had to be ranked.
+        Returns what later queries should read results from (``rows.source``), the rows written
+        per status when the database counted them while writing (RETURNING), and whether
+        repeated custom_ids had to be ranked.
 
         A custom_id normally has one result line, and then the staged table joins directly.
         Where a failed statement can be undone alone (a savepoint), the direct statement is
@@ -770,38 +752,33 @@ class ResultsWriter:
         source; elsewhere repeats are looked for before choosing.
         """
         d = self.dialect
-        q = d.quote
-
-        def write(source: str) -> dict[str, int] | None:
-            counts = self._write_select(conn, select_for(source), target, params, keys_for(source))
-            if self._pk_pending:
-                self._execute(conn, self._add_primary_key_sql())
-                self._pk_pending = False
-            return counts
-
-        d.analyze(conn, q(t_results))
-        if repeated:
-            # Already known (rounds found a repeated custom_id): straight to the ranked source.
-            ranked = self._ranked_sql(t_results)
-        elif d.savepoint:
-            self._execute(conn, d.savepoint.format("abp_merge"))
-            try:
-                counts = write(q(t_results))
-            except Exception as exc:
-                # 23505 unique_violation (plain insert), 21000 cardinality_violation (upsert).
-                if _sqlstate(exc) not in ("23505", "21000"):
-                    raise
-                log.info("A custom_id has more than one result line; keeping one per key")
-                self._execute(conn, "ROLLBACK TO SAVEPOINT abp_merge")
-                self._pk_pending = self._fresh_table and bool(d.savepoint)
-            else:
-                self._execute(conn, "RELEASE SAVEPOINT abp_merge")
-                return source_for(q(t_results)), counts, False
+        direct = d.quote(t_results)
+        if d.capabilities.savepoints:
+            ok, counts = self._attempt(
+                conn,
+                "abp_merge",
+                lambda: self._write_rows(conn, plan, rows, direct),
+                # A plain insert (its key added after the load) or an upsert that meets a key twice.
+                lambda exc: d.is_duplicate_key(exc) or d.is_row_written_twice(exc),
+            )
+            if ok:
+                return rows.source(direct), counts, False
+            log.info("A custom_id has more than one result line; keeping one per key")
             ranked = self._ranked_sql(t_results)
         else:
             ranked = self._ranked_results(conn, t_results)
-        counts = write(ranked)
-        return source_for(ranked), counts, ranked != q(t_results)
+        counts = self._write_rows(conn, plan, rows, ranked)
+        return rows.source(ranked), counts, ranked != direct
+
+    def _write_rows(self, conn: Any, plan: WritePlan, rows: _Rows, results: str) -> dict[str, int] | None:
+        """Write ``rows`` over the results source ``results``; then add the new table's primary
+        key where the plan adds it after the load."""
+        counts = self._write_select(
+            conn, plan, rows.select(results), rows.target, rows.params, rows.keys(results)
+        )
+        if plan.key_after_load:
+            self._execute(conn, self._add_primary_key_sql())
+        return counts
 
     def _ranked_results(self, conn: Any, t_results: str) -> str:
         """Results with one line per custom_id: a success wins over an error, then the later line.
@@ -895,44 +872,41 @@ class ResultsWriter:
             for v, c in zip(key, self.key_columns, strict=True)
         )
 
-    def _key_rows(self, keys: Iterable[tuple[int, Mapping[str, Any]]]) -> Iterator[tuple[Any, ...]]:
+    def _key_rows(
+        self, keys: Iterable[tuple[int, KeyRecord | Mapping[str, Any]]]
+    ) -> Iterator[tuple[Any, ...]]:
         """Staged rows of ``(line number, record)`` pairs of keys.jsonl."""
         nkeys = len(self.key_columns)
         blank = (None,) * nkeys
         for seq, record in keys:
-            custom_id = record.get("custom_id")
-            shard = record.get("shard")
-            key = record.get("key")
+            fields = KeyRecord.fields_of(record.as_dict() if isinstance(record, KeyRecord) else record)
+            custom_id, key, shard = fields
             # A malformed line is staged as is and reported, with its line number, by _load_keys.
-            ok = isinstance(key, list) and len(key) == nkeys
             yield (
-                custom_id if isinstance(custom_id, str) else None,
-                shard if isinstance(shard, int) else None,
+                custom_id,
+                shard,
                 seq,
-                len(key) if isinstance(key, list) else None,
-                *(self._key_values(key, f"keys.jsonl line {seq}") if ok else blank),
+                None if key is None else len(key),
+                *(self._key_values(key, f"keys.jsonl line {seq}") if key and len(key) == nkeys else blank),
             )
 
     def _reject_rows(
-        self, rejects: Iterable[Mapping[str, Any]], report: MergeReport
+        self, rejects: Iterable[RejectRecord | Mapping[str, Any]], report: MergeReport
     ) -> Iterator[tuple[Any, ...]]:
         for seq, record in enumerate(rejects, start=1):
-            key = record.get("key")
-            reason = str(record.get("reason") or "")
-            if record.get("column"):
-                reason = f"{reason} (column {record['column']})"
-            if key is None or any(v is None for v in key):
+            reject = record if isinstance(record, RejectRecord) else RejectRecord.from_dict(record)
+            if not reject.keyed:
                 # A row without a usable key cannot be written to a keyed table: count and log it.
                 report.unkeyed_rejects += 1
                 if len(report.unkeyed_reject_samples) < _SAMPLES:
-                    report.unkeyed_reject_samples.append(dict(record))
+                    report.unkeyed_reject_samples.append(reject.as_dict())
                 continue
             yield (
-                record.get("custom_id"),
+                reject.custom_id,
                 seq,
-                record.get("code"),
-                reason,
-                *self._key_values(key, f"rejects.jsonl line {seq}"),
+                reject.code,
+                reject.message,
+                *self._key_values(reject.key, f"rejects.jsonl line {seq}"),
             )
 
     def _execute(self, conn: Any, sql: str, params: Sequence[Any] | None = None) -> None:
@@ -963,10 +937,7 @@ class ResultsWriter:
 
     def _stream(self, conn: Any, sql: str) -> Iterator[tuple[int, str, list[Any]]]:
         """Stream a large result in pages (a server-side cursor on PostgreSQL)."""
-        if self.dialect.name == "postgres":
-            cur = conn.cursor(name=f"abp_retry_{uuid.uuid4().hex[:8]}")
-        else:
-            cur = self.dialect.cursor(conn)
+        cur = self.dialect.server_cursor(conn)
         json_keys = [i for i, c in enumerate(self.key_columns) if c.type == "json"]
         try:
             cur.execute(sql)
@@ -980,27 +951,70 @@ class ResultsWriter:
             cur.close()
 
 
-@dataclass
-class _Keyed:
-    """One keyed merge's staging tables, its upsert's SELECT list and the state of its rounds."""
+class _Rows(Protocol):
+    """The rows one merge writes, as SQL over a results source (the staged table or a ranking of it)."""
+
+    @property
+    def target(self) -> tuple[str, ...]:
+        """The target columns, in the SELECT's order."""
+        ...
+
+    @property
+    def params(self) -> tuple[Any, ...]:
+        """The SELECT's parameters."""
+        ...
+
+    def select(self, results: str) -> str:
+        """The SELECT of the rows to write."""
+        ...
+
+    def source(self, results: str) -> str:
+        """What later queries read the written rows' statuses from."""
+        ...
+
+    def keys(self, results: str) -> str:
+        """A SELECT of the keys written (for replacing rows by key)."""
+        ...
+
+
+@dataclass(frozen=True)
+class _UnkeyedSql:
+    """Without a manifest: one row per custom_id of the results ``r``."""
+
+    target: tuple[str, ...]
+    params: tuple[Any, ...]
+    select_list: str
+    quote: Callable[[str], str]
+
+    def select(self, results: str) -> str:
+        return f"SELECT {self.select_list} FROM {results} r"
+
+    def source(self, results: str) -> str:
+        return results
+
+    def keys(self, results: str) -> str:
+        return f"SELECT r.{self.quote('custom_id')} FROM {results} r"
+
+
+@dataclass(frozen=True)
+class _KeyedSql:
+    """One keyed merge's staging tables and the SQL of its upsert: one row per key ``k``
+    (staged keys.jsonl) joined to its result ``r`` and its shard ``s``."""
 
     t_results: str
     t_keys: str
     t_rejects: str
     t_shards: str
-    shards: dict[int, ShardOutcome]
-    target: list[str] = field(default_factory=list)
+    target: tuple[str, ...]
+    params: tuple[Any, ...]
     #: The SELECT list of the keyed upsert over ``k`` (keys), ``r`` (results), ``s`` (shards).
-    select: str = ""
-    key_exprs: list[str] = field(default_factory=list)
-    key_names: list[str] = field(default_factory=list)
-    status_expr: str = ""
-    stamp: list[Any] = field(default_factory=list)
-    #: Rounds of results loaded, rows they wrote per status, and whether a custom_id repeated.
-    rounds: int = 0
-    counts: dict[str, int] = field(default_factory=dict)
-    repeated: bool = False
-    quote: Callable[[str], str] = str
+    select_list: str
+    key_exprs: tuple[str, ...]
+    key_names: tuple[str, ...]
+    status_expr: str
+    #: Every shard's keys without a result are ``missing`` (no batch ended early).
+    all_absent_missing: bool
+    quote: Callable[[str], str]
 
     def from_clause(self, results_source: str, *, keys: str | None = None, join: str = "LEFT JOIN") -> str:
         """``FROM`` keys ``k`` (the staged keys, or ``keys``) joined to results ``r`` and shards ``s``."""
@@ -1010,6 +1024,35 @@ class _Keyed:
             f"{join} {results_source} r ON r.{q('custom_id')} = k.{q('custom_id')} "
             f"LEFT JOIN {q(self.t_shards)} s ON s.{q('shard')} = k.{q('shard')}"
         )
+
+    def select(self, results: str) -> str:
+        return f"SELECT {self.select_list} {self.from_clause(results)}"
+
+    def source(self, results: str) -> str:
+        return self.from_clause(results)
+
+    def keys(self, results: str) -> str:
+        return f"SELECT {', '.join(self.key_exprs)} FROM {self.quote(self.t_keys)} k"
+
+
+@dataclass
+class _Rounds:
+    """What the rounds written while the results load (PostgreSQL) have done so far."""
+
+    done: int = 0
+    #: Rows the rounds wrote per status.
+    counts: dict[str, int] = field(default_factory=dict)
+    #: A custom_id repeated within a round: the rounds stopped.
+    repeated: bool = False
+
+
+@dataclass(frozen=True)
+class _Keyed:
+    """A keyed merge: its plan, its SQL and the state of its rounds."""
+
+    plan: WritePlan
+    sql: _KeyedSql
+    rounds: _Rounds
 
 
 #: keys.jsonl as parsed records, or the file itself (a path or ObjectStoragePath).
@@ -1034,8 +1077,3 @@ def _jsonl_records(handle: Any) -> Iterator[tuple[int, Mapping[str, Any]]]:
         if not isinstance(obj, dict):
             raise WarehouseSchemaError(f"keys.jsonl line {number} is not a JSON object")
         yield number, obj
-
-
-def _sqlstate(exc: BaseException) -> str | None:
-    """The SQLSTATE of a psycopg (3: ``sqlstate``) or psycopg2 (``pgcode``) error."""
-    return getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)

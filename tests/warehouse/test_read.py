@@ -6,7 +6,8 @@ from typing import Any
 
 import duckdb
 
-from airflow_batch_provider.warehouse.read import DUCKDB_READ_MEMORY_LIMIT, stream_rows
+from airflow_batch_provider.warehouse.databases.duckdb import READ_MEMORY_LIMIT as DUCKDB_READ_MEMORY_LIMIT
+from airflow_batch_provider.warehouse.read import stream_rows
 
 
 def _limit_bytes(conn: Any) -> int:
@@ -34,7 +35,7 @@ def test_the_callers_own_duckdb_limit_wins(duckdb_warehouse: Any) -> None:
 
 
 def test_an_in_memory_duckdb_keeps_its_defaults() -> None:
-    from airflow_batch_provider.warehouse.read import _duckdb_read_settings
+    from airflow_batch_provider.warehouse.databases.duckdb import read_settings as _duckdb_read_settings
 
     memory = duckdb.connect()
     assert _duckdb_read_settings(memory, []) == []

@@ -31,7 +31,7 @@ def round_per_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """PostgreSQL loads results in rounds of about ROUND_BYTES; make every line a round of its own."""
     import psycopg._copy_base
 
-    from airflow_batch_provider.warehouse import dialect as wd
+    from airflow_batch_provider.warehouse.loaders import pg_copy as wd
 
     # psycopg hands its buffer over after every row, and every hand-over is a round.
     monkeypatch.setattr(psycopg._copy_base, "BUFFER_SIZE", 0)
@@ -597,7 +597,7 @@ def test_unsupported_results_database_is_refused_before_any_work(conn_type: str)
     from airflow.providers.common.sql.hooks.sql import DbApiHook
 
     from airflow_batch_provider.exceptions import ConfigurationError
-    from airflow_batch_provider.warehouse.dialect import get_warehouse_dialect
+    from airflow_batch_provider.warehouse.databases import get_sql_dialect as get_warehouse_dialect
 
     class OtherHook(DbApiHook):
         conn_name_attr = "other_conn_id"
@@ -683,7 +683,7 @@ def test_postgres_non_utf8_connection_loads_serially(pg_warehouse: Any, tmp_path
             return conn
 
     hook = Latin1Hook(postgres_conn_id=pg_warehouse.conn_id)
-    from airflow_batch_provider.warehouse import dialect as wd
+    from airflow_batch_provider.warehouse.loaders import pg_copy as wd
 
     assert not wd._utf8(hook.get_conn()) and wd._utf8(pg_warehouse.hook.get_conn())
     path = write_keys(tmp_path / "keys.jsonl", [{"custom_id": "a", "key": [1], "shard": 0}])
@@ -696,7 +696,7 @@ def test_spool_hands_every_byte_to_a_concurrent_reader_in_order(monkeypatch: pyt
     import os
     import threading
 
-    from airflow_batch_provider.warehouse import dialect as wd
+    from airflow_batch_provider.warehouse.loaders import pg_copy as wd
 
     # Short writes (as on a full disk) are completed, never counted as written.
     real_write = os.write
@@ -720,7 +720,7 @@ def test_spool_files_are_read_one_by_one_as_rounds() -> None:
     """A reader taking one file at a time gets every byte in order, each file holding whole writes."""
     import threading
 
-    from airflow_batch_provider.warehouse import dialect as wd
+    from airflow_batch_provider.warehouse.loaders import pg_copy as wd
 
     spool = wd._Spool(segment=5_000)
     rounds: list[bytes] = []
@@ -744,7 +744,7 @@ def test_spool_files_are_read_one_by_one_as_rounds() -> None:
 def test_spool_failure_on_either_side_stops_the_other() -> None:
     import threading
 
-    from airflow_batch_provider.warehouse.dialect import _Spool, _SpoolAborted
+    from airflow_batch_provider.warehouse.loaders.pg_copy import _Spool, _SpoolAborted
 
     spool = _Spool(segment=1000)
     errors: list[BaseException] = []
@@ -874,7 +874,7 @@ def test_remerge_with_multi_column_typed_keys_replaces_each_row(warehouse: Any, 
 
 
 def test_duckdb_version_gates_the_replace_upsert() -> None:
-    from airflow_batch_provider.warehouse.dialect import _version
+    from airflow_batch_provider.warehouse.databases.duckdb import _version
 
     assert _version("1.1.3") < (1, 2) <= _version("1.2.0") < _version("2.0.1")
     assert _version("1.2.0.dev123") == (1, 2, 0)
@@ -1005,7 +1005,7 @@ def test_postgres_round_failing_mid_load_rolls_back(
 ) -> None:
     """A round the database refuses (here the table's own CHECK) ends the merge with that error
     and leaves the table as it was, rounds before it included."""
-    from airflow_batch_provider.warehouse import dialect as wd
+    from airflow_batch_provider.warehouse.loaders import pg_copy as wd
 
     writer = ResultsWriter(pg_warehouse.hook, "checked", key_columns=[Column("id", "integer")])
     keys = keys_for([(f"c{i}", i) for i in range(3000)])
@@ -1066,7 +1066,7 @@ def test_duckdb_keys_line_of_two_values_is_named(duckdb_warehouse: Any, tmp_path
 
 def test_spool_rounds_double_in_size_every_n_files() -> None:
     """Rounds grow (each becomes a table held until commit): 100 GB makes hundreds, not thousands."""
-    from airflow_batch_provider.warehouse import dialect as wd
+    from airflow_batch_provider.warehouse.loaders import pg_copy as wd
 
     spool = wd._Spool(segment=100, double_every=2)
     for _ in range(100):

@@ -1,0 +1,192 @@
+"""PostgreSQL: COPY into ON COMMIT DROP temp tables, then ``INSERT ... ON CONFLICT``; savepoints."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timezone
+from typing import IO, Any
+
+from airflow_batch_provider.warehouse.databases.base import Capabilities, SqlDialect
+from airflow_batch_provider.warehouse.loaders import pg_copy
+from airflow_batch_provider.warehouse.rows import Column
+
+# PostgreSQL type OIDs -> portable type names (psycopg 3 and psycopg2 both report the OID).
+_PG_OIDS: dict[int, str] = {
+    16: "boolean",
+    20: "integer",
+    21: "integer",
+    23: "integer",
+    26: "integer",
+    700: "float",
+    701: "float",
+    1700: "float",
+    18: "text",
+    19: "text",
+    25: "text",
+    1042: "text",
+    1043: "text",
+    2950: "text",
+    1082: "date",
+    1114: "timestamp",
+    1184: "timestamp",
+    114: "json",
+    3802: "json",
+}
+
+
+class PostgresSqlDialect(SqlDialect):
+    """PostgreSQL: COPY into an ON COMMIT DROP temp table, then one ``INSERT ... ON CONFLICT``."""
+
+    name = "postgres"
+    conn_types = ("postgres", "postgresql")
+    merges = True
+    capabilities = Capabilities(savepoints=True, returning_counts=True, exclusive_merge=True)
+    max_identifier_bytes = 63
+    describes_after_fetch = True  # psycopg 3 declares a named cursor's portal lazily
+    temp_table = "CREATE TEMP TABLE {} ({}) ON COMMIT DROP"
+    types = {**SqlDialect.types, "json": "JSONB"}
+    merged_at_type = "TIMESTAMP WITH TIME ZONE"
+    # Only for this transaction: the connection may come back from a pool.
+    set_format = "SET LOCAL {} = {}"
+
+    def merged_at_value(self, when: datetime) -> Any:
+        return when.astimezone(timezone.utc)
+
+    def cast(self, expression: str, portable: str) -> str:
+        if portable == "timestamp":
+            return f"CAST({expression} AS TIMESTAMP WITH TIME ZONE)"
+        return super().cast(expression, portable)
+
+    def drop_temp_table(self, name: str) -> str | None:
+        return None  # ON COMMIT DROP
+
+    def is_duplicate_key(self, exc: BaseException) -> bool:
+        return _sqlstate(exc) == "23505"  # unique_violation
+
+    def is_row_written_twice(self, exc: BaseException) -> bool:
+        # cardinality_violation: ON CONFLICT DO UPDATE would affect one row a second time.
+        return _sqlstate(exc) == "21000"
+
+    def lock_table(self, conn: Any, table: str, schema: str | None) -> None:
+        # A transaction-scoped advisory lock on the table's name: a second merge into the same
+        # table waits here until the first commits, then finds the table it created.
+        self._rows(
+            conn, "SELECT pg_advisory_xact_lock(hashtext(%s))", [f"abp-merge:{self.table(table, schema)}"]
+        )
+
+    def probe_columns(self, conn: Any, table: str, schema: str | None) -> list[str] | None:
+        # A failed statement would abort the transaction: look the table up first.
+        if self._rows(conn, "SELECT to_regclass(%s)", [self.table(table, schema)])[0][0] is None:
+            return None
+        return super().probe_columns(conn, table, schema)
+
+    def unique_key_sets(self, conn: Any, table: str, schema: str | None) -> list[frozenset[str]] | None:
+        rows = self._rows(
+            conn,
+            "SELECT array_agg(a.attname::text) FROM pg_index i "
+            "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+            "WHERE i.indrelid = to_regclass(%s) AND i.indisunique GROUP BY i.indexrelid",
+            [self.table(table, schema)],
+        )
+        return [frozenset(r[0]) for r in rows]
+
+    def load_keys_jsonl(self, conn: Any, table: str, handle: IO[bytes], key_types: Sequence[str]) -> bool:
+        raw = self.quote(f"{table}_raw")
+        create = (
+            f"CREATE TEMP TABLE {raw} (seq BIGINT GENERATED ALWAYS AS IDENTITY, line TEXT) ON COMMIT DROP"
+        )
+        # CSV with delimiter and quote bytes that valid JSON never contains raw (control
+        # characters must be escaped inside JSON strings): each line arrives verbatim,
+        # backslashes included, and PostgreSQL parses the JSON on its own core.
+        copy = f"COPY {raw} (line) FROM STDIN WITH (FORMAT csv, DELIMITER E'\\x01', QUOTE E'\\x02')"
+        keys = ", ".join(self._key_expr(i, t) for i, t in enumerate(key_types))
+        parse = (
+            f"INSERT INTO {self.quote(table)} SELECT j->>'custom_id', CAST(j->>'shard' AS BIGINT), seq, "
+            f"CASE WHEN jsonb_typeof(j->'key') = 'array' THEN jsonb_array_length(j->'key') END"
+            f"{', ' + keys if keys else ''} "
+            f"FROM (SELECT seq, CAST(line AS JSONB) AS j FROM {raw} WHERE btrim(line) <> '' OFFSET 0) x"
+        )
+        # psycopg2 has no streaming COPY writer: the caller parses the lines in Python instead.
+        return pg_copy.copy_file(
+            conn, handle, before=create, copy_sql=copy, after=[parse, f"DROP TABLE {raw}"]
+        )
+
+    def _key_expr(self, index: int, portable: str) -> str:
+        if portable == "json":
+            return f"CAST(j->'key'->{index} AS TEXT)"
+        if portable == "text":
+            return f"j->'key'->>{index}"
+        return f"CAST(j->'key'->>{index} AS {self.sql_type(portable)})"
+
+    def analyze(self, conn: Any, table: str) -> None:
+        # Autovacuum never sees temp tables: without statistics the join plan is a guess.
+        cur = conn.cursor()
+        try:
+            cur.execute(f"ANALYZE {table}")
+        finally:
+            cur.close()
+
+    def _copy_sql(self, table: str, columns: Sequence[Column]) -> str:
+        return f"COPY {self.quote(table)} ({', '.join(self.quote(c.name) for c in columns)}) FROM STDIN"
+
+    def _load_while(
+        self,
+        conn: Any,
+        table: str,
+        columns: Sequence[Column],
+        rows: Iterable[Sequence[Any]],
+        before: Callable[[], Any],
+        after_round: Callable[[str], Any] | None,
+    ) -> int | None:
+        # Without rounds to run, there is nothing to overlap but ``before``: load plainly.
+        if after_round is None or not pg_copy.can_load_in_rounds(conn):
+            return None
+
+        def round_sql(number: int) -> tuple[str, str, str]:
+            # A round's rows go into a child table of ``table``, so ``table`` reads every row.
+            part = f"{table}_{number}"
+            create = f"CREATE TEMP TABLE {self.quote(part)} () INHERITS ({self.quote(table)}) ON COMMIT DROP"
+            return part, create, self._copy_sql(part, columns)
+
+        return pg_copy.load_in_rounds(conn, rows, before, round_sql, after_round)
+
+    def _load_rows(
+        self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]
+    ) -> int:
+        return pg_copy.copy_rows(conn, self._copy_sql(table, columns), rows)
+
+    # ---- reading ------------------------------------------------------------------------------
+    def server_cursor(self, conn: Any) -> Any:
+        return conn.cursor(name=f"abp_retry_{uuid.uuid4().hex[:8]}")
+
+    def stream_cursor(self, conn: Any, batch_size: int) -> Any:
+        # A named, server-side cursor: rows arrive ``batch_size`` at a time from a portal, as
+        # plain tuples whatever row factory the connection's "cursor" extra chose (dict rows...).
+        name = f"abp_{uuid.uuid4().hex}"
+        if type(conn).__module__.startswith("psycopg2"):
+            import psycopg2.extensions
+
+            cursor = conn.cursor(name=name, cursor_factory=psycopg2.extensions.cursor)
+        else:
+            from psycopg.rows import tuple_row
+
+            cursor = conn.cursor(name=name, row_factory=tuple_row)
+        with contextlib.suppress(AttributeError):
+            cursor.itersize = batch_size
+        return cursor
+
+    def column_type(self, description_row: Sequence[Any]) -> str | None:
+        code = description_row[1] if len(description_row) > 1 else None
+        if not isinstance(code, int):
+            return super().column_type(description_row)
+        kind = _PG_OIDS.get(code)
+        if kind == "float" and code == 1700 and len(description_row) > 5 and description_row[5] == 0:
+            return "integer"  # numeric(p, 0)
+        return kind or "text"
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a psycopg (3: ``sqlstate``) or psycopg2 (``pgcode``) error."""
+    return getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)
