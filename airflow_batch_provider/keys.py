@@ -27,6 +27,8 @@ from typing import Any
 
 import orjson
 
+from airflow_batch_provider.exceptions import DuplicateKeyError
+
 MAX_CUSTOM_ID = 64
 HASH_PREFIX = "k-"
 # 26 base32 characters = 130 bits of sha256; ample for any batch and short enough for a prefix.
@@ -275,8 +277,6 @@ def check_unique(
     candidates = hashes.repeated()
     if not candidates:
         return
-    from airflow_batch_provider.exceptions import DuplicateKeyError  # loads Airflow: only when needed
-
     counts: Counter[str] = Counter()
     key_of: dict[str, Any] = {}
     for record in records:

@@ -23,6 +23,7 @@ from airflow_batch_provider import keys as keymod
 from airflow_batch_provider import staging
 from airflow_batch_provider.exceptions import BatchProviderError, ConfigurationError
 from airflow_batch_provider.jsonl import LineValidator
+from airflow_batch_provider.records import KeyRecord, RejectRecord
 from airflow_batch_provider.rendering import BodySource, RowRejected, body_builder, decode_bytes
 from airflow_batch_provider.warehouse.read import value_type
 
@@ -186,20 +187,13 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                     reject_codes[err.code] += 1
                     if err.cause is not None and first_cause is None:
                         first_cause = err.cause
-                    record = {
-                        "row": row_number,
-                        "key": jsonable_key(key_values),
-                        "custom_id": cid,
-                        "code": err.code,
-                        "reason": err.reason,
-                        "column": err.column,
-                    }
+                    record = RejectRecord.line(
+                        row_number, jsonable_key(key_values), cid, err.code, err.reason, err.column
+                    )
                     rejects_out.write(dumps(record, option=newline))
                     continue
                 shard = add_line(line)
-                write_key(
-                    dumps({"custom_id": cid, "key": stored_key(key_values), "shard": shard}, option=newline)
-                )
+                write_key(dumps(KeyRecord.line(cid, stored_key(key_values), shard), option=newline))
                 written += 1
             if log is not None and row_number and row_number % _LOG_EVERY < len(batch):
                 log.info("%d rows read, %d written, %d rejected", row_number, written, rejected)

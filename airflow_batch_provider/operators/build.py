@@ -26,7 +26,7 @@ from airflow_batch_provider.rows_to_lines import (
     NullValueError,
     build_lines,
 )
-from airflow_batch_provider.warehouse.dialect import WarehouseDialect, get_warehouse_dialect
+from airflow_batch_provider.warehouse.databases import SqlDialect, detect_sql_dialect
 from airflow_batch_provider.warehouse.read import stream_rows
 
 if TYPE_CHECKING:
@@ -341,13 +341,10 @@ class SqlToBatchJsonlOperator(BaseOperator):
                 )
 
 
-def _identifiers(hook: Any) -> WarehouseDialect:
+def _identifiers(hook: Any) -> SqlDialect:
     """Identifier quoting (and limits) for the source database: the merge's own for the databases
     it writes to, the hook's quote format for any other."""
-    try:
-        return get_warehouse_dialect(hook)
-    except ConfigurationError:
-        return WarehouseDialect(hook)
+    return detect_sql_dialect(hook)
 
 
 def _one_line(sql: str, limit: int = 200) -> str:
