@@ -19,7 +19,7 @@ from airflow_batch_provider.exceptions import UnknownBatchStatusError
 class _Response(BaseModel):
     """Base for models parsed from vendor responses: unknown fields are tolerated."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, defer_build=True)
 
 
 class BatchState(str, Enum):
@@ -65,7 +65,7 @@ _TERMINAL = frozenset({BatchState.COMPLETED, BatchState.FAILED, BatchState.EXPIR
 class RequestLine(BaseModel):
     """One line of a batch input file: ``{custom_id, method, url, body}``."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, defer_build=True)
 
     custom_id: str = Field(min_length=1)
     method: str = "POST"
@@ -202,7 +202,7 @@ class ResultLine(_Response):
 class Shard(BaseModel):
     """One batch input file in staging."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
 
     index: int
     path: str = Field(description="path of the shard, relative to the manifest's directory")
@@ -215,7 +215,7 @@ class Shard(BaseModel):
 class Manifest(BaseModel):
     """What a build produced: the shards, the key mapping and the row accounting."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", defer_build=True)
 
     version: int = 1
     source: str = ""
