@@ -1402,16 +1402,19 @@ def _results_body(response: httpx.Response, action: str, settings: BatchApiSetti
 
 
 def _most_results(dialect: Dialect, batch: Batch) -> int:
-    """How many result lines a batch can have: its request count, else the dialect's line limit."""
-    return batch.request_counts.total or dialect.limits.max_lines
+    """How many result lines a batch can have: no more than its requests, nor than one file's lines.
+
+    The larger of the two: a count the vendor reports late or not at all must not cut real results.
+    """
+    return max(batch.request_counts.total, dialect.limits.max_lines)
 
 
 def _check_page_total(yielded: int, most: int, action: str) -> None:
     """A results endpoint that pages past every request of the batch would page forever."""
     if yielded > most:
         raise BatchApiResponseError(
-            f"{action}: the server returned more result lines ({yielded:,}) than the batch has "
-            f"requests ({most:,}); stopped reading instead of paging without end"
+            f"{action}: the server returned more result lines ({yielded:,}) than the batch can have "
+            f"({most:,}); stopped reading instead of paging without end"
         )
 
 

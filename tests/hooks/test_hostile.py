@@ -414,8 +414,11 @@ async def test_key_echoed_in_a_results_page_is_redacted(
 
 
 async def test_results_endpoint_that_never_ends_is_stopped(
-    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+    hostile_server: Callable[[], HostileServer],
+    hostile_hook: Callable[..., BatchApiHook],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from airflow_batch_provider.dialects import DoublewordDialect, Limits
     from airflow_batch_provider.exceptions import BatchApiResponseError
 
     served = {"pages": 0}
@@ -428,18 +431,16 @@ async def test_results_endpoint_that_never_ends_is_stopped(
             200, orjson.dumps(item) + b"\n", {"Content-Type": "application/jsonl", "X-Incomplete": "true"}
         )
 
+    # A batch of 2 requests from a file of at most 3 lines: 4 results cannot be right.
+    monkeypatch.setattr(DoublewordDialect, "limits", Limits(max_lines=3))
     api = hostile_server()
     api.route("/v1/batches/b1/results", endless_page)
     api.route("/v1/batches/b1", reply(200, openai_batch("b1", "completed")))
     hook = hostile_hook(api, dialect="doubleword")
-    with pytest.raises(
-        BatchApiResponseError, match=r"more result lines \(3\) than the batch has requests \(2\)"
-    ):
+    with pytest.raises(BatchApiResponseError, match=r"more result lines \(4\) than the batch can have \(3\)"):
         list(hook.iter_results("b1", mode="results_endpoint"))
-    with pytest.raises(
-        BatchApiResponseError, match=r"more result lines \(3\) than the batch has requests \(2\)"
-    ):
+    with pytest.raises(BatchApiResponseError, match=r"more result lines \(4\) than the batch can have \(3\)"):
         [line async for line in hook.aiter_results("b1", mode="results_endpoint")]
     await hook.aclose()
     hook.close()
-    assert served["pages"] == 6
+    assert served["pages"] == 8

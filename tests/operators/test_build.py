@@ -302,7 +302,7 @@ def test_dialect_from_batch_connection(
 ) -> None:
     monkeypatch.setenv(
         "AIRFLOW_CONN_MY_BATCH",
-        '{"conn_type": "batch_api", "host": "http://127.0.0.1:1/v1", "extra": {"dialect": "zerogpu"}}',
+        '{"conn_type": "batch_api", "host": "http://127.0.0.1:1/v1", "extra": {"dialect": "zerogpu", "project": "p1"}}',
     )
     seed(sqlite_warehouse, [(1, "a", "b")])
     _, out = build(sqlite_warehouse, tmp_path, messages=MESSAGES, batch_conn_id="my_batch")
@@ -324,13 +324,14 @@ def test_dialect_from_batch_connection_with_the_form_spelling_of_the_extra(
     monkeypatch.setenv(
         "AIRFLOW_CONN_MY_BATCH",
         '{"conn_type": "batch_api", "host": "http://127.0.0.1:1/v1", '
-        '"extra": {"extra__batch_api__dialect": "zerogpu"}}',
+        '"extra": {"extra__batch_api__dialect": "zerogpu", "project": "p1"}}',
     )
     seed(sqlite_warehouse, [(1, "a", "b")])
     _, out = build(sqlite_warehouse, tmp_path, messages=MESSAGES, batch_conn_id="my_batch")
     manifest = staging.read_manifest(out)
     assert manifest.dialect == "zerogpu"
-    assert manifest.extra["limits"]["max_file_bytes"] == get_dialect("zerogpu").limits.max_file_bytes
+    # ZeroGPU's limits, so its shards are cut at its 100 MB upload limit.
+    assert manifest.extra["limits"]["max_file_bytes"] == get_dialect("zerogpu").limits.max_upload_bytes
 
 
 # ---- sharding at both limits ----------------------------------------------------------------------
@@ -824,9 +825,13 @@ def test_a_template_model_never_overrides_the_operator_model_silently(
     assert [(r["key"], r["code"], r["column"]) for r in rejects] == [([2], "model_conflict", "model")]
     assert "'other'" in rejects[0]["reason"] and "'m'" in rejects[0]["reason"]
     assert [line["body"]["model"] for line in all_lines(out, staging.read_manifest(out))] == ["m"]
-    # Without an operator model, the template's model is the model.
-    _, out = build(sqlite_warehouse, tmp_path, body_template=template)
+    # Without an operator model, the template's model is the model (on a dialect whose files may
+    # mix models; OpenAI's may not, so there the second model is a reject of its own).
+    _, out = build(sqlite_warehouse, tmp_path, body_template=template, dialect="doubleword")
     assert [line["body"]["model"] for line in all_lines(out, staging.read_manifest(out))] == ["m", "other"]
+    _, out = build(sqlite_warehouse, tmp_path, body_template=template)
+    assert [line["body"]["model"] for line in all_lines(out, staging.read_manifest(out))] == ["m"]
+    assert [(r["key"], r["code"]) for r in read_jsonl(out / "rejects.jsonl")] == [([2], "mismatched_model")]
 
 
 # ---- a data-triggered template error (issue #13 point 18) -------------------------------------
