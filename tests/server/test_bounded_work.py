@@ -21,7 +21,7 @@ from tests.server.helpers import chat_line, create, jsonl, read_lines, upload, w
 
 def _schema_body(schema):
     return {
-        "model": "m",
+        "model": "gpt-test",  # the model of chat_line: an OpenAI file keeps one model
         "messages": [{"role": "user", "content": "hi"}],
         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
     }
