@@ -30,14 +30,6 @@ from airflow_batch_provider.exceptions import (
 )
 from airflow_batch_provider.jsonl import LineValidator, Problem, dumps_line, iter_raw_lines
 from airflow_batch_provider.models import Batch, BatchState, Manifest, to_utc
-from airflow_batch_provider.sensors.batch import (
-    PARTIAL_POLICIES,
-    PartialPolicy,
-    apply_outcome_policy,
-    cancel_batches_sync,
-    terminal_event_now,
-    wait_sync,
-)
 from airflow_batch_provider.staging import (
     manifest_path,
     open_read,
@@ -56,7 +48,16 @@ from airflow_batch_provider.submission import (
     effective_fingerprint,
     now_utc,
 )
-from airflow_batch_provider.triggers.batch import BatchTrigger, deadline_from
+from airflow_batch_provider.triggers.batch import BatchTrigger
+from airflow_batch_provider.waiting import (
+    PartialPolicy,
+    apply_outcome_policy,
+    cancel_batches,
+    check_partial_policy,
+    deadline_from,
+    terminal_event_now,
+    wait_batches,
+)
 
 if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
@@ -161,10 +162,7 @@ class SubmitBatchOperator(BaseOperator):
             raise ConfigurationError(
                 f"on_stale_state must be one of {STALE_POLICIES}, got {on_stale_state!r}"
             )
-        if on_partial_failure not in PARTIAL_POLICIES:
-            raise ConfigurationError(
-                f"on_partial_failure must be one of {PARTIAL_POLICIES}, got {on_partial_failure!r}"
-            )
+        check_partial_policy(on_partial_failure)
         self.source = source
         self.batch_conn_id = batch_conn_id
         self.dialect = dialect
@@ -233,21 +231,13 @@ class SubmitBatchOperator(BaseOperator):
             return self.execute_complete(context, done, submission=submission)
         if self.deferrable:
             self.defer(
-                trigger=BatchTrigger(
-                    batch_ids=self._batch_ids,
-                    batch_conn_id=self.batch_conn_id,
-                    dialect=self.dialect,
-                    submitted_at=submission["submitted_at"],
-                    timeout=self.wait_timeout,
-                    poll_interval=self.poll_interval,
-                    max_poll_interval=self.max_poll_interval,
-                    max_consecutive_errors=self.max_consecutive_errors,
-                    cancel_on_kill=self.cancel_on_kill,
+                trigger=BatchTrigger.for_task(
+                    self, self._batch_ids, submitted_at=submission["submitted_at"], timeout=self.wait_timeout
                 ),
                 method_name="execute_complete",
                 kwargs={"submission": submission},
             )
-        event = wait_sync(
+        event = wait_batches(
             hook,
             self._batch_ids,
             deadline=deadline_from(submission["submitted_at"], self.wait_timeout),
@@ -282,7 +272,7 @@ class SubmitBatchOperator(BaseOperator):
 
     def on_kill(self) -> None:
         if self.cancel_on_kill and self._batch_ids:
-            cancel_batches_sync(self.hook(), self._batch_ids, log=self.log)
+            cancel_batches(self.hook(), self._batch_ids, log=self.log)
 
     # ---- one shard ---------------------------------------------------------------------
     def submit_shard(
@@ -405,7 +395,7 @@ class SubmitBatchOperator(BaseOperator):
         old_ids = (
             [state.batch_id] if state.batch_id else [b.id for b in hook.find_batches({KEY_NAME: state.key})]
         )
-        cancelled = cancel_batches_sync(hook, old_ids, log=self.log)
+        cancelled = cancel_batches(hook, old_ids, log=self.log)
         self.log.warning(
             "%s; cancelled %s and submitting the new file", what, ", ".join(cancelled) or "nothing"
         )

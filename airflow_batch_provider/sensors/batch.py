@@ -1,239 +1,36 @@
 """BatchSensor: wait for batches to finish, deferring to the triggerer by default.
 
-The sensor's poke, the submit operator's synchronous wait and the trigger all judge the
-batches with :func:`airflow_batch_provider.outcome.decide`; :func:`apply_outcome_policy`
-turns a terminal event into the task's result or failure for both operators.
+The waiting itself (the poll loop, the outcome policy, cancelling, reading batch ids) lives
+in :mod:`airflow_batch_provider.waiting`, shared with the trigger and the submit operator.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-import orjson
 from airflow.sdk import BaseSensorOperator, Context
 from airflow.sdk.bases.sensor import PokeReturnValue
 from airflow.sdk.exceptions import AirflowSensorTimeout
 
-from airflow_batch_provider.exceptions import (
-    BatchApiError,
-    BatchApiQuotaError,
-    BatchFailedError,
-    ConfigurationError,
-    PartialFailureError,
-)
-from airflow_batch_provider.models import Batch, to_utc
-from airflow_batch_provider.outcome import (
-    FAILURE_STATUSES,
-    ParsedEvent,
-    deadline_event_after_error,
-    decide,
-    error_event,
-    parse_event,
-    progress_key,
-    progress_line,
-)
-from airflow_batch_provider.triggers.batch import (
+from airflow_batch_provider.exceptions import BatchApiQuotaError
+from airflow_batch_provider.models import to_utc
+from airflow_batch_provider.outcome import decide, progress_line
+from airflow_batch_provider.triggers.batch import BatchTrigger
+from airflow_batch_provider.waiting import (
     TRANSIENT_ERRORS,
-    BatchTrigger,
-    retry_after_of,
-    until_deadline,
+    PartialPolicy,
+    apply_outcome_policy,
+    cancel_batches,
+    check_partial_policy,
+    normalise_batch_ids,
+    read_batches,
+    terminal_event_now,
 )
 
 if TYPE_CHECKING:
     from airflow_batch_provider.hooks.batch import BatchApiHook
-
-PartialPolicy = Literal["succeed", "fail"]
-PARTIAL_POLICIES = ("succeed", "fail")
-#: XCom key under which the outcome (status, counts, batches) is pushed, also when the task fails.
-OUTCOME_XCOM_KEY = "batch_outcome"
-
-
-def normalise_batch_ids(value: Any) -> tuple[list[str], str | None]:
-    """Read batch ids from what a user or an upstream XCom passes.
-
-    Accepts one id, a list of ids, a JSON list in a string (a rendered template), or the
-    submit operator's XCom ``{"batch_ids": [...], "submitted_at": ...}``. Returns the ids
-    and the submit time when the value carried one.
-    """
-    submitted_at: str | None = None
-    if isinstance(value, Mapping):
-        submitted_at = value.get("submitted_at")
-        value = value.get("batch_ids")
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                value = orjson.loads(text.replace("'", '"'))
-            except orjson.JSONDecodeError:
-                raise ConfigurationError(f"batch_ids {value!r} is not a JSON list of ids") from None
-        else:
-            value = [part.strip() for part in text.split(",") if part.strip()]
-    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
-        raise ConfigurationError(f"batch_ids must be one or more non-empty id strings, got {value!r}")
-    return list(value), submitted_at
-
-
-def outcome_xcom(parsed: ParsedEvent) -> dict[str, Any]:
-    """What the wait returns (and pushes as ``batch_outcome``): small, counts always present."""
-    return {
-        "status": parsed.status,
-        "batch_ids": parsed.batch_ids,
-        "counts": {
-            "total": parsed.counts.total,
-            "completed": parsed.counts.completed,
-            "failed": parsed.counts.failed,
-        },
-        "message": parsed.message,
-        "termination_reason": parsed.termination_reason,
-        "batches": [
-            {
-                "id": b.id,
-                "state": b.state.value,
-                "output_file_id": b.output_file_id,
-                "error_file_id": b.error_file_id,
-                "request_counts": b.request_counts.model_dump(),
-            }
-            for b in parsed.batches
-        ],
-    }
-
-
-def apply_outcome_policy(
-    event: Any,
-    *,
-    on_partial_failure: str,
-    cancel_on_timeout: bool,
-    hook_factory: Callable[[], BatchApiHook],
-    log: Any,
-    context: Context | None = None,
-) -> dict[str, Any]:
-    """Turn a terminal event into the task's return value, or raise naming what went wrong.
-
-    :param event: the trigger's payload (or a payload built by a synchronous wait).
-    :param on_partial_failure: ``succeed`` or ``fail`` when every batch completed but lines failed.
-    :param cancel_on_timeout: cancel unfinished batches on a ``timeout`` event.
-    :param hook_factory: builds the hook used to cancel.
-    :param log: where to report.
-    :param context: the task context; when given, the outcome is pushed to XCom before failing.
-    """
-    try:
-        parsed = parse_event(event)
-    except ValueError as exc:
-        raise BatchFailedError(f"invalid batch event: {exc}") from None
-    result = outcome_xcom(parsed)
-    if context is not None:
-        context["ti"].xcom_push(key=OUTCOME_XCOM_KEY, value=result)
-    if parsed.status == "timeout" and cancel_on_timeout:
-        cancelled = cancel_batches_sync(hook_factory(), parsed.batch_ids, log=log)
-        log.warning("Timed out; cancelled batch(es): %s", ", ".join(cancelled) or "none still running")
-    if parsed.status in FAILURE_STATUSES:
-        raise BatchFailedError(f"batch wait ended {parsed.status}: {parsed.message}")
-    if parsed.status == "partial":
-        if on_partial_failure == "fail":
-            raise PartialFailureError(f"{parsed.message} (on_partial_failure='fail')")
-        log.warning("Partial success: %s", parsed.message)
-    else:
-        log.info("%s", parsed.message)
-    return result
-
-
-def cancel_batches_sync(hook: BatchApiHook, batch_ids: Sequence[str], *, log: Any) -> list[str]:
-    """Cancel every batch that is not terminal yet; a failure to cancel one is logged, not raised."""
-    cancelled: list[str] = []
-    for batch_id in batch_ids:
-        try:
-            if hook.get_batch(batch_id).is_terminal:
-                continue
-            hook.cancel_batch(batch_id)
-            cancelled.append(batch_id)
-            log.info("Cancelled batch %s", batch_id)
-        except BatchApiError as exc:
-            log.warning("Could not cancel batch %s: %s", batch_id, exc)
-    return cancelled
-
-
-def terminal_event_now(hook: BatchApiHook, batch_ids: Sequence[str], *, log: Any) -> dict[str, Any] | None:
-    """The terminal event if every batch has already finished, else None (then defer).
-
-    Looked at once before deferring: a trigger that fires within seconds of the deferral
-    races Airflow's own bookkeeping of the deferring try, and a finished batch needs no
-    trigger at all. A transient error here is not a failure: the trigger polls anyway.
-    """
-    try:
-        batches = [hook.get_batch(b) for b in batch_ids]
-    except BatchApiQuotaError:
-        raise  # out of quota: no wait cures it (a rate limit is transient, this is not)
-    except TRANSIENT_ERRORS as exc:
-        log.info("Could not read the batches before deferring (%s); the trigger will", exc)
-        return None
-    outcome = decide(batches)
-    return outcome.event(batch_ids) if outcome.is_terminal else None
-
-
-def wait_sync(
-    hook: BatchApiHook,
-    batch_ids: Sequence[str],
-    *,
-    deadline: datetime | None,
-    submitted_at: datetime | None = None,
-    poll_interval: float = 30.0,
-    max_poll_interval: float = 600.0,
-    backoff: float = 1.5,
-    max_consecutive_errors: int = 5,
-    log: Any,
-    sleep: Callable[[float], None] = time.sleep,
-) -> dict[str, Any]:
-    """Poll on a worker until a terminal outcome; same rules and event shape as the trigger."""
-    interval = poll_interval
-    errors = 0
-    last_key: tuple[Any, ...] | None = None
-    last: list[Batch] = []
-    while True:
-        now = datetime.now(timezone.utc)
-        try:
-            batches = [hook.get_batch(b) for b in batch_ids]
-        except BatchApiQuotaError:
-            raise  # out of quota: no wait cures it (a rate limit is transient, this is not)
-        except TRANSIENT_ERRORS as exc:
-            # The failed poll may have taken a while: judge the deadline at the time it ended,
-            # and before the error budget (past the deadline the answer is timeout, not error).
-            now = datetime.now(timezone.utc)
-            errors += 1
-            ended = deadline_event_after_error(last, batch_ids, deadline=deadline, now=now, error=exc)
-            if ended is not None:
-                return ended
-            if errors > max_consecutive_errors:
-                return error_event(
-                    batch_ids, f"gave up polling after {errors} consecutive errors; last: {exc}"
-                )
-            wait = until_deadline(min(max(retry_after_of(exc) or 0.0, interval), 300.0), deadline, now)
-            log.warning(
-                "Polling failed (%d of %d tolerated), retrying in %.1fs: %s",
-                errors,
-                max_consecutive_errors,
-                wait,
-                exc,
-            )
-            sleep(wait)
-            continue
-        errors = 0
-        last = batches
-        now = datetime.now(timezone.utc)
-        outcome = decide(batches, deadline=deadline, now=now)
-        if outcome.is_terminal:
-            return outcome.event(batch_ids)
-        key = progress_key(batches)
-        if key != last_key:
-            elapsed = (now - submitted_at).total_seconds() if submitted_at else None
-            log.info("%s", progress_line(batches, elapsed))
-            last_key = key
-            interval = poll_interval
-        else:
-            interval = min(interval * backoff, max_poll_interval)
-        sleep(until_deadline(interval, deadline, now))
 
 
 class BatchSensor(BaseSensorOperator):
@@ -280,10 +77,7 @@ class BatchSensor(BaseSensorOperator):
     ) -> None:
         kwargs.setdefault("poke_interval", poll_interval)
         super().__init__(**kwargs)
-        if on_partial_failure not in PARTIAL_POLICIES:
-            raise ConfigurationError(
-                f"on_partial_failure must be one of {PARTIAL_POLICIES}, got {on_partial_failure!r}"
-            )
+        check_partial_policy(on_partial_failure)
         self.batch_ids = batch_ids
         self.batch_conn_id = batch_conn_id
         self.dialect = dialect
@@ -315,23 +109,15 @@ class BatchSensor(BaseSensorOperator):
                 return super().execute(context)
             except AirflowSensorTimeout:
                 if self.cancel_on_timeout:
-                    cancel_batches_sync(self.hook(), ids, log=self.log)
+                    cancel_batches(self.hook(), ids, log=self.log)
                 raise
         done = terminal_event_now(self.hook(), ids, log=self.log)
         if done is not None:
             return self.execute_complete(context, done)
         self.log.info("Deferring until batch(es) %s finish", ", ".join(ids))
         self.defer(
-            trigger=BatchTrigger(
-                batch_ids=ids,
-                batch_conn_id=self.batch_conn_id,
-                dialect=self.dialect,
-                submitted_at=started.isoformat(),
-                timeout=float(self.timeout),
-                poll_interval=self.poll_interval,
-                max_poll_interval=self.max_poll_interval,
-                max_consecutive_errors=self.max_consecutive_errors,
-                cancel_on_kill=self.cancel_on_kill,
+            trigger=BatchTrigger.for_task(
+                self, ids, submitted_at=started.isoformat(), timeout=float(self.timeout)
             ),
             method_name="execute_complete",
         )
@@ -340,7 +126,7 @@ class BatchSensor(BaseSensorOperator):
         ids = self._ids or self._resolve()[0]
         hook = self.hook()
         try:
-            batches = [hook.get_batch(b) for b in ids]
+            batches = read_batches(hook, ids)
         except BatchApiQuotaError:
             raise  # out of quota: no wait cures it (a rate limit is transient, this is not)
         except TRANSIENT_ERRORS as exc:
@@ -374,4 +160,4 @@ class BatchSensor(BaseSensorOperator):
 
     def on_kill(self) -> None:
         if self.cancel_on_kill and self._ids:
-            cancel_batches_sync(self.hook(), self._ids, log=self.log)
+            cancel_batches(self.hook(), self._ids, log=self.log)

@@ -13,59 +13,26 @@ import asyncio
 import contextlib
 import gc
 import logging
-import math
 import time
 import weakref
 import zlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-import httpx
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_batch_provider.exceptions import (
-    BatchApiConnectionError,
-    BatchApiError,
-    BatchApiQuotaError,
-    BatchApiRateLimitError,
-    BatchApiResponseError,
-    BatchApiServerError,
-    BatchProviderError,
-)
 from airflow_batch_provider.hooks._http import shared_transport
 from airflow_batch_provider.models import Batch, to_utc
-from airflow_batch_provider.outcome import (
-    deadline_event_after_error,
-    decide,
-    error_event,
-    progress_key,
-    progress_line,
-)
+from airflow_batch_provider.waiting import acancel_batches, aread_batches, await_batches, deadline_from
 
 if TYPE_CHECKING:
     from airflow_batch_provider.hooks.batch import BatchApiHook
+    from airflow_batch_provider.waiting import WaitingTask
 
 log = logging.getLogger(__name__)
 
-# Errors worth another poll: the vendor or the network may recover. Anything else (401, 404,
-# 400, an unknown status) will not get better by asking again, so it ends the watch at once.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    BatchApiRateLimitError,
-    BatchApiServerError,
-    BatchApiConnectionError,
-    BatchApiResponseError,
-    httpx.TransportError,
-    asyncio.TimeoutError,
-)
-# A Retry-After longer than this is capped: a trigger must not go silent for an hour on one header.
-MAX_RETRY_AFTER = 300.0
-# How long on_kill may spend cancelling one batch (the triggerer bounds the whole call too).
-CANCEL_TIMEOUT = 20.0
-# A poll in flight may run past the deadline by one poll interval, and never by less than this
-# (a poll needs a moment even when the interval is tiny or the deadline has already passed).
-MIN_POLL_GRACE = 1.0
 # A triggerer that restarts starts all its triggers at once; each waits a stable fraction of
 # its poll interval (at most this) before its first poll, so they do not all poll together.
 MAX_START_SPREAD = 10.0
@@ -136,39 +103,6 @@ def freeze_triggerer_heap() -> bool:
     return True
 
 
-def deadline_from(
-    submitted_at: str | float | datetime | None, timeout: float | timedelta | None
-) -> datetime | None:
-    """The absolute deadline ``submitted_at + timeout`` (aware UTC), or None when either is missing."""
-    start = to_utc(submitted_at)
-    if start is None or timeout is None:
-        return None
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    return start + timedelta(seconds=seconds)
-
-
-def retry_after_of(exc: BaseException) -> float | None:
-    """Seconds the server asked us to wait (``Retry-After``), when the error carries a usable one."""
-    value = getattr(exc, "retry_after", None)
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return max(float(value), 0.0)
-
-
-def poll_budget(deadline: datetime | None, poll_interval: float, now: datetime) -> float | None:
-    """How long one poll may take: until the deadline plus one poll interval (None: no deadline)."""
-    if deadline is None:
-        return None
-    return max((deadline - now).total_seconds(), 0.0) + max(poll_interval, MIN_POLL_GRACE)
-
-
-def until_deadline(wait: float, deadline: datetime | None, now: datetime) -> float:
-    """``wait``, shortened to wake just after the deadline rather than oversleep it."""
-    if deadline is None:
-        return wait
-    return min(wait, max((deadline - now).total_seconds(), 0.0) + 0.01)
-
-
 class BatchTrigger(BaseTrigger):
     """Poll batches until they all complete, one ends badly, or the deadline passes.
 
@@ -222,7 +156,35 @@ class BatchTrigger(BaseTrigger):
         self.max_consecutive_errors = int(max_consecutive_errors)
         self.cancel_on_kill = bool(cancel_on_kill)
         self._lease: _HookLease | None = None
-        self._last: list[Batch] = []
+
+    @classmethod
+    def for_task(
+        cls,
+        task: WaitingTask,
+        batch_ids: Sequence[str],
+        *,
+        submitted_at: str | None,
+        timeout: float | None,
+    ) -> BatchTrigger:
+        """The trigger a task defers to, built from the task's wait settings (sensor and submit alike).
+
+        :param task: the deferring task; its connection, dialect, intervals, error budget and
+            ``cancel_on_kill`` become the trigger's.
+        :param batch_ids: the batches to watch.
+        :param submitted_at: when they were submitted (ISO-8601); the timeout counts from here.
+        :param timeout: seconds after ``submitted_at`` to give up, or None.
+        """
+        return cls(
+            batch_ids=batch_ids,
+            batch_conn_id=task.batch_conn_id,
+            dialect=task.dialect,
+            submitted_at=submitted_at,
+            timeout=timeout,
+            poll_interval=task.poll_interval,
+            max_poll_interval=task.max_poll_interval,
+            max_consecutive_errors=task.max_consecutive_errors,
+            cancel_on_kill=task.cancel_on_kill,
+        )
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -279,97 +241,29 @@ class BatchTrigger(BaseTrigger):
         fraction = zlib.crc32(",".join(self.batch_ids).encode()) / 0xFFFFFFFF
         return fraction * min(self.poll_interval, MAX_START_SPREAD)
 
-    def _elapsed(self, now: datetime) -> float | None:
-        start = to_utc(self.submitted_at)
-        return (now - start).total_seconds() if start else None
-
     async def _poll(self, hook: BatchApiHook) -> list[Batch]:
-        results = await asyncio.gather(*(hook.aget_batch(b) for b in self.batch_ids), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return [r for r in results if isinstance(r, Batch)]
+        return await aread_batches(hook, self.batch_ids)
 
-    # ---- the loop ----------------------------------------------------------------------
+    # ---- the loop (its decisions live in airflow_batch_provider.waiting) -------------------
     async def run(self) -> AsyncIterator[TriggerEvent]:
         freeze_triggerer_heap()
         self._lease = self._lease_hook()
         hook = self._lease.hook
-        interval = self.poll_interval
-        errors = 0
-        last_key: tuple[Any, ...] | None = None
-        deadline = self.deadline_at
         try:
             await asyncio.sleep(self.start_delay())
-            while True:
-                now = datetime.now(timezone.utc)
-                try:
-                    # A slow or dripping vendor must not hold the trigger past its deadline: the
-                    # poll in flight is given up (a TimeoutError, transient) once its budget is spent.
-                    async with asyncio.timeout(poll_budget(deadline, self.poll_interval, now)):
-                        batches = await self._poll(hook)
-                except BatchApiQuotaError as exc:
-                    # Out of quota: no wait refills it, so the watch ends now (before the
-                    # transient clause, which would take it for a rate limit).
-                    yield TriggerEvent(error_event(self.batch_ids, f"cannot poll batch(es): {exc}"))
-                    return
-                except TRANSIENT_ERRORS as exc:
-                    # The poll may have taken a while: judge the deadline at the time it ended.
-                    now = datetime.now(timezone.utc)
-                    errors += 1
-                    ended = deadline_event_after_error(
-                        self._last, self.batch_ids, deadline=deadline, now=now, error=exc
-                    )
-                    if ended is not None:
-                        yield TriggerEvent(ended)
-                        return
-                    if errors > self.max_consecutive_errors:
-                        yield TriggerEvent(
-                            error_event(
-                                self.batch_ids,
-                                f"gave up polling batch(es) {', '.join(self.batch_ids)} after {errors} "
-                                f"consecutive errors; last: {exc}",
-                            )
-                        )
-                        return
-                    wait = max(retry_after_of(exc) or 0.0, interval)
-                    wait = until_deadline(min(wait, MAX_RETRY_AFTER), deadline, now)
-                    self.log.warning(
-                        "Polling batch(es) failed (%d of %d tolerated in a row), retrying in %.1fs: %s",
-                        errors,
-                        self.max_consecutive_errors,
-                        wait,
-                        exc,
-                    )
-                    await asyncio.sleep(wait)
-                    continue
-                except (BatchProviderError, ValueError) as exc:
-                    # Not transient (auth, not found, unknown status, unreadable config): stop now.
-                    kind = type(exc).__name__
-                    yield TriggerEvent(
-                        error_event(
-                            self.batch_ids,
-                            f"cannot poll batch(es) {', '.join(self.batch_ids)}: {kind}: {exc}",
-                        )
-                    )
-                    return
-                errors = 0
-                self._last = batches
-                now = datetime.now(timezone.utc)
-                outcome = decide(batches, deadline=deadline, now=now)
-                if outcome.is_terminal:
-                    self.log.info("Batch watch ended (%s): %s", outcome.status, outcome.message)
-                    yield TriggerEvent(outcome.event(self.batch_ids))
-                    return
-                key = progress_key(batches)
-                if key != last_key:
-                    self.log.info(progress_line(batches, self._elapsed(now)))
-                    last_key = key
-                    interval = self.poll_interval
-                else:
-                    interval = min(interval * self.backoff, self.max_poll_interval)
-                # Wake at the deadline rather than oversleeping it by a long backoff.
-                await asyncio.sleep(until_deadline(interval, deadline, now))
+            event = await await_batches(
+                hook,
+                self.batch_ids,
+                deadline=self.deadline_at,
+                submitted_at=to_utc(self.submitted_at),
+                poll_interval=self.poll_interval,
+                max_poll_interval=self.max_poll_interval,
+                backoff=self.backoff,
+                max_consecutive_errors=self.max_consecutive_errors,
+                log=self.log,
+                read=lambda: self._poll(hook),
+            )
+            yield TriggerEvent(event)
         finally:
             await self._release_hook()
 
@@ -385,28 +279,9 @@ class BatchTrigger(BaseTrigger):
         # run() has closed its client by now (its finally ran when it was cancelled).
         hook = self._new_hook()
         try:
-            await cancel_batches(hook, self.batch_ids, log=self.log)
+            await acancel_batches(hook, self.batch_ids, log=self.log)
         finally:
             await _close(hook)
-
-
-async def cancel_batches(hook: BatchApiHook, batch_ids: Sequence[str], *, log: Any) -> list[str]:
-    """Cancel every batch that is not already terminal; returns the ids a cancel was sent for."""
-
-    async def one(batch_id: str) -> str | None:
-        try:
-            batch = await asyncio.wait_for(hook.aget_batch(batch_id), CANCEL_TIMEOUT)
-            if batch.is_terminal:
-                return None
-            await asyncio.wait_for(hook.acancel_batch(batch_id), CANCEL_TIMEOUT)
-            log.info("Cancelled batch %s", batch_id)
-            return batch_id
-        except (BatchApiError, httpx.HTTPError, asyncio.TimeoutError) as exc:
-            log.warning("Could not cancel batch %s: %s", batch_id, exc)
-            return None
-
-    done = await asyncio.gather(*(one(b) for b in batch_ids))
-    return [b for b in done if b]
 
 
 async def _close(hook: Any) -> None:

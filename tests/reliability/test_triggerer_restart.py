@@ -17,7 +17,7 @@ import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
 from airflow_batch_provider.hooks.batch import BatchApiHook
-from airflow_batch_provider.triggers.batch import deadline_from
+from airflow_batch_provider.waiting import deadline_from
 from tests.fixtures.reliability import MESSAGES, Pipeline, first_event, rebuild_trigger, seed_texts
 
 ROWS = 30

@@ -13,7 +13,7 @@ import pytest
 
 from airflow_batch_provider.exceptions import BatchFailedError, PartialFailureError
 from airflow_batch_provider.hooks.batch import BatchApiHook
-from airflow_batch_provider.sensors.batch import OUTCOME_XCOM_KEY
+from airflow_batch_provider.waiting import OUTCOME_XCOM_KEY
 from tests.fixtures.reliability import MESSAGES, Pipeline, seed_texts
 
 ROWS = 40

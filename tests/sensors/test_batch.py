@@ -16,8 +16,9 @@ from airflow_batch_provider.exceptions import BatchFailedError, ConfigurationErr
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.models import Batch
 from airflow_batch_provider.outcome import error_event
-from airflow_batch_provider.sensors.batch import BatchSensor, normalise_batch_ids
+from airflow_batch_provider.sensors.batch import BatchSensor
 from airflow_batch_provider.triggers.batch import BatchTrigger
+from airflow_batch_provider.waiting import normalise_batch_ids
 from tests.fixtures.airflow import write_batch_jsonl
 
 
@@ -246,7 +247,7 @@ def test_quota_exhaustion_fails_the_poke_at_once(
     import json
 
     from airflow_batch_provider.exceptions import BatchApiQuotaError
-    from airflow_batch_provider.sensors.batch import terminal_event_now, wait_sync
+    from airflow_batch_provider.waiting import terminal_event_now, wait_batches
 
     server = batch_server()
     conn = json.loads(server.connection_json())
@@ -261,5 +262,7 @@ def test_quota_exhaustion_fails_the_poke_at_once(
     with pytest.raises(BatchApiQuotaError):
         terminal_event_now(hook, ["batch_q"], log=sensor.log)
     with pytest.raises(BatchApiQuotaError):
-        wait_sync(hook, ["batch_q"], deadline=None, poll_interval=0.01, log=sensor.log, sleep=lambda s: None)
+        wait_batches(
+            hook, ["batch_q"], deadline=None, poll_interval=0.01, log=sensor.log, sleep=lambda s: None
+        )
     assert server.stats()["counters"]["quota"] == 3

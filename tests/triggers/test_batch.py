@@ -16,7 +16,8 @@ import pytest
 from airflow_batch_provider.exceptions import BatchApiRateLimitError
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.models import Batch
-from airflow_batch_provider.triggers.batch import BatchTrigger, retry_after_of
+from airflow_batch_provider.triggers.batch import BatchTrigger
+from airflow_batch_provider.waiting import retry_after_of
 from tests.fixtures.airflow import write_batch_jsonl
 
 SECRET = "sk-very-secret-key-123"

@@ -18,8 +18,8 @@ import orjson
 import pytest
 
 from airflow_batch_provider.hooks.batch import BatchApiHook
-from airflow_batch_provider.sensors.batch import wait_sync
 from airflow_batch_provider.triggers.batch import BatchTrigger
+from airflow_batch_provider.waiting import wait_batches
 from tests.fixtures.hostile import Exchange, HostileServer, drip, reply, sequence
 from tests.hooks.conftest import openai_batch
 
@@ -123,7 +123,7 @@ def test_sync_wait_ends_as_timeout_past_a_dripping_poll(
     api.route("/v1/batches/b1", SLOW)
     hostile_conn(api, timeout=0.5, max_retries=0)
     with BatchApiHook() as hook:
-        event = wait_sync(
+        event = wait_batches(
             hook,
             ["b1"],
             deadline=datetime.now(timezone.utc) + timedelta(seconds=0.2),
