@@ -302,7 +302,8 @@ def test_dialect_from_batch_connection(
 ) -> None:
     monkeypatch.setenv(
         "AIRFLOW_CONN_MY_BATCH",
-        '{"conn_type": "batch_api", "host": "http://127.0.0.1:1/v1", "extra": {"dialect": "zerogpu", "project": "p1"}}',
+        '{"conn_type": "batch_api", "host": "http://127.0.0.1:1/v1", '
+        '"extra": {"dialect": "zerogpu", "project": "p1"}}',
     )
     seed(sqlite_warehouse, [(1, "a", "b")])
     _, out = build(sqlite_warehouse, tmp_path, messages=MESSAGES, batch_conn_id="my_batch")
