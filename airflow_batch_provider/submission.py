@@ -3,10 +3,15 @@
 A retried, cleared or restarted submit task must re-attach to the batch its earlier try
 created instead of paying for a second one. Each shard of a run gets an idempotency key
 derived from the run identity (dag_id, task_id, run_id, map_index) and the shard index;
-the key goes into the batch's metadata (``airflow_batch_key``) and names a small state
-file ``submit-state/<key>.json`` beside the manifest. The file records the intent (with
-the uploaded file id) before the batch is created and the batch id right after, so a
-crash in between is repaired by looking the batch up by its metadata.
+the key goes into the batch's metadata (``airflow_batch_key``) and names the shard's record
+in a :class:`SubmissionStateStore`. The record holds the intent (with the uploaded file id)
+before the batch is created and the batch id right after, so a crash in between is repaired
+by looking the batch up by its metadata.
+
+Two stores keep that same protocol: :class:`TaskStateStore`, Airflow's durable task state
+(Airflow 3.3+, ``context["task_state_store"]``), which every try of the task instance sees
+whatever worker it runs on; and :class:`StateStore`, a small file ``submit-state/<key>.json``
+beside the manifest, for Airflow without a task state store.
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,6 +40,13 @@ FINGERPRINT_NAME = "airflow_fingerprint"
 # OpenAI's metadata limits, the strictest documented: keys <= 64 chars, values <= 512 chars.
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
+#: How long a record stays in Airflow's task state store after its last write. A retry or a
+#: clear within it re-attaches; past it the vendor has dropped the batch's files anyway (OpenAI
+#: keeps batch files 30 days). Set on every write, so a deployment's shorter
+#: ``[state_store] default_retention_days`` (meant for cursors and the like) cannot cut it.
+STATE_RETENTION = timedelta(days=30)
+StateStoreChoice = Literal["auto", "task_state_store", "file"]
+STATE_STORE_CHOICES = ("auto", "task_state_store", "file")
 
 
 @dataclass(frozen=True)
@@ -149,14 +161,100 @@ class SubmitState(BaseModel):
         return "created" if self.batch_id else "intent"
 
 
+class SubmissionStateStore(Protocol):
+    """Where each shard's :class:`SubmitState` lives between tries.
+
+    ``write`` returns only once the record is durable: the submit writes the intent before the
+    create and the batch id after it, and the crash-window guarantee rests on that order.
+    """
+
+    @property
+    def where(self) -> str:
+        """Where records live, for logs (no secret)."""
+        ...
+
+    def read(self, key: str) -> SubmitState | None: ...
+
+    def write(self, state: SubmitState) -> None: ...
+
+
+class TaskStateAccessor(Protocol):
+    """The part of Airflow's ``context["task_state_store"]`` (3.3+) the submit uses."""
+
+    def get(self, key: str, default: Any = None) -> Any: ...
+
+    def set(self, key: str, value: Any, *, retention: timedelta | None = None) -> None: ...
+
+
+def task_state_accessor(context: Mapping[str, Any]) -> TaskStateAccessor | None:
+    """The context's task state store, if this Airflow gives tasks one (by capability, not version)."""
+    accessor = context.get("task_state_store")
+    if callable(getattr(accessor, "get", None)) and callable(getattr(accessor, "set", None)):
+        return accessor  # type: ignore[no-any-return]
+    return None
+
+
+class TaskStateStore:
+    """Keeps each shard's record in Airflow's task state store, one key per shard.
+
+    Airflow scopes the store to (dag_id, run_id, task_id, map_index) and every try of that task
+    instance shares it, so a retry on another worker finds what the killed try recorded without
+    any shared disk. ``set`` returns after the API server committed the value. One small value
+    per shard (well under the 64 KB ``[state_store] max_value_storage_bytes``), not one document
+    for the run: a document would be rewritten twice per shard and outgrow the limit at a few
+    hundred shards.
+
+    :param accessor: ``context["task_state_store"]``.
+    :param retention: how long a record is kept after its last write.
+    """
+
+    where = "Airflow's task state store"
+
+    def __init__(self, accessor: TaskStateAccessor, retention: timedelta = STATE_RETENTION) -> None:
+        self.accessor = accessor
+        self.retention = retention
+
+    def read(self, key: str) -> SubmitState | None:
+        value = self.accessor.get(key)
+        if value is None:
+            return None
+        try:
+            return SubmitState.model_validate(value)
+        except ValueError as exc:
+            raise ConfigurationError(f"task state store record {key!r} is unreadable: {exc}") from None
+
+    def write(self, state: SubmitState) -> None:
+        self.accessor.set(state.key, state.model_dump(mode="json"), retention=self.retention)
+
+
+def choose_state_store(
+    context: Mapping[str, Any], choice: StateStoreChoice, file_directory: ObjectStoragePath
+) -> SubmissionStateStore:
+    """The store a submit keeps its records in: ``auto`` takes the task state store when the
+    context has one, else the files under ``file_directory``."""
+    accessor = task_state_accessor(context)
+    if choice == "task_state_store" and accessor is None:
+        raise ConfigurationError(
+            "state_store='task_state_store' but this Airflow gives the task no task state store "
+            "(it needs Airflow 3.3 or later); use 'auto' or 'file'"
+        )
+    if choice != "file" and accessor is not None:
+        return TaskStateStore(accessor)
+    return StateStore(file_directory)
+
+
 class StateStore:
-    """Reads and writes ``submit-state/<key>.json`` files atomically.
+    """Reads and writes ``submit-state/<key>.json`` files atomically (Airflow without a task state store).
 
     :param directory: the ``submit-state`` directory (usually beside the manifest).
     """
 
     def __init__(self, directory: ObjectStoragePath) -> None:
         self.directory = directory
+
+    @property
+    def where(self) -> str:
+        return str(self.directory)
 
     def path(self, key: str) -> ObjectStoragePath:
         return self.directory / f"{key}.json"

@@ -3,9 +3,10 @@
 The input is a build manifest (its XCom, or a path to ``manifest.json`` or its directory),
 one shard of it (``shard=``), or any JSONL file a user made by hand (validated with the
 dialect's rules first). Each shard is uploaded and turned into a batch whose metadata
-carries the run identity, the shard fingerprint and an idempotency key; a state file
-beside the input records the intent before the create and the batch id after it, so a
-retried task re-attaches instead of paying twice (see :mod:`airflow_batch_provider.submission`).
+carries the run identity, the shard fingerprint and an idempotency key; the submission state
+store (Airflow's task state store where there is one, else a state file beside the input)
+records the intent before the create and the batch id after it, so a retried task re-attaches
+instead of paying twice (see :mod:`airflow_batch_provider.submission`).
 """
 
 from __future__ import annotations
@@ -41,10 +42,13 @@ from airflow_batch_provider.submission import (
     FINGERPRINT_NAME,
     KEY_NAME,
     STATE_DIR,
+    STATE_STORE_CHOICES,
     RunIdentity,
-    StateStore,
+    StateStoreChoice,
+    SubmissionStateStore,
     SubmitState,
     batch_metadata,
+    choose_state_store,
     effective_fingerprint,
     now_utc,
 )
@@ -102,7 +106,10 @@ class SubmitBatchOperator(BaseOperator):
     :param completion_window: the vendor completion window.
     :param metadata: extra metadata pairs for every batch (templated).
     :param model: replace ``body.model`` on every line while uploading (templated).
-    :param state_path: where ``submit-state/`` lives (templated); default: beside the input.
+    :param state_store: where each shard's intent and batch id live between tries: ``auto``
+        (Airflow's task state store when the task has one, Airflow 3.3+; else files),
+        ``task_state_store`` (fail without one) or ``file`` (``submit-state/`` files, see ``state_path``).
+    :param state_path: where ``submit-state/`` lives in file mode (templated); default: beside the input.
     :param on_stale_state: a shard changed since an earlier try submitted it:
         ``cancel_and_resubmit`` (cancel the old batch, submit the new file) or ``fail``.
     :param validate: check files with the dialect's rules before upload; default: hand-made
@@ -142,6 +149,7 @@ class SubmitBatchOperator(BaseOperator):
         completion_window: str = "24h",
         metadata: Mapping[str, str] | None = None,
         model: str | None = None,
+        state_store: StateStoreChoice = "auto",
         state_path: str | None = None,
         on_stale_state: StalePolicy = "cancel_and_resubmit",
         validate: bool | None = None,
@@ -162,6 +170,8 @@ class SubmitBatchOperator(BaseOperator):
             raise ConfigurationError(
                 f"on_stale_state must be one of {STALE_POLICIES}, got {on_stale_state!r}"
             )
+        if state_store not in STATE_STORE_CHOICES:
+            raise ConfigurationError(f"state_store must be one of {STATE_STORE_CHOICES}, got {state_store!r}")
         check_partial_policy(on_partial_failure)
         self.source = source
         self.batch_conn_id = batch_conn_id
@@ -171,6 +181,7 @@ class SubmitBatchOperator(BaseOperator):
         self.completion_window = completion_window
         self.metadata = metadata
         self.model = model
+        self.state_store = state_store
         self.state_path = state_path
         self.on_stale_state = on_stale_state
         self.validate = validate
@@ -198,7 +209,9 @@ class SubmitBatchOperator(BaseOperator):
         dialect.check_completion_window(self.completion_window)
         shards, state_dir, manifest_file = self._plan(dialect)
         identity = RunIdentity.from_context(context)
-        store = StateStore(state_dir)
+        # Chosen once per try; both stores keep the same intent -> batch id protocol.
+        store = choose_state_store(context, self.state_store, state_dir)
+        self.log.info("Submission state (intent and batch id per shard) is kept in %s", store.where)
         records: list[dict[str, Any]] = []
         submitted: list[datetime] = []
         for shard in shards:
@@ -279,7 +292,7 @@ class SubmitBatchOperator(BaseOperator):
         self,
         hook: BatchApiHook,
         dialect: Dialect,
-        store: StateStore,
+        store: SubmissionStateStore,
         identity: RunIdentity,
         shard: ShardInput,
     ) -> SubmitState:
