@@ -40,10 +40,9 @@ FINGERPRINT_NAME = "airflow_fingerprint"
 # OpenAI's metadata limits, the strictest documented: keys <= 64 chars, values <= 512 chars.
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
-#: How long a record stays in Airflow's task state store after its last write. A retry or a
-#: clear within it re-attaches; past it the vendor has dropped the batch's files anyway (OpenAI
-#: keeps batch files 30 days). Set on every write, so a deployment's shorter
-#: ``[state_store] default_retention_days`` (meant for cursors and the like) cannot cut it.
+#: How long a record stays in Airflow's task state store after its last write: far past any
+#: completion window (24h), so a retry or a clear within a month re-attaches. Set on every write,
+#: so a deployment's shorter ``[state_store] default_retention_days`` cannot cut it.
 STATE_RETENTION = timedelta(days=30)
 StateStoreChoice = Literal["auto", "task_state_store", "file"]
 STATE_STORE_CHOICES = ("auto", "task_state_store", "file")
@@ -200,9 +199,9 @@ class TaskStateStore:
     Airflow scopes the store to (dag_id, run_id, task_id, map_index) and every try of that task
     instance shares it, so a retry on another worker finds what the killed try recorded without
     any shared disk. ``set`` returns after the API server committed the value. One small value
-    per shard (well under the 64 KB ``[state_store] max_value_storage_bytes``), not one document
-    for the run: a document would be rewritten twice per shard and outgrow the limit at a few
-    hundred shards.
+    per shard (about 0.5 KB, far under the 64 KB ``[state_store] max_value_storage_bytes``), not
+    one document for the run: that would be rewritten twice per shard and pass the limit at about
+    130 shards.
 
     :param accessor: ``context["task_state_store"]``.
     :param retention: how long a record is kept after its last write.

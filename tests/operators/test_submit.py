@@ -533,6 +533,9 @@ with DAG("submit_and_wait", start_date=pendulum.datetime(2026, 1, 1), schedule=N
         task_id="submit",
         source={source!r},
         model="echo-override",
+        # The file store, pinned: this Airflow has a task state store, which "auto" would take
+        # (that mode under dags test: tests/reliability/test_crash_windows.py).
+        state_store="file",
         wait_for_completion=True,
         deferrable=True,
         poll_interval=0.2,
