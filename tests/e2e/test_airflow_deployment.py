@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.fixtures.e2e import AirflowCluster, ticket_warehouse
+from tests.fixtures.e2e import AirflowCluster, realtime_server_config, ticket_warehouse
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(480)]
 
@@ -33,25 +33,12 @@ EMPTY_BODIES = TICKETS // 97
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A seeded PostgreSQL warehouse schema and a local batch server, as Airflow connections."""
     from airflow_batch_provider.server.background import BackgroundServer
-    from airflow_batch_provider.server.config import ServerConfig
 
     work = tmp_path_factory.mktemp("e2e-deployment")
-    # Real-time lifecycle with a long validation: the batch completes about 10 s after it was
-    # created, so the wait task really sits in the triggerer for several seconds. A trigger that
-    # fires within ~1 s of the deferral can hit a race in Airflow 3.3.2's scheduler (the late
-    # "success" of the deferring try fails the resumed one; see tests/fixtures/e2e.py).
+    # The batch completes about 10 s after it was created.
     with (
         ticket_warehouse(TICKETS) as warehouse,
-        BackgroundServer(
-            ServerConfig(
-                port=0,
-                data_dir=work / "server",
-                time_scale=1.0,
-                validate_seconds=8,
-                finalize_seconds=2,
-                api_key=API_KEY,
-            )
-        ) as server,
+        BackgroundServer(realtime_server_config(work / "server", API_KEY, validate_seconds=8)) as server,
     ):
         env = {
             "AIRFLOW_CONN_WAREHOUSE": warehouse.connection,

@@ -28,7 +28,14 @@ from typing import Any
 
 import pytest
 
-from airflow_batch_provider.server.config import ServerConfig
+from tests.fixtures.e2e import (
+    AirflowCluster,
+    RunResult,
+    TicketWarehouse,
+    realtime_server_config,
+    ticket_warehouse,
+)
+from tests.fixtures.server import BatchServerHandle
 from tests.fixtures.workers import (
     TRIGGERERS,
     WORKERS,
@@ -38,8 +45,6 @@ from tests.fixtures.workers import (
     revive,
     server_batches,
 )
-from tests.fixtures.e2e import AirflowCluster, RunResult, TicketWarehouse, ticket_warehouse
-from tests.fixtures.server import BatchServerHandle
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(600)]
 
@@ -90,18 +95,8 @@ def deployment(
     dags = work / "dags"
     dags.mkdir()
     shutil.copy(ROOT / "dags_examples" / f"{DAG_ID}.py", dags)
-    # Real-time lifecycle: a batch completes about 6 s after its create, so every submit really
-    # waits in a triggerer (see tests/fixtures/e2e.py on deferrals that end within a second).
-    server, gate = gated_batch_server(
-        ServerConfig(
-            port=0,
-            data_dir=work / "server",
-            time_scale=1.0,
-            validate_seconds=5,
-            finalize_seconds=1,
-            api_key=API_KEY,
-        )
-    )
+    # A batch completes about 6 s after its create: every submit really waits in a triggerer.
+    server, gate = gated_batch_server(realtime_server_config(work / "server", API_KEY, validate_seconds=4))
     try:
         with ticket_warehouse(TICKETS) as warehouse:
             env = {
