@@ -79,10 +79,19 @@ class Deployment:
     warehouse: TicketWarehouse
 
 
-# The staging kinds the module runs with: add "s3" (and its branch below) for object storage.
-@pytest.fixture(scope="module", params=["file"])
+# Where the workers stage files. Object storage is one more entry here: "s3" takes the module- or
+# session-scoped fixture named below, which must give a Staging whose root is an s3:// URL served by
+# a process the Airflow components can reach (a moto server, not an in-process mock) and whose env
+# carries the AWS connection to it.
+STAGING_KINDS = ["file"]
+
+
+@pytest.fixture(scope="module", params=STAGING_KINDS)
 def staging(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Staging:
-    """A staging root both workers reach: one folder of this machine."""
+    """A staging root both workers reach: one folder of this machine, or an object store."""
+    if request.param == "s3":
+        s3: Staging = request.getfixturevalue("s3_staging")
+        return s3
     return Staging(f"file://{tmp_path_factory.mktemp('celery-staging')}")
 
 
