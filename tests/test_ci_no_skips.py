@@ -32,21 +32,24 @@ def _closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _child_pytest(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess[str]:
-    (tmp_path / "test_probe.py").write_text(_PROBE)
+def _child_pytest(
+    tmp_path: Path, ci: str | None, probe: str = _PROBE, plugin: str = "tests.fixtures.warehouse"
+) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "test_probe.py").write_text(probe)
     port = str(_closed_port())
     env = {k: v for k, v in os.environ.items() if k != "CI" and not k.startswith("PYTEST")}
     env.update(
         PYTHONPATH=str(ROOT),
         BATCH_TEST_PG_PORT=port,
         BATCH_TEST_MYSQL_PORT=port,
+        BATCH_TEST_REDIS_URL=f"redis://127.0.0.1:{port}/5",
         AIRFLOW_HOME=str(tmp_path / "airflow-home"),
     )
     if ci is not None:
         env["CI"] = ci
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
-        + ["-p", "tests.fixtures.warehouse", "test_probe.py"],
+        + ["-p", plugin, "test_probe.py"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -71,3 +74,16 @@ def test_missing_databases_skip_outside_ci(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "2 skipped" in out and "is not reachable" in out
+
+
+@pytest.mark.parametrize("ci", ["true", None])
+def test_missing_redis_fails_under_ci(tmp_path: Path, ci: str | None) -> None:
+    """The Celery deployment's broker: under CI a Redis that does not answer fails, elsewhere skips."""
+    probe = "def test_redis(celery_broker):\n    pass\n"
+    proc = _child_pytest(tmp_path, ci, probe=probe, plugin="tests.fixtures.workers")
+    out = proc.stdout + proc.stderr
+    assert "Redis at redis://127.0.0.1:" in out and "is not reachable" in out, out[-3000:]
+    if ci:
+        assert proc.returncode == 1 and "1 error" in out and "skipped" not in out, out[-3000:]
+    else:
+        assert proc.returncode == 0 and "1 skipped" in out, out[-3000:]

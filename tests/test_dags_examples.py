@@ -107,7 +107,7 @@ def example_runs(
             query = _duckdb_query(path)
         else:
             psycopg = pytest.importorskip("psycopg")
-            from tests.fixtures.warehouse import PG_DB, PG_HOST, PG_PORT, PG_USER
+            from tests.fixtures.warehouse import PG_DB, PG_HOST, PG_PORT, PG_USER, postgres_connection
 
             schema = f"abp_examples_{uuid.uuid4().hex[:10]}"
             try:
@@ -123,14 +123,7 @@ def example_runs(
                 admin.close()
 
             cleanup.append(drop)
-            warehouse = {
-                "conn_type": "postgres",
-                "host": PG_HOST,
-                "port": PG_PORT,
-                "login": PG_USER,
-                "schema": PG_DB,
-                "extra": {"options": f"-c search_path={schema}"},
-            }
+            warehouse = postgres_connection(schema)
 
             def query(sql: str) -> list[tuple[Any, ...]]:
                 with psycopg.connect(

@@ -113,6 +113,8 @@ def _run_ci(
     pg_up: bool = True,
     pg_starts: bool = False,
     mysql_up: bool = True,
+    redis_up: bool = True,
+    redis_starts: bool = False,
     headers: bool = True,
     test_exit: int = 0,
 ) -> tuple[int, str, list[str]]:
@@ -138,6 +140,10 @@ def _run_ci(
     _shim(shims, "mysqladmin", "exit 0\n" if mysql_up else "exit 1\n")
     _shim(shims, "start-stop-daemon")
     _shim(shims, "chown")
+    redis_state = tmp_path / "redis-started"
+    _shim(shims, "redis-cli", "echo PONG\n" if redis_up else f'[ -e "{redis_state}" ] && echo PONG; exit 0\n')
+    _shim(shims, "redis-server", f'touch "{redis_state}"; exit 0\n' if redis_starts else "exit 1\n")
+    _shim(shims, "mkdir")
     env = {
         "PATH": f"{shims}:/usr/bin:/bin",
         "HOME": str(tmp_path),
@@ -163,6 +169,24 @@ def test_ci_fails_when_mariadb_does_not_answer(tmp_path: Path) -> None:
     assert "MariaDB does not answer on 127.0.0.1:3306" in out, out
     assert any(c.startswith("pg_ctlcluster") for c in commands)
     assert any(c.startswith("start-stop-daemon --start") for c in commands)
+    assert not [c for c in commands if c.startswith("scripts/test")], commands
+
+
+def test_ci_starts_redis_when_it_is_down(tmp_path: Path) -> None:
+    code, out, commands = _run_ci(tmp_path, redis_up=False, redis_starts=True)
+    assert code == 0, out
+    assert "starting Redis" in out and "PostgreSQL, MariaDB and Redis are up" in out, out
+    started = [c for c in commands if c.startswith("redis-server")]
+    # The empty --save "" (no snapshots) records as two spaces.
+    expected = "--daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save  --appendonly no"
+    assert started and expected in started[0], started
+    assert any(c.startswith("scripts/test") for c in commands), commands
+
+
+def test_ci_fails_when_redis_does_not_answer(tmp_path: Path) -> None:
+    code, out, commands = _run_ci(tmp_path, redis_up=False)
+    assert code != 0
+    assert "Redis" in out and "ERROR" in out, out
     assert not [c for c in commands if c.startswith("scripts/test")], commands
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.fixtures.e2e import AirflowCluster
+from tests.fixtures.e2e import AirflowCluster, realtime_server_config, ticket_warehouse
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(480)]
 
@@ -32,66 +32,28 @@ EMPTY_BODIES = TICKETS // 97
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A seeded PostgreSQL warehouse schema and a local batch server, as Airflow connections."""
-    psycopg = pytest.importorskip("psycopg")
-    from airflow_batch_provider.demo import seed_warehouse
     from airflow_batch_provider.server.background import BackgroundServer
-    from airflow_batch_provider.server.config import ServerConfig
-    from tests.fixtures.warehouse import PG_DB, PG_HOST, PG_PORT, PG_USER
 
     work = tmp_path_factory.mktemp("e2e-deployment")
-    schema = f"abp_e2e_wh_{uuid.uuid4().hex[:10]}"
-    connect = {"host": PG_HOST, "port": PG_PORT, "user": PG_USER, "dbname": PG_DB}
-    with psycopg.connect(**connect, autocommit=True) as admin:
-        admin.execute(f'CREATE SCHEMA "{schema}"')
-    # Real-time lifecycle with a long validation: the batch completes about 10 s after it was
-    # created, so the wait task really sits in the triggerer for several seconds. A trigger that
-    # fires within ~1 s of the deferral can hit a race in Airflow 3.3.2's scheduler (the late
-    # "success" of the deferring try fails the resumed one; see tests/fixtures/e2e.py).
-    server = BackgroundServer(
-        ServerConfig(
-            port=0,
-            data_dir=work / "server",
-            time_scale=1.0,
-            validate_seconds=8,
-            finalize_seconds=2,
-            api_key=API_KEY,
-        )
-    ).start()
-    warehouse = {
-        "conn_type": "postgres",
-        "host": PG_HOST,
-        "port": PG_PORT,
-        "login": PG_USER,
-        "schema": PG_DB,
-        "extra": {"options": f"-c search_path={schema}"},
-    }
-    env = {
-        "AIRFLOW_CONN_WAREHOUSE": orjson.dumps(warehouse).decode(),
-        "AIRFLOW_CONN_BATCH_API_DEFAULT": orjson.dumps(
-            {
-                "conn_type": "batch_api",
-                "host": server.base_url,
-                "password": API_KEY,
-                "extra": {"dialect": "openai"},
-            }
-        ).decode(),
-        "AIRFLOW_BATCH_STAGING_ROOT": f"file://{work / 'staging'}",
-        "BATCH_EXAMPLES_POLL_INTERVAL": "2",
-    }
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("AIRFLOW_CONN_WAREHOUSE", env["AIRFLOW_CONN_WAREHOUSE"])
-            seed_warehouse("warehouse", tickets=TICKETS, products=10)
-
-        def query(sql: str) -> list[tuple[Any, ...]]:
-            with psycopg.connect(**connect, options=f"-c search_path={schema}") as conn:
-                return [tuple(r) for r in conn.execute(sql).fetchall()]
-
-        yield {"env": env, "query": query, "server": server}
-    finally:
-        server.stop()
-        with psycopg.connect(**connect, autocommit=True) as admin:
-            admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    # The batch completes about 10 s after it was created.
+    with (
+        ticket_warehouse(TICKETS) as warehouse,
+        BackgroundServer(realtime_server_config(work / "server", API_KEY, validate_seconds=8)) as server,
+    ):
+        env = {
+            "AIRFLOW_CONN_WAREHOUSE": warehouse.connection,
+            "AIRFLOW_CONN_BATCH_API_DEFAULT": orjson.dumps(
+                {
+                    "conn_type": "batch_api",
+                    "host": server.base_url,
+                    "password": API_KEY,
+                    "extra": {"dialect": "openai"},
+                }
+            ).decode(),
+            "AIRFLOW_BATCH_STAGING_ROOT": f"file://{work / 'staging'}",
+            "BATCH_EXAMPLES_POLL_INTERVAL": "2",
+        }
+        yield {"env": env, "query": warehouse.query, "server": server}
 
 
 @pytest.fixture(scope="module")

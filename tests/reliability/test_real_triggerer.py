@@ -12,10 +12,6 @@ import contextlib
 import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -41,29 +37,12 @@ def deferred_submits(cluster: Any, run_id: str) -> dict[int, dict[str, Any]]:
 
 
 def wait_for(what: str, check: Any, cluster: Any, timeout: float = 180) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}\n{cluster.diagnostics()}")
+    return cluster.wait_until(what, check, timeout=timeout)
 
 
 def stored_triggers(cluster: Any) -> dict[int, tuple[int | None, str]]:
     """``{trigger id: (triggerer id, decrypted kwargs JSON)}`` from the deployment's metadata DB."""
-    import psycopg
-    from cryptography.fernet import Fernet
-
-    from tests.fixtures.e2e import PG_HOST, PG_PORT, PG_USER
-
-    fernet = Fernet(cluster.env["AIRFLOW__CORE__FERNET_KEY"].encode())
-    with psycopg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, dbname=cluster.database) as conn:
-        rows = conn.execute("SELECT id, triggerer_id, kwargs FROM trigger").fetchall()
-    # Airflow encrypts trigger kwargs with the deployment's Fernet key (plain JSON is legacy).
-    return {
-        r[0]: (r[1], r[2] if r[2].startswith("{") else fernet.decrypt(r[2].encode()).decode()) for r in rows
-    }
+    return dict(cluster.stored_triggers())
 
 
 def kwarg(text: str, name: str) -> str:
@@ -75,21 +54,10 @@ def kwarg(text: str, name: str) -> str:
 
 def restart_triggerer(cluster: Any) -> int:
     """SIGKILL the triggerer's process group and start a new triggerer; returns the old pid."""
-    old = cluster.processes["triggerer"]
-    os.killpg(old.pid, signal.SIGKILL)
-    old.wait(timeout=30)
-    log = (cluster.home / "triggerer-2.log").open("wb")
-    cluster.processes["triggerer"] = subprocess.Popen(
-        [sys.executable, "-m", "airflow", "triggerer"],
-        env=cluster.env,
-        cwd=cluster.home,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    log.close()
-    return int(old.pid)
+    old = int(cluster.processes["triggerer"].pid)
+    cluster.kill("triggerer")
+    cluster.restart("triggerer")
+    return old
 
 
 def test_triggerer_killed_while_waiting_is_replaced_and_the_run_completes(
