@@ -16,10 +16,17 @@ from typing import Any
 import httpx
 import orjson
 
-from airflow_batch_provider.exceptions import BatchApiError, BatchApiQuotaError
+from airflow_batch_provider.dialects import Dialect
+from airflow_batch_provider.exceptions import (
+    BatchApiError,
+    BatchApiQuotaError,
+    ConfigurationError,
+    JsonlValidationError,
+)
 from airflow_batch_provider.hooks._http import (
     MAX_CONTROL_BODY,
     MultipartUpload,
+    PathSource,
     status_error,
     transport_error,
 )
@@ -71,6 +78,23 @@ class Call:
             content=content,
             headers=self.upload.headers if self.upload else None,
         )
+
+
+def upload_body(source: PathSource, filename: str | None, dialect: Dialect) -> MultipartUpload:
+    """The multipart body uploading ``source``, refused before sending when the dialect's cap is passed."""
+    try:
+        upload = MultipartUpload.from_source(source, filename=filename, fields=dialect.upload_form())
+    except FileNotFoundError:
+        raise ConfigurationError(f"cannot upload {source}: no such file") from None
+    limit = dialect.limits.max_shard_bytes
+    if upload.size > limit:
+        # Refused here, before sending: the vendor would read the whole body and then answer 413.
+        raise JsonlValidationError(
+            f"cannot upload {upload.filename}: it is {upload.size:,} bytes and dialect "
+            f"{dialect.name!r} uploads at most {limit:,} bytes per file; build it again "
+            f"(shards are cut at that size) or split it"
+        )
+    return upload
 
 
 def message_of(error: BatchApiError) -> str:

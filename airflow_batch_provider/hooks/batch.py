@@ -30,12 +30,10 @@ from typing import Any, ClassVar
 import httpx
 from airflow.sdk import BaseHook
 
-from airflow_batch_provider.dialects import DIALECTS, Dialect, get_dialect
+from airflow_batch_provider.dialects import Dialect, get_dialect
 from airflow_batch_provider.exceptions import (
     BatchApiError,
     BatchApiResponseError,
-    ConfigurationError,
-    JsonlValidationError,
 )
 from airflow_batch_provider.hooks._http import (
     CallDeadline,
@@ -52,19 +50,30 @@ from airflow_batch_provider.hooks._http import (
     redact,
     redact_json,
 )
-from airflow_batch_provider.hooks.attempts import AmbiguousCreate, Call, Restarts, Retries, SendOnce
-from airflow_batch_provider.hooks.connection_form import CONN_FIELDS, UI_FIELD_BEHAVIOUR
+from airflow_batch_provider.hooks.attempts import (
+    AmbiguousCreate,
+    Call,
+    Restarts,
+    Retries,
+    SendOnce,
+    upload_body,
+)
+from airflow_batch_provider.hooks.connection_form import (
+    CONN_FIELDS,
+    UI_FIELD_BEHAVIOUR,
+    legacy_form_widgets,
+    legacy_ui_field_behaviour,
+)
+from airflow_batch_provider.hooks.create import (
+    AMBIGUOUS_LOOKUPS,
+    BatchCreate,
+    newest_created,
+)
 from airflow_batch_provider.hooks.lines import (
     DOWNLOAD_CHUNK,
     MAX_RESULT_LINE_BYTES,
     ResumableLines,
     file_call,
-)
-from airflow_batch_provider.hooks.recovery import (
-    AMBIGUOUS_LOOKUPS,
-    LostCreate,
-    create_identity,
-    newest_created,
 )
 from airflow_batch_provider.hooks.results import (
     Pages,
@@ -135,11 +144,7 @@ class BatchApiHook(BaseHook):
     @classmethod
     def get_ui_field_behaviour(cls) -> dict[str, Any]:
         """Relabel and hide the standard fields (the pre-3.2 spelling of ``UI_FIELD_BEHAVIOUR``)."""
-        return {
-            "hidden_fields": list(UI_FIELD_BEHAVIOUR["hidden-fields"]),
-            "relabeling": dict(UI_FIELD_BEHAVIOUR["relabeling"]),
-            "placeholders": dict(UI_FIELD_BEHAVIOUR["placeholders"]),
-        }
+        return legacy_ui_field_behaviour()
 
     @classmethod
     def get_connection_form_widgets(cls) -> dict[str, Any]:
@@ -147,18 +152,7 @@ class BatchApiHook(BaseHook):
 
         Airflow >= 3.2 reads ``CONN_FIELDS`` from the provider info instead and never calls this.
         """
-        from flask_appbuilder.fieldwidgets import BS3TextFieldWidget
-        from wtforms import IntegerField, StringField
-
-        return {
-            "dialect": StringField(
-                "Dialect (" + " | ".join(sorted(DIALECTS)) + ")", widget=BS3TextFieldWidget()
-            ),
-            "organization": StringField("Organization", widget=BS3TextFieldWidget()),
-            "project": StringField("Project", widget=BS3TextFieldWidget()),
-            "timeout": IntegerField("Timeout (seconds)", widget=BS3TextFieldWidget()),
-            "max_retries": IntegerField("Max retries", widget=BS3TextFieldWidget()),
-        }
+        return legacy_form_widgets()
 
     # ---- settings --------------------------------------------------------------------------
     def _build_settings(self, conn: Any, raw_extra: Mapping[str, Any]) -> BatchApiSettings:
@@ -387,21 +381,6 @@ class BatchApiHook(BaseHook):
         return self._settings.dialect.parse_batch(self._json_object(response, action))
 
     # ---- files -----------------------------------------------------------------------------
-    def _upload_body(self, source: PathSource, filename: str | None, dialect: Dialect) -> MultipartUpload:
-        try:
-            upload = MultipartUpload.from_source(source, filename=filename, fields=dialect.upload_form())
-        except FileNotFoundError:
-            raise ConfigurationError(f"cannot upload {source}: no such file") from None
-        limit = dialect.limits.max_shard_bytes
-        if upload.size > limit:
-            # Refused here, before sending: the vendor would read the whole body and then answer 413.
-            raise JsonlValidationError(
-                f"cannot upload {upload.filename}: it is {upload.size:,} bytes and dialect "
-                f"{dialect.name!r} uploads at most {limit:,} bytes per file; build it again "
-                f"(shards are cut at that size) or split it"
-            )
-        return upload
-
     def _uploaded(self, response: httpx.Response, upload: MultipartUpload, action: str) -> str:
         assert self._settings is not None
         file_id = self._settings.dialect.parse_file_id(self._json_object(response, action))
@@ -415,7 +394,7 @@ class BatchApiHook(BaseHook):
         :param filename: the name the vendor records; defaults to the source's name.
         """
         dialect = self.dialect
-        upload = self._upload_body(source, filename, dialect)
+        upload = upload_body(source, filename, dialect)
         action = f"uploading {upload.filename}"
         return self._uploaded(
             self._request("POST", dialect.files_path, action=action, upload=upload), upload, action
@@ -424,7 +403,7 @@ class BatchApiHook(BaseHook):
     async def aupload_file(self, source: PathSource, *, filename: str | None = None) -> str:
         """Async twin of ``upload_file`` (file reads run in a worker thread)."""
         dialect = (await self.aget_settings()).dialect
-        upload = await asyncio.to_thread(self._upload_body, source, filename, dialect)
+        upload = await asyncio.to_thread(upload_body, source, filename, dialect)
         action = f"uploading {upload.filename}"
         return self._uploaded(
             await self._arequest("POST", dialect.files_path, action=action, upload=upload), upload, action
@@ -566,37 +545,6 @@ class BatchApiHook(BaseHook):
                 await asyncio.sleep(lines.dropped(exc))
 
     # ---- batches ---------------------------------------------------------------------------
-    def _create_body(
-        self,
-        dialect: Dialect,
-        *,
-        input_file_id: str,
-        endpoint: str,
-        completion_window: str,
-        metadata: Mapping[str, str] | None,
-        name: str | None,
-    ) -> dict[str, Any]:
-        dialect.check_completion_window(completion_window)
-        if endpoint:
-            dialect.check_endpoint(endpoint)
-        if metadata and dialect.supports_metadata and len(metadata) > dialect.max_metadata_pairs:
-            raise ConfigurationError(
-                f"{len(metadata)} metadata pairs given; "
-                f"dialect {dialect.name!r} allows {dialect.max_metadata_pairs}"
-            )
-        return dialect.create_batch_body(
-            input_file_id=input_file_id,
-            endpoint=endpoint,
-            completion_window=completion_window,
-            metadata=metadata,
-            name=name,
-        )
-
-    def _created(self, response: httpx.Response, action: str, input_file_id: str) -> Batch:
-        batch = self._batch_of(response, action)
-        self.log.info("Created batch %s from file %s", batch.id, input_file_id)
-        return batch
-
     def create_batch(
         self,
         *,
@@ -619,33 +567,29 @@ class BatchApiHook(BaseHook):
         :param metadata: tags identifying the run; also how a lost create is found again.
         :param name: a batch name, for dialects that name batches.
         """
-        settings = self.get_settings()
-        dialect = settings.dialect
-        body = self._create_body(
-            dialect,
+        create = BatchCreate(
+            self.get_settings(),
+            self.log,
             input_file_id=input_file_id,
             endpoint=endpoint,
             completion_window=completion_window,
             metadata=metadata,
             name=name,
         )
-        action = f"creating a batch from file {input_file_id}"
-        lost = LostCreate(settings, create_identity(dialect, body, metadata, name), action, self.log)
         while True:
             try:
-                return self._created(
-                    self._send_once(dialect.batches_path, body, action=action), action, input_file_id
-                )
+                response = self._send_once(create.path, create.body, action=create.action)
+                return create.created(self._batch_of(response, create.action))
             except AmbiguousCreate as exc:
-                tags = lost.failed(exc)
+                tags = create.failed(exc)
                 for _ in range(AMBIGUOUS_LOOKUPS):
-                    time.sleep(lost.settle(exc))
+                    time.sleep(create.settle(exc))
                     try:
                         found = self.find_created_batch(tags, input_file_id=input_file_id)
                     except BatchApiError as lookup:
-                        raise lost.lookup_failed(exc, lookup) from lookup
+                        raise create.lookup_failed(exc, lookup) from lookup
                     if found is not None:
-                        return lost.adopt(found)
+                        return create.adopt(found)
 
     async def acreate_batch(
         self,
@@ -657,32 +601,29 @@ class BatchApiHook(BaseHook):
         name: str | None = None,
     ) -> Batch:
         """Async twin of ``create_batch`` (same duplicate protection)."""
-        settings = await self.aget_settings()
-        dialect = settings.dialect
-        body = self._create_body(
-            dialect,
+        create = BatchCreate(
+            await self.aget_settings(),
+            self.log,
             input_file_id=input_file_id,
             endpoint=endpoint,
             completion_window=completion_window,
             metadata=metadata,
             name=name,
         )
-        action = f"creating a batch from file {input_file_id}"
-        lost = LostCreate(settings, create_identity(dialect, body, metadata, name), action, self.log)
         while True:
             try:
-                response = await self._asend_once(dialect.batches_path, body, action=action)
-                return self._created(response, action, input_file_id)
+                response = await self._asend_once(create.path, create.body, action=create.action)
+                return create.created(self._batch_of(response, create.action))
             except AmbiguousCreate as exc:
-                tags = lost.failed(exc)
+                tags = create.failed(exc)
                 for _ in range(AMBIGUOUS_LOOKUPS):
-                    await asyncio.sleep(lost.settle(exc))
+                    await asyncio.sleep(create.settle(exc))
                     try:
                         found = await self.afind_created_batch(tags, input_file_id=input_file_id)
                     except BatchApiError as lookup:
-                        raise lost.lookup_failed(exc, lookup) from lookup
+                        raise create.lookup_failed(exc, lookup) from lookup
                     if found is not None:
-                        return lost.adopt(found)
+                        return create.adopt(found)
 
     def get_batch(self, batch_id: str) -> Batch:
         """The batch, normalised by the dialect."""

@@ -18,7 +18,7 @@ from airflow_batch_provider.exceptions import (
     BatchApiRateLimitError,
 )
 from airflow_batch_provider.hooks.batch import BatchApiHook
-from airflow_batch_provider.hooks.recovery import made_from
+from airflow_batch_provider.hooks.create import made_from
 from airflow_batch_provider.hooks.retry import RetryPolicy
 from airflow_batch_provider.models import Batch, BatchState
 

@@ -1,20 +1,21 @@
-"""Finding the batch a create may have made: after an ambiguous create, or an earlier try's crash.
+"""Creating a batch, and finding the batch a create may have made (after an ambiguous create, or
+an earlier try's crash).
 
 A create is billed, so one that failed ambiguously (read timeout, dropped connection, 5xx,
 409) is not simply sent again: the batch is looked for by the tags it was created with.
 :func:`newest_created` is the one lookup (the hook's lost-create recovery and the submit
 operator's orphan search both use it, through ``BatchApiHook.find_created_batch``) and
-:class:`LostCreate` holds the decisions of the recovery, without I/O, for both hook loops.
+:class:`BatchCreate` holds the request and the decisions of the recovery, without I/O, for
+both hook loops.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from airflow_batch_provider.dialects import Dialect
-from airflow_batch_provider.exceptions import BatchApiError
+from airflow_batch_provider.exceptions import BatchApiError, ConfigurationError
 from airflow_batch_provider.hooks.attempts import AmbiguousCreate, message_of, with_note
 from airflow_batch_provider.hooks.settings import BatchApiSettings
 from airflow_batch_provider.models import Batch
@@ -68,21 +69,57 @@ def newest_created(
     return max(found, key=lambda b: (b.created_at is not None, b.created_at))
 
 
-@dataclass
-class LostCreate:
-    """The decisions after ambiguous creates: look for the batch, retry, or give up and say why.
+class BatchCreate:
+    """One ``create_batch`` call apart from its I/O: the request, then the decisions after
+    ambiguous failures (look for the batch, retry, or give up and say why).
 
-    :param settings: the connection's settings (the retry policy).
-    :param identity: the tags the batch can be found by (``create_identity``), or None.
-    :param action: what the create does, for messages.
-    :param log: where the recovery is logged.
+    :param settings: the connection's settings (dialect, retry policy).
+    :param log: where the create and its recovery are logged.
+    :param input_file_id: the uploaded input file.
+    :param endpoint: the url every line targets.
+    :param completion_window: the vendor's window.
+    :param metadata: tags identifying the run; also how a lost create is found again.
+    :param name: a batch name, for dialects that name batches.
     """
 
-    settings: BatchApiSettings
-    identity: dict[str, str] | None
-    action: str
-    log: Any
-    retry: int = 0
+    def __init__(
+        self,
+        settings: BatchApiSettings,
+        log: Any,
+        *,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: Mapping[str, str] | None,
+        name: str | None,
+    ) -> None:
+        dialect = settings.dialect
+        dialect.check_completion_window(completion_window)
+        if endpoint:
+            dialect.check_endpoint(endpoint)
+        if metadata and dialect.supports_metadata and len(metadata) > dialect.max_metadata_pairs:
+            raise ConfigurationError(
+                f"{len(metadata)} metadata pairs given; "
+                f"dialect {dialect.name!r} allows {dialect.max_metadata_pairs}"
+            )
+        self.settings = settings
+        self.log = log
+        self.input_file_id = input_file_id
+        self.path = dialect.batches_path
+        self.body = dialect.create_batch_body(
+            input_file_id=input_file_id,
+            endpoint=endpoint,
+            completion_window=completion_window,
+            metadata=metadata,
+            name=name,
+        )
+        self.identity = create_identity(dialect, self.body, metadata, name)
+        self.action = f"creating a batch from file {input_file_id}"
+        self.retry = 0
+
+    def created(self, batch: Batch) -> Batch:
+        self.log.info("Created batch %s from file %s", batch.id, self.input_file_id)
+        return batch
 
     def failed(self, exc: AmbiguousCreate) -> dict[str, str]:
         """Count an ambiguous failure; the tags to look for, or raise when the batch cannot be found."""
