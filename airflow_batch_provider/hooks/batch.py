@@ -567,15 +567,8 @@ class BatchApiHook(BaseHook):
         :param metadata: tags identifying the run; also how a lost create is found again.
         :param name: a batch name, for dialects that name batches.
         """
-        create = BatchCreate(
-            self.get_settings(),
-            self.log,
-            input_file_id=input_file_id,
-            endpoint=endpoint,
-            completion_window=completion_window,
-            metadata=metadata,
-            name=name,
-        )
+        settings = self.get_settings()
+        create = BatchCreate(settings, self.log, input_file_id, endpoint, completion_window, metadata, name)
         while True:
             try:
                 response = self._send_once(create.path, create.body, action=create.action)
@@ -601,15 +594,8 @@ class BatchApiHook(BaseHook):
         name: str | None = None,
     ) -> Batch:
         """Async twin of ``create_batch`` (same duplicate protection)."""
-        create = BatchCreate(
-            await self.aget_settings(),
-            self.log,
-            input_file_id=input_file_id,
-            endpoint=endpoint,
-            completion_window=completion_window,
-            metadata=metadata,
-            name=name,
-        )
+        settings = await self.aget_settings()
+        create = BatchCreate(settings, self.log, input_file_id, endpoint, completion_window, metadata, name)
         while True:
             try:
                 response = await self._asend_once(create.path, create.body, action=create.action)

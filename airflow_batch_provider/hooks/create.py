@@ -86,7 +86,6 @@ class BatchCreate:
         self,
         settings: BatchApiSettings,
         log: Any,
-        *,
         input_file_id: str,
         endpoint: str,
         completion_window: str,
