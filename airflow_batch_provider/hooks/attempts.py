@@ -1,35 +1,22 @@
-"""One call to the API: what is sent, and what to do after an attempt fails.
+"""What a call does after an attempt fails: wait and try again, or raise the typed error.
 
-:class:`Call` describes a request; :class:`Retries` holds the decisions of an idempotent call
-(retry per the policy) and :class:`SendOnce` those of a non-idempotent one (a batch create,
-repeated only when it provably did not reach the server or was refused). None of them does
-I/O: the hook's sync and async request loops feed them alike, the way ``waiting.PollLoop``
-serves both watch loops. :class:`Restarts` counts restarts of a streamed body.
+:class:`Retries` holds the decisions of an idempotent call (retry per the policy) and
+:class:`SendOnce` those of a non-idempotent one (a batch create, repeated only when it provably
+did not reach the server or was refused). None of them does I/O: the hook's sync and async
+request loops feed them alike, the way ``waiting.PollLoop`` serves both watch loops.
+:class:`Restarts` counts restarts of a streamed body.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import orjson
 
-from airflow_batch_provider.dialects import Dialect
-from airflow_batch_provider.exceptions import (
-    BatchApiError,
-    BatchApiQuotaError,
-    ConfigurationError,
-    JsonlValidationError,
-)
-from airflow_batch_provider.hooks._http import (
-    MAX_CONTROL_BODY,
-    MultipartUpload,
-    PathSource,
-    status_error,
-    transport_error,
-)
+from airflow_batch_provider.exceptions import BatchApiError, BatchApiQuotaError
+from airflow_batch_provider.hooks._http import status_error, transport_error
 from airflow_batch_provider.hooks.retry import NOT_SENT_ERRORS, REFUSED_STATUS, is_retryable_status
 from airflow_batch_provider.hooks.settings import BatchApiSettings
 
@@ -41,60 +28,6 @@ class AmbiguousCreate(Exception):
         super().__init__(str(error))
         self.error = error
         self.response = response
-
-
-@dataclass(frozen=True)
-class Call:
-    """What one call sends, and how its answer is read.
-
-    :param method: the HTTP method.
-    :param path: the path below the API root.
-    :param params: query parameters.
-    :param json: a JSON body.
-    :param upload: a multipart body streamed from a file.
-    :param stream: return a 2xx response open, its body unread.
-    :param foreign_redirects: let a redirect reach another origin (without credentials).
-    :param max_body: the most bytes of a body read whole.
-    :param accept: statuses returned (read and closed) instead of raised or retried.
-    """
-
-    method: str
-    path: str
-    params: Mapping[str, Any] | None = None
-    json: Any = None
-    upload: MultipartUpload | None = None
-    stream: bool = False
-    foreign_redirects: bool = False
-    max_body: int = MAX_CONTROL_BODY
-    accept: frozenset[int] = frozenset()
-
-    def build(self, client: httpx.Client | httpx.AsyncClient, content: Any) -> httpx.Request:
-        """The request; ``content`` is the upload's sync or async byte stream, or None."""
-        return client.build_request(
-            self.method,
-            self.path,
-            params=dict(self.params) if self.params else None,
-            json=self.json,
-            content=content,
-            headers=self.upload.headers if self.upload else None,
-        )
-
-
-def upload_body(source: PathSource, filename: str | None, dialect: Dialect) -> MultipartUpload:
-    """The multipart body uploading ``source``, refused before sending when the dialect's cap is passed."""
-    try:
-        upload = MultipartUpload.from_source(source, filename=filename, fields=dialect.upload_form())
-    except FileNotFoundError:
-        raise ConfigurationError(f"cannot upload {source}: no such file") from None
-    limit = dialect.limits.max_shard_bytes
-    if upload.size > limit:
-        # Refused here, before sending: the vendor would read the whole body and then answer 413.
-        raise JsonlValidationError(
-            f"cannot upload {upload.filename}: it is {upload.size:,} bytes and dialect "
-            f"{dialect.name!r} uploads at most {limit:,} bytes per file; build it again "
-            f"(shards are cut at that size) or split it"
-        )
-    return upload
 
 
 def message_of(error: BatchApiError) -> str:

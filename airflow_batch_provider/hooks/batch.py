@@ -35,9 +35,9 @@ from airflow_batch_provider.exceptions import (
     BatchApiError,
     BatchApiResponseError,
 )
+from airflow_batch_provider.hooks import calls
 from airflow_batch_provider.hooks._http import (
     CallDeadline,
-    MultipartUpload,
     PathSource,
     aiter_with_progress,
     aread_capped,
@@ -50,14 +50,8 @@ from airflow_batch_provider.hooks._http import (
     redact,
     redact_json,
 )
-from airflow_batch_provider.hooks.attempts import (
-    AmbiguousCreate,
-    Call,
-    Restarts,
-    Retries,
-    SendOnce,
-    upload_body,
-)
+from airflow_batch_provider.hooks.attempts import AmbiguousCreate, Restarts, Retries, SendOnce
+from airflow_batch_provider.hooks.calls import Call
 from airflow_batch_provider.hooks.connection_form import (
     CONN_FIELDS,
     UI_FIELD_BEHAVIOUR,
@@ -69,20 +63,15 @@ from airflow_batch_provider.hooks.create import (
     BatchCreate,
     newest_created,
 )
-from airflow_batch_provider.hooks.lines import (
-    DOWNLOAD_CHUNK,
-    MAX_RESULT_LINE_BYTES,
-    ResumableLines,
-    file_call,
-)
+from airflow_batch_provider.hooks.lines import DOWNLOAD_CHUNK, ResumableLines
 from airflow_batch_provider.hooks.results import (
     Pages,
-    most_results,
     result_files,
     result_line,
     result_line_or_bad,
     results_body,
     results_mode,
+    results_pages,
 )
 from airflow_batch_provider.hooks.retry import RetryPolicy
 from airflow_batch_provider.hooks.settings import BatchApiSettings, settings_from_connection
@@ -248,41 +237,32 @@ class BatchApiHook(BaseHook):
     # ---- the request core ------------------------------------------------------------------
     # Two entry points per client: ``_request`` for idempotent calls (retried per the policy)
     # and ``_send_once`` for a create (repeated only when provably unsent or refused, else
-    # ``AmbiguousCreate``). The decisions live in ``attempts``; the loops below only do I/O.
-    def _request(
-        self, method: str, path: str, *, action: str, what: str | None = None, **options: Any
-    ) -> httpx.Response:
-        """Send an idempotent request with retries; a 2xx response (open if streamed) or a typed error.
+    # ``AmbiguousCreate``). What is sent comes from ``calls``, the decisions from ``attempts``;
+    # the loops below only do I/O. Each attempt has a total deadline of the connection's timeout.
+    def _request(self, call: Call) -> httpx.Response:
+        """Send an idempotent call with retries; a 2xx response (open if streamed) or a typed error."""
+        return self._call(call, Retries(self.get_settings(), call.action, call.what, self.log))
 
-        Each attempt has a total deadline of the connection's timeout. ``options`` are the
-        fields of :class:`~airflow_batch_provider.hooks.attempts.Call`.
-        """
-        return self._call(Call(method, path, **options), Retries(self.get_settings(), action, what, self.log))
-
-    async def _arequest(
-        self, method: str, path: str, *, action: str, what: str | None = None, **options: Any
-    ) -> httpx.Response:
+    async def _arequest(self, call: Call) -> httpx.Response:
         """The async twin of ``_request``."""
         settings = await self.aget_settings()
-        return await self._acall(Call(method, path, **options), Retries(settings, action, what, self.log))
+        return await self._acall(call, Retries(settings, call.action, call.what, self.log))
 
-    def _send_once(self, path: str, body: Any, *, action: str) -> httpx.Response:
-        """POST a non-idempotent request; raises ``AmbiguousCreate`` when it may have been acted on."""
-        return self._call(
-            Call("POST", path, json=body), SendOnce(self.get_settings(), action, None, self.log)
-        )
+    def _send_once(self, call: Call) -> httpx.Response:
+        """Send a non-idempotent call; raises ``AmbiguousCreate`` when it may have been acted on."""
+        return self._call(call, SendOnce(self.get_settings(), call.action, call.what, self.log))
 
-    async def _asend_once(self, path: str, body: Any, *, action: str) -> httpx.Response:
+    async def _asend_once(self, call: Call) -> httpx.Response:
         """The async twin of ``_send_once``."""
         settings = await self.aget_settings()
-        return await self._acall(Call("POST", path, json=body), SendOnce(settings, action, None, self.log))
+        return await self._acall(call, SendOnce(settings, call.action, call.what, self.log))
 
     def _call(self, call: Call, retries: Retries) -> httpx.Response:
         client = self.get_conn()
         while True:
             request = call.build(client, call.upload.iter_sync() if call.upload else None)
             try:
-                response = self._exchange(client, request, call, retries.action)
+                response = self._exchange(client, request, call)
             except httpx.TransportError as exc:
                 time.sleep(retries.transport_failed(exc))
                 continue
@@ -299,7 +279,7 @@ class BatchApiHook(BaseHook):
         while True:
             request = call.build(client, call.upload.aiter() if call.upload else None)
             try:
-                response = await self._aexchange(client, request, call, retries.action)
+                response = await self._aexchange(client, request, call)
             except httpx.TransportError as exc:
                 await asyncio.sleep(retries.transport_failed(exc))
                 continue
@@ -311,9 +291,7 @@ class BatchApiHook(BaseHook):
                 return response
             await asyncio.sleep(retries.status_failed(response))
 
-    def _exchange(
-        self, client: httpx.Client, request: httpx.Request, call: Call, action: str
-    ) -> httpx.Response:
+    def _exchange(self, client: httpx.Client, request: httpx.Request, call: Call) -> httpx.Response:
         """One attempt: redirects within the origin, a total deadline, a bounded body unless streamed."""
         settings = self._settings
         assert settings is not None
@@ -326,15 +304,15 @@ class BatchApiHook(BaseHook):
                 response.close()
                 # next_hop raises past MAX_REDIRECTS hops or for another origin.
                 request = next_hop(
-                    request, response, hops=hops, action=action, foreign=call.foreign_redirects
+                    request, response, hops=hops, action=call.action, foreign=call.foreign_redirects
                 )
                 hops += 1
             if not (call.stream and response.is_success):
-                read_capped(response, call.max_body, action)
+                read_capped(response, call.max_body, call.action)
         return response
 
     async def _aexchange(
-        self, client: httpx.AsyncClient, request: httpx.Request, call: Call, action: str
+        self, client: httpx.AsyncClient, request: httpx.Request, call: Call
     ) -> httpx.Response:
         """Async twin of ``_exchange``; the deadline is an ``asyncio.timeout`` around the attempt."""
         settings = self._settings
@@ -351,11 +329,11 @@ class BatchApiHook(BaseHook):
                             break
                         await response.aclose()
                         request = next_hop(
-                            request, response, hops=hops, action=action, foreign=call.foreign_redirects
+                            request, response, hops=hops, action=call.action, foreign=call.foreign_redirects
                         )
                         hops += 1
                     if not (call.stream and response.is_success):
-                        await aread_capped(response, call.max_body, action)
+                        await aread_capped(response, call.max_body, call.action)
         except TimeoutError:
             if response is not None:
                 await response.aclose()
@@ -381,10 +359,10 @@ class BatchApiHook(BaseHook):
         return self._settings.dialect.parse_batch(self._json_object(response, action))
 
     # ---- files -----------------------------------------------------------------------------
-    def _uploaded(self, response: httpx.Response, upload: MultipartUpload, action: str) -> str:
-        assert self._settings is not None
-        file_id = self._settings.dialect.parse_file_id(self._json_object(response, action))
-        self.log.info("Uploaded %s (%d bytes) as file %s", upload.filename, upload.size, file_id)
+    def _uploaded(self, response: httpx.Response, call: Call) -> str:
+        assert self._settings is not None and call.upload is not None
+        file_id = self._settings.dialect.parse_file_id(self._json_object(response, call.action))
+        self.log.info("Uploaded %s (%d bytes) as file %s", call.upload.filename, call.upload.size, file_id)
         return file_id
 
     def upload_file(self, source: PathSource, *, filename: str | None = None) -> str:
@@ -394,51 +372,30 @@ class BatchApiHook(BaseHook):
         :param filename: the name the vendor records; defaults to the source's name.
         """
         dialect = self.dialect
-        upload = upload_body(source, filename, dialect)
-        action = f"uploading {upload.filename}"
-        return self._uploaded(
-            self._request("POST", dialect.files_path, action=action, upload=upload), upload, action
-        )
+        call = calls.upload(dialect, calls.upload_body(source, filename, dialect))
+        return self._uploaded(self._request(call), call)
 
     async def aupload_file(self, source: PathSource, *, filename: str | None = None) -> str:
         """Async twin of ``upload_file`` (file reads run in a worker thread)."""
         dialect = (await self.aget_settings()).dialect
-        upload = await asyncio.to_thread(upload_body, source, filename, dialect)
-        action = f"uploading {upload.filename}"
-        return self._uploaded(
-            await self._arequest("POST", dialect.files_path, action=action, upload=upload), upload, action
-        )
+        call = calls.upload(dialect, await asyncio.to_thread(calls.upload_body, source, filename, dialect))
+        return self._uploaded(await self._arequest(call), call)
 
     def get_file(self, file_id: str) -> dict[str, Any]:
         """The vendor's file object."""
-        action = f"getting file {file_id}"
-        response = self._request(
-            "GET", self.dialect.file_path(file_id), action=action, what=f"file {file_id!r}"
-        )
-        return self._json_object(response, action)
+        call = calls.get_file(self.dialect, file_id)
+        return self._json_object(self._request(call), call.action)
 
     async def aget_file(self, file_id: str) -> dict[str, Any]:
-        dialect = (await self.aget_settings()).dialect
-        action = f"getting file {file_id}"
-        response = await self._arequest(
-            "GET", dialect.file_path(file_id), action=action, what=f"file {file_id!r}"
-        )
-        return self._json_object(response, action)
+        call = calls.get_file((await self.aget_settings()).dialect, file_id)
+        return self._json_object(await self._arequest(call), call.action)
 
     def delete_file(self, file_id: str) -> None:
         """Delete a file at the vendor."""
-        self._request(
-            "DELETE",
-            self.dialect.file_path(file_id),
-            action=f"deleting file {file_id}",
-            what=f"file {file_id!r}",
-        )
+        self._request(calls.delete_file(self.dialect, file_id))
 
     async def adelete_file(self, file_id: str) -> None:
-        dialect = (await self.aget_settings()).dialect
-        await self._arequest(
-            "DELETE", dialect.file_path(file_id), action=f"deleting file {file_id}", what=f"file {file_id!r}"
-        )
+        await self._arequest(calls.delete_file((await self.aget_settings()).dialect, file_id))
 
     def download_file(self, file_id: str, dest: PathSource) -> int:
         """Stream a file's content to ``dest``; the file appears complete or not at all.
@@ -450,13 +407,12 @@ class BatchApiHook(BaseHook):
         :return: the number of bytes written.
         """
         settings = self.get_settings()
-        action = f"downloading file {file_id}"
-        restarts = Restarts(settings, action, self.log)
+        call = calls.file_content(settings.dialect, file_id, f"downloading file {file_id}")
+        restarts = Restarts(settings, call.action, self.log)
         while True:
             try:
                 with atomic_writer(resolve_path(dest)) as handle:
-                    retries = Retries(settings, action, f"file {file_id!r}", self.log)
-                    response = self._call(file_call(settings, file_id), retries)
+                    response = self._request(call)
                     written = 0
                     try:
                         for chunk in iter_with_progress(
@@ -474,13 +430,12 @@ class BatchApiHook(BaseHook):
     async def adownload_file(self, file_id: str, dest: PathSource) -> int:
         """Async twin of ``download_file`` (file writes run in a worker thread)."""
         settings = await self.aget_settings()
-        action = f"downloading file {file_id}"
-        restarts = Restarts(settings, action, self.log)
+        call = calls.file_content(settings.dialect, file_id, f"downloading file {file_id}")
+        restarts = Restarts(settings, call.action, self.log)
         while True:
             try:
                 async with _aatomic_writer(dest) as handle:
-                    retries = Retries(settings, action, f"file {file_id!r}", self.log)
-                    response = await self._acall(file_call(settings, file_id), retries)
+                    response = await self._arequest(call)
                     written = 0
                     try:
                         async for chunk in aiter_with_progress(
@@ -508,7 +463,8 @@ class BatchApiHook(BaseHook):
         lines = ResumableLines(self.get_settings(), file_id, self.log, lenient=lenient)
         while True:
             try:
-                response = self._call(lines.call, lines.attempt())
+                lines.attempt()
+                response = self._request(lines.call)
                 try:
                     for chunk in iter_with_progress(response.iter_bytes(DOWNLOAD_CHUNK), lines.timeout):
                         yield from lines.feed(chunk)
@@ -529,7 +485,8 @@ class BatchApiHook(BaseHook):
         lines = ResumableLines(await self.aget_settings(), file_id, self.log, lenient=lenient)
         while True:
             try:
-                response = await self._acall(lines.call, lines.attempt())
+                lines.attempt()
+                response = await self._arequest(lines.call)
                 try:
                     async for chunk in aiter_with_progress(
                         response.aiter_bytes(DOWNLOAD_CHUNK), lines.timeout
@@ -571,7 +528,7 @@ class BatchApiHook(BaseHook):
         create = BatchCreate(settings, self.log, input_file_id, endpoint, completion_window, metadata, name)
         while True:
             try:
-                response = self._send_once(create.path, create.body, action=create.action)
+                response = self._send_once(create.call)
                 return create.created(self._batch_of(response, create.action))
             except AmbiguousCreate as exc:
                 tags = create.failed(exc)
@@ -598,7 +555,7 @@ class BatchApiHook(BaseHook):
         create = BatchCreate(settings, self.log, input_file_id, endpoint, completion_window, metadata, name)
         while True:
             try:
-                response = await self._asend_once(create.path, create.body, action=create.action)
+                response = await self._asend_once(create.call)
                 return create.created(self._batch_of(response, create.action))
             except AmbiguousCreate as exc:
                 tags = create.failed(exc)
@@ -613,32 +570,12 @@ class BatchApiHook(BaseHook):
 
     def get_batch(self, batch_id: str) -> Batch:
         """The batch, normalised by the dialect."""
-        action = f"getting batch {batch_id}"
-        return self._batch_of(
-            self._request(
-                "GET", self.dialect.batch_path(batch_id), action=action, what=f"batch {batch_id!r}"
-            ),
-            action,
-        )
+        call = calls.get_batch(self.dialect, batch_id)
+        return self._batch_of(self._request(call), call.action)
 
     async def aget_batch(self, batch_id: str) -> Batch:
-        dialect = (await self.aget_settings()).dialect
-        action = f"getting batch {batch_id}"
-        return self._batch_of(
-            await self._arequest(
-                "GET", dialect.batch_path(batch_id), action=action, what=f"batch {batch_id!r}"
-            ),
-            action,
-        )
-
-    def _cancel_call(self, dialect: Dialect, batch_id: str) -> dict[str, Any]:
-        return {
-            "method": "POST",
-            "path": dialect.cancel_path(batch_id),
-            "action": f"cancelling batch {batch_id}",
-            "what": f"batch {batch_id!r}",
-            "accept": dialect.cancel_final_statuses,
-        }
+        call = calls.get_batch((await self.aget_settings()).dialect, batch_id)
+        return self._batch_of(await self._arequest(call), call.action)
 
     def _cancelled(self, response: httpx.Response, batch_id: str, action: str) -> Batch | None:
         """The batch a cancel answered, or None when it must be read (final already, or no body)."""
@@ -653,13 +590,13 @@ class BatchApiHook(BaseHook):
 
     def cancel_batch(self, batch_id: str) -> Batch:
         """Ask the vendor to cancel a batch (repeatable: cancelling twice is harmless)."""
-        call = self._cancel_call(self.dialect, batch_id)
-        return self._cancelled(self._request(**call), batch_id, call["action"]) or self.get_batch(batch_id)
+        call = calls.cancel_batch(self.dialect, batch_id)
+        return self._cancelled(self._request(call), batch_id, call.action) or self.get_batch(batch_id)
 
     async def acancel_batch(self, batch_id: str) -> Batch:
-        call = self._cancel_call((await self.aget_settings()).dialect, batch_id)
-        response = await self._arequest(**call)
-        return self._cancelled(response, batch_id, call["action"]) or await self.aget_batch(batch_id)
+        call = calls.cancel_batch((await self.aget_settings()).dialect, batch_id)
+        response = await self._arequest(call)
+        return self._cancelled(response, batch_id, call.action) or await self.aget_batch(batch_id)
 
     def list_batches(self, *, page_size: int | None = None, limit: int | None = None) -> Iterator[Batch]:
         """Every batch visible to the key, newest first, following pagination.
@@ -668,9 +605,9 @@ class BatchApiHook(BaseHook):
         :param limit: stop after this many batches (all if None).
         """
         dialect = self.dialect
-        pages = Pages("listing batches", dialect.list_params(page_size), limit=limit)
+        pages = Pages(calls.LIST_ACTION, dialect.list_params(page_size), limit=limit)
         while pages.params is not None:
-            response = self._request("GET", dialect.batches_path, action=pages.action, params=pages.params)
+            response = self._request(calls.list_batches(dialect, pages.params))
             page = dialect.parse_list_page(self._json_object(response, pages.action), pages.params)
             yield from pages.take(page.batches, page.next_params)
             pages.turn()
@@ -680,11 +617,9 @@ class BatchApiHook(BaseHook):
     ) -> AsyncIterator[Batch]:
         """Async twin of ``list_batches``."""
         dialect = (await self.aget_settings()).dialect
-        pages = Pages("listing batches", dialect.list_params(page_size), limit=limit)
+        pages = Pages(calls.LIST_ACTION, dialect.list_params(page_size), limit=limit)
         while pages.params is not None:
-            response = await self._arequest(
-                "GET", dialect.batches_path, action=pages.action, params=pages.params
-            )
+            response = await self._arequest(calls.list_batches(dialect, pages.params))
             page = dialect.parse_list_page(self._json_object(response, pages.action), pages.params)
             for batch in pages.take(page.batches, page.next_params):
                 yield batch
@@ -736,22 +671,8 @@ class BatchApiHook(BaseHook):
         return newest_created(await self.afind_batches(tags), input_file_id=input_file_id, accept=accept)
 
     # ---- results ---------------------------------------------------------------------------
-    def _results_pages(self, dialect: Dialect, batch: Batch) -> tuple[Pages, dict[str, Any]]:
-        pages = Pages(
-            f"reading results of batch {batch.id}",
-            dialect.results_params(),
-            most=most_results(dialect, batch),
-        )
-        call = {
-            "method": "GET",
-            "path": dialect.results_path(batch.id),
-            "action": pages.action,
-            "what": f"batch {batch.id!r}",
-            "max_body": MAX_RESULT_LINE_BYTES,
-        }
-        return pages, call
-
     def _results_page(self, dialect: Dialect, pages: Pages, response: httpx.Response) -> list[ResultLine]:
+        """The lines of the page just read; a page past the batch's size raises."""
         assert pages.params is not None
         page = dialect.parse_results_page(
             results_body(response, pages.action, self._settings), pages.params, response.headers
@@ -781,9 +702,10 @@ class BatchApiHook(BaseHook):
                 for number, obj in self._iter_jsonl(file_id, lenient=on_bad_line == "record"):
                     yield read(dialect, obj, source, file_id, number)
             return
-        pages, call = self._results_pages(dialect, batch)
+        pages = results_pages(dialect, batch)
         while pages.params is not None:
-            yield from self._results_page(dialect, pages, self._request(params=pages.params, **call))
+            call = calls.results_page(dialect, batch.id, pages.params, pages.action)
+            yield from self._results_page(dialect, pages, self._request(call))
             pages.turn()
 
     async def aiter_results(
@@ -798,9 +720,10 @@ class BatchApiHook(BaseHook):
                 async for number, obj in self._aiter_jsonl(file_id):
                     yield result_line(dialect, obj, source, file_id, number)
             return
-        pages, call = self._results_pages(dialect, batch)
+        pages = results_pages(dialect, batch)
         while pages.params is not None:
-            for line in self._results_page(dialect, pages, await self._arequest(params=pages.params, **call)):
+            call = calls.results_page(dialect, batch.id, pages.params, pages.action)
+            for line in self._results_page(dialect, pages, await self._arequest(call)):
                 yield line
             pages.turn()
 
@@ -810,10 +733,9 @@ class BatchApiHook(BaseHook):
         try:
             settings = self.get_settings()
             dialect = settings.dialect
-            action = "listing batches"
             params = dialect.list_params(1)
-            response = self._request("GET", dialect.batches_path, action=action, params=params)
-            dialect.parse_list_page(self._json_object(response, action), params)
+            call = calls.list_batches(dialect, params)
+            dialect.parse_list_page(self._json_object(self._request(call), call.action), params)
         except Exception as exc:
             secret = self._settings.secrets if self._settings else None
             return False, redact(f"{type(exc).__name__}: {exc}", secret)

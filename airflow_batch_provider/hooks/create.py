@@ -16,6 +16,7 @@ from typing import Any
 
 from airflow_batch_provider.dialects import Dialect
 from airflow_batch_provider.exceptions import BatchApiError, ConfigurationError
+from airflow_batch_provider.hooks import calls
 from airflow_batch_provider.hooks.attempts import AmbiguousCreate, message_of, with_note
 from airflow_batch_provider.hooks.settings import BatchApiSettings
 from airflow_batch_provider.models import Batch
@@ -104,16 +105,16 @@ class BatchCreate:
         self.settings = settings
         self.log = log
         self.input_file_id = input_file_id
-        self.path = dialect.batches_path
-        self.body = dialect.create_batch_body(
+        body = dialect.create_batch_body(
             input_file_id=input_file_id,
             endpoint=endpoint,
             completion_window=completion_window,
             metadata=metadata,
             name=name,
         )
-        self.identity = create_identity(dialect, self.body, metadata, name)
-        self.action = f"creating a batch from file {input_file_id}"
+        self.identity = create_identity(dialect, body, metadata, name)
+        self.call = calls.create_batch(dialect, body, input_file_id)
+        self.action = self.call.action
         self.retry = 0
 
     def created(self, batch: Batch) -> Batch:

@@ -15,12 +15,12 @@ from typing import Any
 import httpx
 
 from airflow_batch_provider.exceptions import BatchApiResponseError
+from airflow_batch_provider.hooks import calls
 from airflow_batch_provider.hooks._http import REDACTED, LineSplitter, parse_json_line
-from airflow_batch_provider.hooks.attempts import Call, Restarts, Retries
+from airflow_batch_provider.hooks.attempts import Restarts
+from airflow_batch_provider.hooks.calls import MAX_RESULT_LINE_BYTES
 from airflow_batch_provider.hooks.settings import BatchApiSettings
 
-# Result lines are far smaller than this; the cap only stops a broken server from filling memory.
-MAX_RESULT_LINE_BYTES = 256 * 1024 * 1024
 DOWNLOAD_CHUNK = 1 << 20
 # The custom_id of a line too damaged to parse (truncated, say) when it is still legible.
 CUSTOM_ID_TEXT = re.compile(rb'"custom_id"\s*:\s*"([^"\\]{1,64})"')
@@ -32,11 +32,6 @@ class BadLine:
 
     error: BatchApiResponseError
     custom_id: str | None
-
-
-def file_call(settings: BatchApiSettings, file_id: str) -> Call:
-    """The request streaming a file's content (its redirect may lead to object storage)."""
-    return Call("GET", settings.dialect.file_content_path(file_id), stream=True, foreign_redirects=True)
 
 
 def line_object(
@@ -69,27 +64,24 @@ class ResumableLines:
 
     :param settings: the connection's settings (policy, dialect, secrets, timeout).
     :param file_id: the vendor file id.
-    :param log: where retries and restarts are logged.
+    :param log: where restarts are logged.
     :param lenient: give a ``BadLine`` for a line that is not a JSON object instead of raising.
     """
 
     def __init__(self, settings: BatchApiSettings, file_id: str, log: Any, *, lenient: bool = False) -> None:
-        self.settings = settings
         self.where = f"file {file_id!r}"
         self.action = f"reading file {file_id}"
-        self.call = file_call(settings, file_id)
+        self.call = calls.file_content(settings.dialect, file_id, self.action)
         self.timeout = settings.timeout
-        self._log = log
         self._restarts = Restarts(settings, self.action, log)
         self._hidden = tuple(secret.encode() for secret in settings.secrets)
         self._lenient = lenient
         self._done = 0
         self._splitter = LineSplitter(MAX_RESULT_LINE_BYTES, self.where)
 
-    def attempt(self) -> Retries:
-        """Start an attempt (its stream begins at line 1); returns the decisions of its request."""
+    def attempt(self) -> None:
+        """Start an attempt: its stream begins again at line 1."""
         self._splitter = LineSplitter(MAX_RESULT_LINE_BYTES, self.where)
-        return Retries(self.settings, self.action, self.where, self._log)
 
     def feed(self, chunk: bytes) -> Iterator[tuple[int, Any]]:
         """``(line number, object)`` of each new line the chunk completes."""

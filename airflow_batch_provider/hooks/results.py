@@ -104,6 +104,13 @@ def most_results(dialect: Dialect, batch: Batch) -> int:
     return max(batch.request_counts.total, dialect.limits.max_lines)
 
 
+def results_pages(dialect: Dialect, batch: Batch) -> Pages:
+    """The pages of a batch's results endpoint, bounded by how many lines the batch can have."""
+    return Pages(
+        f"reading results of batch {batch.id}", dialect.results_params(), most=most_results(dialect, batch)
+    )
+
+
 def _cursor(params: Mapping[str, Any]) -> bytes:
     return orjson.dumps(dict(params), option=orjson.OPT_SORT_KEYS, default=str)
 
