@@ -12,11 +12,11 @@ looks for the batch it may have created by the ``metadata`` it was given, return
 batch if found and retries otherwise; without metadata it raises rather than risk paying
 twice.
 
-The hook does the I/O and nothing else; each concern lives in its own module, shared by
+The hook does the I/O and little else; each concern lives in its own module, shared by
 the sync methods and their ``a``-prefixed async twins: ``settings`` (the connection),
-``attempts`` (what a call sends and its retry decisions), ``lines`` (a file's lines,
-resumed after a drop), ``results`` (result modes, pages and lines) and ``recovery`` (the
-batch a lost create made).
+``calls`` (what each operation sends), ``attempts`` (retry decisions), ``lines`` (a file's
+lines, resumed after a drop), ``results`` (result modes, pages and lines) and ``create``
+(the create request and the lookup of the batch a lost create made).
 """
 
 from __future__ import annotations

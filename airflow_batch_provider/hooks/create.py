@@ -71,8 +71,9 @@ def newest_created(
 
 
 class BatchCreate:
-    """One ``create_batch`` call apart from its I/O: the request, then the decisions after
-    ambiguous failures (look for the batch, retry, or give up and say why).
+    """One ``create_batch`` call apart from its I/O: its request, and what follows ambiguous failures.
+
+    After each: look for the batch, send the create again, or give up and say why.
 
     :param settings: the connection's settings (dialect, retry policy).
     :param log: where the create and its recovery are logged.
