@@ -51,3 +51,26 @@ UI_FIELD_BEHAVIOUR: dict[str, Any] = {
     "relabeling": {"host": "Base URL", "password": "API key"},
     "placeholders": {"host": "https://api.openai.com/v1", "password": "sk-..."},
 }
+
+
+def legacy_ui_field_behaviour() -> dict[str, Any]:
+    """``UI_FIELD_BEHAVIOUR`` in the spelling of Airflow < 3.2 (``get_ui_field_behaviour``)."""
+    return {
+        "hidden_fields": list(UI_FIELD_BEHAVIOUR["hidden-fields"]),
+        "relabeling": dict(UI_FIELD_BEHAVIOUR["relabeling"]),
+        "placeholders": dict(UI_FIELD_BEHAVIOUR["placeholders"]),
+    }
+
+
+def legacy_form_widgets() -> dict[str, Any]:
+    """The extra fields as wtforms fields, for Airflow < 3.2 web servers (``get_connection_form_widgets``)."""
+    from flask_appbuilder.fieldwidgets import BS3TextFieldWidget
+    from wtforms import IntegerField, StringField
+
+    return {
+        "dialect": StringField("Dialect (" + " | ".join(DIALECT_NAMES) + ")", widget=BS3TextFieldWidget()),
+        "organization": StringField("Organization", widget=BS3TextFieldWidget()),
+        "project": StringField("Project", widget=BS3TextFieldWidget()),
+        "timeout": IntegerField("Timeout (seconds)", widget=BS3TextFieldWidget()),
+        "max_retries": IntegerField("Max retries", widget=BS3TextFieldWidget()),
+    }

@@ -381,19 +381,13 @@ class SubmitBatchOperator(BaseOperator):
     def _find_orphan(
         self, hook: BatchApiHook, key: str, fingerprint: str, input_file_id: str | None = None
     ) -> Batch | None:
-        # A batch made from another file is not this shard's, whatever its tags say (xAI carries
-        # no fingerprint tag, only the batch's input_file_id).
-        candidates = [
-            b
-            for b in hook.find_batches({KEY_NAME: key})
-            if hook.dialect.metadata_of(b).get(FINGERPRINT_NAME, fingerprint) == fingerprint
-            and (input_file_id is None or b.input_file_id in (None, input_file_id))
-        ]
-        if self.resubmit_failed:
-            candidates = [b for b in candidates if b.state not in _BAD_END]
-        if not candidates:
-            return None
-        return max(candidates, key=lambda b: (b.created_at is not None, b.created_at))
+        def this_shard(batch: Batch) -> bool:
+            # A batch with another fingerprint tag is another shard file's (one without the tag
+            # is judged by its input file alone); a dead one is replaced when resubmit_failed.
+            same = hook.dialect.metadata_of(batch).get(FINGERPRINT_NAME, fingerprint) == fingerprint
+            return same and not (self.resubmit_failed and batch.state in _BAD_END)
+
+        return hook.find_created_batch({KEY_NAME: key}, input_file_id=input_file_id, accept=this_shard)
 
     def _handle_stale(
         self, hook: BatchApiHook, state: SubmitState, fingerprint: str, shard: ShardInput

@@ -18,6 +18,7 @@ from airflow_batch_provider.exceptions import (
     BatchApiRateLimitError,
 )
 from airflow_batch_provider.hooks.batch import BatchApiHook
+from airflow_batch_provider.hooks.create import made_from
 from airflow_batch_provider.hooks.retry import RetryPolicy
 from airflow_batch_provider.models import Batch, BatchState
 
@@ -344,7 +345,7 @@ def test_xai_batch_keeps_its_input_file_for_the_orphan_lookup(live, tmp_path: Pa
     assert created.input_file_id == file_id
     assert [b.input_file_id for b in hook.find_batches({"name": "run-x"})] == [file_id]
     # The lookup after a lost create skips a batch made from another file.
-    assert hook._matches(created, file_id) and not hook._matches(created, "file-other")
+    assert made_from(created, file_id) and not made_from(created, "file-other")
 
 
 def test_xai_cancelled_and_expired_lines_follow_the_vendor_state(live, tmp_path: Path) -> None:

@@ -27,7 +27,8 @@ from airflow_batch_provider.exceptions import (
     JsonlValidationError,
     UnknownBatchStatusError,
 )
-from airflow_batch_provider.hooks.batch import BatchApiHook, normalize_base_url
+from airflow_batch_provider.hooks.batch import BatchApiHook
+from airflow_batch_provider.hooks.settings import normalize_base_url
 from airflow_batch_provider.models import BatchState
 from tests.hooks.conftest import FAST, SECRET, openai_batch
 

@@ -1,0 +1,159 @@
+"""Creating a batch, and finding the batch a create may have made (after an ambiguous create, or
+an earlier try's crash).
+
+A create is billed, so one that failed ambiguously (read timeout, dropped connection, 5xx,
+409) is not simply sent again: the batch is looked for by the tags it was created with.
+:func:`newest_created` is the one lookup (the hook's lost-create recovery and the submit
+operator's orphan search both use it, through ``BatchApiHook.find_created_batch``) and
+:class:`BatchCreate` holds the request and the decisions of the recovery, without I/O, for
+both hook loops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from airflow_batch_provider.dialects import Dialect
+from airflow_batch_provider.exceptions import BatchApiError, ConfigurationError
+from airflow_batch_provider.hooks import calls
+from airflow_batch_provider.hooks.attempts import AmbiguousCreate, message_of, with_note
+from airflow_batch_provider.hooks.settings import BatchApiSettings
+from airflow_batch_provider.models import Batch
+
+# After an ambiguous create, how many times to look for the batch (each after a settle delay)
+# before sending the create again: a vendor still working on a timed-out request, or a
+# listing that lags behind creates, gets a second chance to show the batch.
+AMBIGUOUS_LOOKUPS = 2
+
+
+def create_identity(
+    dialect: Dialect, body: Mapping[str, Any], metadata: Mapping[str, str] | None, name: str | None
+) -> dict[str, str] | None:
+    """The tags by which a batch created from ``body`` can be found again, or None if it cannot."""
+    if not metadata and not name:
+        return None
+    if dialect.supports_metadata:
+        return dict(metadata) if metadata else None
+    # A dialect without metadata carries the identity in the batch name, when the caller chose one.
+    body_name = body.get("name")
+    chosen = {name, *(metadata or {}).values()} - {None}
+    if isinstance(body_name, str) and body_name in chosen:
+        return {"name": body_name}
+    return None
+
+
+def made_from(batch: Batch, input_file_id: str) -> bool:
+    """Whether the batch may come from this input file (a listing that omits the file cannot tell)."""
+    return batch.input_file_id in (None, input_file_id)
+
+
+def newest_created(
+    batches: Iterable[Batch],
+    *,
+    input_file_id: str | None = None,
+    accept: Callable[[Batch], bool] | None = None,
+) -> Batch | None:
+    """The newest of ``batches`` made from ``input_file_id`` (any if None) that ``accept`` takes.
+
+    A batch made from another file is not the one looked for, whatever its tags say (xAI
+    carries no fingerprint tag, only the batch's input file). Newest: if an earlier try also
+    created one, the latest matches this call.
+    """
+    found = [
+        b
+        for b in batches
+        if (input_file_id is None or made_from(b, input_file_id)) and (accept is None or accept(b))
+    ]
+    if not found:
+        return None
+    return max(found, key=lambda b: (b.created_at is not None, b.created_at))
+
+
+class BatchCreate:
+    """One ``create_batch`` call apart from its I/O: its request, and what follows ambiguous failures.
+
+    After each: look for the batch, send the create again, or give up and say why.
+
+    :param settings: the connection's settings (dialect, retry policy).
+    :param log: where the create and its recovery are logged.
+    :param input_file_id: the uploaded input file.
+    :param endpoint: the url every line targets.
+    :param completion_window: the vendor's window.
+    :param metadata: tags identifying the run; also how a lost create is found again.
+    :param name: a batch name, for dialects that name batches.
+    """
+
+    def __init__(
+        self,
+        settings: BatchApiSettings,
+        log: Any,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: Mapping[str, str] | None,
+        name: str | None,
+    ) -> None:
+        dialect = settings.dialect
+        dialect.check_completion_window(completion_window)
+        if endpoint:
+            dialect.check_endpoint(endpoint)
+        if metadata and dialect.supports_metadata and len(metadata) > dialect.max_metadata_pairs:
+            raise ConfigurationError(
+                f"{len(metadata)} metadata pairs given; "
+                f"dialect {dialect.name!r} allows {dialect.max_metadata_pairs}"
+            )
+        self.settings = settings
+        self.log = log
+        self.input_file_id = input_file_id
+        body = dialect.create_batch_body(
+            input_file_id=input_file_id,
+            endpoint=endpoint,
+            completion_window=completion_window,
+            metadata=metadata,
+            name=name,
+        )
+        self.identity = create_identity(dialect, body, metadata, name)
+        self.call = calls.create_batch(dialect, body, input_file_id)
+        self.action = self.call.action
+        self.retry = 0
+
+    def created(self, batch: Batch) -> Batch:
+        self.log.info("Created batch %s from file %s", batch.id, self.input_file_id)
+        return batch
+
+    def failed(self, exc: AmbiguousCreate) -> dict[str, str]:
+        """Count an ambiguous failure; the tags to look for, or raise when the batch cannot be found."""
+        error = exc.error
+        if self.identity is None:
+            raise with_note(
+                error,
+                "the batch may have been created, so the request was not repeated "
+                "(pass metadata so a lost create can be found and retried safely)",
+            ) from exc
+        if self.retry >= self.settings.retry.max_retries:
+            raise error from exc
+        self.log.warning(
+            "Batch create failed ambiguously (%s); looking for a batch tagged %s before retrying",
+            type(error).__name__,
+            sorted(self.identity),
+        )
+        self.retry += 1
+        return self.identity
+
+    def settle(self, exc: AmbiguousCreate) -> float:
+        """Seconds to let the create settle before the next look for its batch."""
+        return self.settings.retry.settle_delay(self.retry - 1, exc.response)
+
+    @staticmethod
+    def lookup_failed(exc: AmbiguousCreate, lookup: BatchApiError) -> BatchApiError:
+        """Whether the batch exists is unknown, so neither retry nor pretend: say both failures."""
+        return with_note(
+            exc.error,
+            f"the batch may have been created and looking for it failed too ({message_of(lookup)}); "
+            "not retried to avoid a duplicate",
+        )
+
+    def adopt(self, batch: Batch) -> Batch:
+        self.log.warning("%s: the lost create had succeeded; using batch %s", self.action, batch.id)
+        return batch

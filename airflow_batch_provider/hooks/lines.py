@@ -1,0 +1,104 @@
+"""Reading a JSONL file over HTTP one line at a time, resuming after a dropped connection.
+
+:class:`ResumableLines` holds every decision of such a read and does no I/O: it is fed the
+bytes of each attempt and the error that ended one. The hook's ``_iter_jsonl`` (sync) and
+``_aiter_jsonl`` (async) drive it, the way ``waiting.PollLoop`` serves both watch loops.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from airflow_batch_provider.exceptions import BatchApiResponseError
+from airflow_batch_provider.hooks import calls
+from airflow_batch_provider.hooks._http import REDACTED, LineSplitter, parse_json_line
+from airflow_batch_provider.hooks.attempts import Restarts
+from airflow_batch_provider.hooks.calls import MAX_RESULT_LINE_BYTES
+from airflow_batch_provider.hooks.settings import BatchApiSettings
+
+DOWNLOAD_CHUNK = 1 << 20
+# The custom_id of a line too damaged to parse (truncated, say) when it is still legible.
+CUSTOM_ID_TEXT = re.compile(rb'"custom_id"\s*:\s*"([^"\\]{1,64})"')
+
+
+@dataclass(frozen=True)
+class BadLine:
+    """A result file line that cannot be read (``on_bad_line="record"``)."""
+
+    error: BatchApiResponseError
+    custom_id: str | None
+
+
+def line_object(
+    data: bytes, number: int, where: str, hidden: tuple[bytes, ...] = (), lenient: bool = False
+) -> Any:
+    """The JSON object of line ``number`` (None for a blank line); with ``lenient`` a ``BadLine``."""
+    if not data.strip():
+        return None
+    for secret in hidden:
+        # A vendor may quote the key back in an error line; it must not reach the results table.
+        if secret in data:
+            data = data.replace(secret, REDACTED.encode())
+    try:
+        obj = parse_json_line(data, number, where)
+        if not isinstance(obj, dict):
+            raise BatchApiResponseError(f"{where} line {number} is not a JSON object")
+    except BatchApiResponseError as exc:
+        if lenient:
+            found = CUSTOM_ID_TEXT.search(data)
+            return BadLine(exc, found.group(1).decode("utf-8", "replace") if found else None)
+        raise
+    return obj
+
+
+class ResumableLines:
+    """The state of reading one JSONL file: the last line given, and the restarts left.
+
+    A dropped connection re-requests the whole file and skips the lines already given, so
+    every line is given once, in order, holding one line in memory at a time.
+
+    :param settings: the connection's settings (policy, dialect, secrets, timeout).
+    :param file_id: the vendor file id.
+    :param log: where restarts are logged.
+    :param lenient: give a ``BadLine`` for a line that is not a JSON object instead of raising.
+    """
+
+    def __init__(self, settings: BatchApiSettings, file_id: str, log: Any, *, lenient: bool = False) -> None:
+        self.where = f"file {file_id!r}"
+        self.action = f"reading file {file_id}"
+        self.call = calls.file_content(settings.dialect, file_id, self.action)
+        self.timeout = settings.timeout
+        self._restarts = Restarts(settings, self.action, log)
+        self._hidden = tuple(secret.encode() for secret in settings.secrets)
+        self._lenient = lenient
+        self._done = 0
+        self._splitter = LineSplitter(MAX_RESULT_LINE_BYTES, self.where)
+
+    def attempt(self) -> None:
+        """Start an attempt: its stream begins again at line 1."""
+        self._splitter = LineSplitter(MAX_RESULT_LINE_BYTES, self.where)
+
+    def feed(self, chunk: bytes) -> Iterator[tuple[int, Any]]:
+        """``(line number, object)`` of each new line the chunk completes."""
+        return self._new(self._splitter.feed(chunk))
+
+    def end(self) -> Iterator[tuple[int, Any]]:
+        """The last line, when the stream did not end with a newline."""
+        return self._new(self._splitter.close())
+
+    def dropped(self, exc: httpx.TransportError) -> float:
+        """Seconds to wait before the next attempt; raises once the restarts are spent."""
+        return self._restarts.dropped(exc)
+
+    def _new(self, lines: Iterator[tuple[int, bytes]]) -> Iterator[tuple[int, Any]]:
+        for number, data in lines:
+            if number > self._done:
+                item = line_object(data, number, self.where, self._hidden, self._lenient)
+                self._done = number
+                if item is not None:
+                    yield number, item

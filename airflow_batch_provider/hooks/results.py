@@ -1,0 +1,159 @@
+"""Results of a batch, apart from the I/O: which source to read, pages and their lines.
+
+The hook's sync and async readers share everything here: the results mode, the turning of
+pages (a cursor that loops is an error), the bound on how many lines a batch can have and
+the reading of a line or a page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+import orjson
+
+from airflow_batch_provider.dialects import Dialect
+from airflow_batch_provider.exceptions import BatchApiResponseError, ConfigurationError
+from airflow_batch_provider.hooks._http import REDACTED, parse_json_body
+from airflow_batch_provider.hooks.attempts import message_of
+from airflow_batch_provider.hooks.lines import BadLine
+from airflow_batch_provider.hooks.settings import BatchApiSettings
+from airflow_batch_provider.models import Batch, LineError, ResultLine
+
+T = TypeVar("T")
+
+
+def results_mode(dialect: Dialect, batch: Batch, mode: str | None) -> str:
+    """``files`` or ``results_endpoint``: the one asked for, else what the batch and dialect offer."""
+    if mode is not None:
+        if mode not in dialect.results_modes:
+            raise ConfigurationError(
+                f"results mode {mode!r} is not offered by dialect {dialect.name!r}; "
+                f"offered: {', '.join(dialect.results_modes)}"
+            )
+        return mode
+    if "files" in dialect.results_modes and (batch.output_file_id or batch.error_file_id):
+        return "files"
+    if "results_endpoint" in dialect.results_modes:
+        return "results_endpoint"
+    return "files"
+
+
+def result_files(batch: Batch) -> list[tuple[str, str]]:
+    """``(file id, source)`` of the batch's output then error file, those it has."""
+    return [
+        (file_id, source)
+        for file_id, source in ((batch.output_file_id, "output"), (batch.error_file_id, "error"))
+        if file_id
+    ]
+
+
+def result_line(
+    dialect: Dialect, obj: Mapping[str, Any], source: Any, file_id: str, number: int
+) -> ResultLine:
+    """Line ``number`` of a result file, normalised by the dialect."""
+    try:
+        return dialect.parse_result_line(obj, source)
+    except BatchApiResponseError as exc:
+        raise BatchApiResponseError(f"file {file_id!r} line {number}: {exc.args[0]}", body=exc.body) from None
+
+
+def result_line_or_bad(dialect: Dialect, obj: Any, source: Any, file_id: str, number: int) -> ResultLine:
+    """``result_line``, or for a line that cannot be read a failed line saying why."""
+    if isinstance(obj, BadLine):
+        error, custom_id = obj.error, obj.custom_id
+    else:
+        try:
+            return result_line(dialect, obj, source, file_id, number)
+        except BatchApiResponseError as exc:
+            error, custom_id = exc, obj.get("custom_id")
+    return ResultLine(
+        custom_id=custom_id if isinstance(custom_id, str) else "",
+        ok=False,
+        error=LineError(code="invalid_result_line", message=message_of(error)),
+        source=source,
+    )
+
+
+def results_body(response: httpx.Response, action: str, settings: BatchApiSettings | None) -> Any:
+    """A results page as the dialect takes it: parsed JSON, or raw bytes for a JSONL body.
+
+    A key the vendor quoted back (an error item) is removed before anything reads the page.
+    """
+    content = response.content
+    for secret in settings.secrets if settings else ():
+        content = content.replace(secret.encode(), REDACTED.encode())
+    content_type = response.headers.get("content-type", "")
+    if "ndjson" in content_type or "jsonl" in content_type:
+        return content
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        if b"\n" in content.strip():
+            return content
+        return parse_json_body(response, action, settings.secrets if settings else None)
+
+
+def most_results(dialect: Dialect, batch: Batch) -> int:
+    """How many result lines a batch can have: no more than its requests, nor than one file's lines.
+
+    The larger of the two: a count the vendor reports late or not at all must not cut real results.
+    """
+    return max(batch.request_counts.total, dialect.limits.max_lines)
+
+
+def results_pages(dialect: Dialect, batch: Batch) -> Pages:
+    """The pages of a batch's results endpoint, bounded by how many lines the batch can have."""
+    return Pages(
+        f"reading results of batch {batch.id}", dialect.results_params(), most=most_results(dialect, batch)
+    )
+
+
+def _cursor(params: Mapping[str, Any]) -> bytes:
+    return orjson.dumps(dict(params), option=orjson.OPT_SORT_KEYS, default=str)
+
+
+@dataclass
+class Pages:
+    """The cursor of a paged listing: the next page's parameters and the items given so far.
+
+    :param action: what is listed, for messages.
+    :param params: the first page's parameters (None: nothing to list).
+    :param limit: give at most this many items, then stop (all if None).
+    :param most: more items than this is a server paging without end, an error (no bound if None).
+    """
+
+    action: str
+    params: dict[str, Any] | None
+    limit: int | None = None
+    most: int | None = None
+    given: int = 0
+    _seen: set[bytes] = field(default_factory=set)
+    _next: dict[str, Any] | None = None
+
+    def take(self, items: Sequence[T], next_params: dict[str, Any] | None) -> Sequence[T]:
+        """The page's items to give (cut at ``limit``), remembering where the next page starts."""
+        self._next = next_params
+        if self.limit is not None and len(items) > self.limit - self.given:
+            items, self._next = items[: self.limit - self.given], None
+        self.given += len(items)
+        if self.most is not None and self.given > self.most:
+            raise BatchApiResponseError(
+                f"{self.action}: the server returned more result lines ({self.given:,}) than the batch "
+                f"can have ({self.most:,}); stopped reading instead of paging without end"
+            )
+        return items
+
+    def turn(self) -> None:
+        """Move to the next page; a cursor already visited (A -> B -> A) is an error, not a loop."""
+        assert self.params is not None
+        self._seen.add(_cursor(self.params))
+        if self._next is not None and _cursor(self._next) in self._seen:
+            # Following it would read the same pages forever (and yield their lines again).
+            raise BatchApiResponseError(
+                f"{self.action}: the server returned a page cursor it had already returned "
+                f"({dict(self._next)})"
+            )
+        self.params = self._next

@@ -1,0 +1,175 @@
+"""The hook's settings: everything both HTTP clients are built from, read once from the connection.
+
+Pure: :func:`settings_from_connection` takes the connection's fields and the hook's overrides, so
+the sync and the async hook (which read the connection differently) build the same settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import orjson
+
+from airflow_batch_provider import __version__
+from airflow_batch_provider.dialects import Dialect, get_dialect
+from airflow_batch_provider.exceptions import ConfigurationError
+from airflow_batch_provider.hooks._http import shared_ssl_context
+from airflow_batch_provider.hooks.connection_form import DEFAULT_TIMEOUT
+from airflow_batch_provider.hooks.retry import RetryPolicy
+
+CONNECT_TIMEOUT = 10.0
+# Header names whose values are treated as secrets (redacted from vendor text like the key).
+SECRET_HEADER_WORDS = ("auth", "key", "token", "secret", "password", "cookie", "signature", "credential")
+
+
+def normalize_base_url(
+    host: str | None, *, port: int | None = None, schema: str | None = None, default: str
+) -> str:
+    """The API root URL from a connection: scheme, host, port and a version path (``/v1`` if none).
+
+    :param host: the connection host, a full URL or a bare host name.
+    :param port: the connection port, used when the URL names none.
+    :param schema: the connection schema, used as the path when the URL has none.
+    :param default: the dialect's public URL, used when host is empty.
+    """
+    text = (host or "").strip() or default
+    if "://" not in text:
+        text = f"https://{text}"
+    parts = urlsplit(text)
+    if not parts.hostname:
+        raise ConfigurationError(f"connection host {host!r} is not a URL")
+    netloc = parts.netloc
+    if port and parts.port is None:
+        netloc = f"{netloc}:{port}"
+    path = parts.path.rstrip("/")
+    if not path:
+        path = "/" + (schema.strip("/") if schema and schema.strip("/") else "v1")
+    return urlunsplit((parts.scheme, netloc, path, parts.query, ""))
+
+
+@dataclass(frozen=True)
+class BatchApiSettings:
+    """Everything both HTTP clients are built from, resolved once from the connection.
+
+    :param conn_id: the Airflow connection id.
+    :param base_url: the API root, e.g. ``https://api.openai.com/v1``.
+    :param dialect: the vendor dialect.
+    :param api_key: the secret key; never shown by ``repr``/``str``.
+    :param extra: the connection extra (organisation, project, ...).
+    :param headers: extra headers from the connection.
+    :param timeout: seconds for reads and writes (connects use at most 10s).
+    :param retry: the retry policy.
+    """
+
+    conn_id: str
+    base_url: str
+    dialect: Dialect
+    api_key: str | None = field(default=None, repr=False)
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
+    timeout: float = DEFAULT_TIMEOUT
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __repr__(self) -> str:
+        key = "***" if self.api_key else None
+        return (
+            f"BatchApiSettings(conn_id={self.conn_id!r}, base_url={self.base_url!r}, "
+            f"dialect={self.dialect.name!r}, api_key={key}, timeout={self.timeout}, retry={self.retry})"
+        )
+
+    __str__ = __repr__
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """Every value to keep out of logs, exceptions and XCom: the key and secret-named headers."""
+        found = [self.api_key] if self.api_key else []
+        for name, value in self.headers.items():
+            if value and any(word in name.lower() for word in SECRET_HEADER_WORDS):
+                found.append(value)
+        return tuple(found)
+
+    def client_headers(self) -> dict[str, str]:
+        # Only the encodings the bounded reader can inflate without letting a bomb fill memory.
+        headers = {
+            "User-Agent": f"airflow-batch-provider/{__version__}",
+            "Accept": "application/json",
+            "Accept-Encoding": "gzip, deflate",
+        }
+        headers.update({str(k): str(v) for k, v in self.headers.items()})
+        # Authentication last, so a stray extra header can never replace the key's header.
+        headers.update(self.dialect.auth_headers(self.api_key, self.extra))
+        return headers
+
+    def httpx_timeout(self) -> httpx.Timeout:
+        return httpx.Timeout(self.timeout, connect=min(self.timeout, CONNECT_TIMEOUT))
+
+    def client_kwargs(self) -> dict[str, Any]:
+        return {
+            "base_url": self.base_url + "/",
+            "headers": self.client_headers(),
+            "timeout": self.httpx_timeout(),
+            # Redirects are followed by the hook itself, within one origin (see ``next_hop``).
+            "follow_redirects": False,
+            "verify": shared_ssl_context(),
+        }
+
+
+def settings_from_connection(
+    conn_id: str,
+    conn: Any,
+    raw_extra: Mapping[str, Any],
+    *,
+    conn_type: str,
+    dialect: Dialect | None = None,
+    timeout: float | None = None,
+    max_retries: int | None = None,
+    retry_policy: RetryPolicy | None = None,
+) -> BatchApiSettings:
+    """The settings of a connection (``host``, ``port``, ``schema``, ``password`` and its extra).
+
+    :param conn_id: the connection id, for error messages.
+    :param conn: the connection (anything with ``host``, ``port``, ``schema`` and ``password``).
+    :param raw_extra: the connection extra, parsed.
+    :param conn_type: the connection type, whose ``extra__<type>__`` prefix older forms wrote.
+    :param dialect: a dialect overriding the extra's ``dialect``.
+    :param timeout: overrides the extra's ``timeout``.
+    :param max_retries: overrides the extra's ``max_retries``.
+    :param retry_policy: a full policy, winning over ``max_retries`` and the extras.
+    """
+    # Older web servers saved form fields as "extra__<conn_type>__<field>"; accept both spellings.
+    prefix = f"extra__{conn_type}__"
+    extra = {str(k).removeprefix(prefix): v for k, v in raw_extra.items() if v not in (None, "")}
+    dialect = dialect or get_dialect(extra.get("dialect"))
+    dialect.check_connection(extra, conn_id)
+    headers = extra.get("headers") or {}
+    if isinstance(headers, str):
+        try:
+            headers = orjson.loads(headers)
+        except orjson.JSONDecodeError:
+            raise ConfigurationError(
+                f"connection {conn_id!r}: extra 'headers' is not a JSON object"
+            ) from None
+    if not isinstance(headers, Mapping):
+        raise ConfigurationError(f"connection {conn_id!r}: extra 'headers' must be an object")
+    timeout = timeout if timeout is not None else extra.get("timeout")
+    try:
+        timeout_s = float(timeout) if timeout not in (None, "") else DEFAULT_TIMEOUT
+        retry = retry_policy or RetryPolicy.from_extra(extra, max_retries)
+    except ValueError as exc:
+        raise ConfigurationError(f"connection {conn_id!r}: {exc}") from None
+    return BatchApiSettings(
+        conn_id=conn_id,
+        base_url=normalize_base_url(
+            conn.host, port=conn.port, schema=conn.schema, default=dialect.default_base_url
+        ),
+        dialect=dialect,
+        api_key=conn.password or extra.get("api_key") or None,
+        extra=dict(extra),
+        headers={str(k): str(v) for k, v in headers.items()},
+        timeout=timeout_s,
+        retry=retry,
+    )
