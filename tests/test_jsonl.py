@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from airflow_batch_provider.dialects import get_dialect
-from airflow_batch_provider.dialects.base import Limits
+from airflow_batch_provider.limits import Limits
 from airflow_batch_provider.jsonl import (
     LineValidator,
     Problem,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from airflow_batch_provider.dialects.base import Dialect, Limits, ListPage, ResultsPage, ValidationRules
+from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage
 from airflow_batch_provider.dialects.doubleword import DoublewordDialect
 from airflow_batch_provider.dialects.openai import OpenAIDialect
 from airflow_batch_provider.dialects.xai import XAIDialect
 from airflow_batch_provider.dialects.zerogpu import ZeroGPUDialect
 from airflow_batch_provider.exceptions import UnknownDialectError
+from airflow_batch_provider.limits import Limits, ValidationRules
 
 DIALECTS: dict[str, type[Dialect]] = {
     cls.name: cls for cls in (OpenAIDialect, DoublewordDialect, ZeroGPUDialect, XAIDialect)

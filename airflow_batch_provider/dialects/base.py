@@ -7,81 +7,16 @@ nothing outside ``dialects/`` knows a vendor's name, header, path or field.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from airflow_batch_provider.exceptions import BatchApiResponseError
+from airflow_batch_provider.limits import MB, Limits, ValidationRules
 from airflow_batch_provider.models import Batch, BatchState, LineError, ResultLine, ResultSource
-
-MB = 1024 * 1024
 
 # What the hook can read results from. "files": the batch's output and error files;
 # "results_endpoint": a paged endpoint on the batch itself (xAI, Doubleword).
 ResultsMode = Literal["files", "results_endpoint"]
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Size limits of one batch input file.
-
-    :param max_lines: most lines in one file.
-    :param max_file_bytes: largest file in bytes.
-    :param max_line_bytes: largest single line in bytes (without its newline).
-    :param max_upload_bytes: largest file the vendor's upload endpoint takes, when that is lower
-        than ``max_file_bytes`` (None: no separate upload limit).
-    """
-
-    max_lines: int = 50_000
-    max_file_bytes: int = 200 * MB
-    max_line_bytes: int = 1 * MB
-    max_upload_bytes: int | None = None
-
-    @property
-    def max_shard_bytes(self) -> int:
-        """The largest file that can be both uploaded and run as one batch."""
-        if self.max_upload_bytes is None:
-            return self.max_file_bytes
-        return min(self.max_file_bytes, self.max_upload_bytes)
-
-    def tightened(
-        self,
-        *,
-        max_lines: int | None = None,
-        max_file_bytes: int | None = None,
-        max_line_bytes: int | None = None,
-    ) -> Limits:
-        """Return limits no looser than these (a user may lower, never raise, a vendor limit)."""
-
-        def pick(own: int, wanted: int | None) -> int:
-            return own if wanted is None else min(own, int(wanted))
-
-        return Limits(
-            max_lines=pick(self.max_lines, max_lines),
-            max_file_bytes=pick(self.max_shard_bytes, max_file_bytes),
-            max_line_bytes=pick(self.max_line_bytes, max_line_bytes),
-            max_upload_bytes=self.max_upload_bytes,
-        )
-
-
-@dataclass(frozen=True)
-class ValidationRules:
-    """What a batch input file must satisfy for one dialect (the seed 001 rules are the baseline).
-
-    :param endpoints: urls a line may target.
-    :param limits: size limits.
-    :param mixed_endpoints: whether lines of one file may target different urls.
-    :param unique_custom_ids: whether custom_id must be unique within the file.
-    :param mixed_models: whether lines of one file may name different ``body.model`` values.
-    :param max_custom_id_chars: longest custom_id the vendor accepts (None: no limit).
-    """
-
-    endpoints: frozenset[str]
-    limits: Limits = field(default_factory=Limits)
-    mixed_endpoints: bool = False
-    unique_custom_ids: bool = True
-    methods: frozenset[str] = frozenset({"POST"})
-    mixed_models: bool = False
-    max_custom_id_chars: int | None = None
 
 
 @dataclass(frozen=True)
@@ -321,8 +256,8 @@ class Dialect:
             status_code=status_code,
             body=body if isinstance(body, dict) else None,
             error=error,
-            request_id=_str_or_none(request_id),
-            line_id=_str_or_none(raw.get("id")),
+            request_id=str_or_none(request_id),
+            line_id=str_or_none(raw.get("id")),
             source=source,
         )
 
@@ -332,10 +267,10 @@ class Dialect:
         """The normalised error of a line, from its ``error`` field or a non-2xx response body."""
         if isinstance(raw_error, Mapping):
             return LineError(
-                code=_str_or_none(raw_error.get("code")),
-                message=_str_or_none(raw_error.get("message")),
-                param=_str_or_none(raw_error.get("param")),
-                type=_str_or_none(raw_error.get("type")),
+                code=str_or_none(raw_error.get("code")),
+                message=str_or_none(raw_error.get("message")),
+                param=str_or_none(raw_error.get("param")),
+                type=str_or_none(raw_error.get("type")),
             )
         if isinstance(raw_error, str) and raw_error:
             return LineError(code="error", message=raw_error)
@@ -343,12 +278,12 @@ class Dialect:
             inner = body.get("error") if isinstance(body, Mapping) else None
             if isinstance(inner, Mapping):
                 return LineError(
-                    code=_str_or_none(inner.get("code")) or f"http_{status_code}",
-                    message=_str_or_none(inner.get("message")),
-                    param=_str_or_none(inner.get("param")),
-                    type=_str_or_none(inner.get("type")),
+                    code=str_or_none(inner.get("code")) or f"http_{status_code}",
+                    message=str_or_none(inner.get("message")),
+                    param=str_or_none(inner.get("param")),
+                    type=str_or_none(inner.get("type")),
                 )
-            return LineError(code=f"http_{status_code}", message=_str_or_none(inner) or None)
+            return LineError(code=f"http_{status_code}", message=str_or_none(inner) or None)
         return None
 
     def results_params(self, limit: int | None = None) -> dict[str, Any]:
@@ -364,7 +299,8 @@ class Dialect:
         return f"<Dialect {self.name}>"
 
 
-def _str_or_none(value: Any) -> str | None:
+def str_or_none(value: Any) -> str | None:
+    """``value`` as text, None staying None (vendors send ids and codes as numbers or strings)."""
     if value is None:
         return None
     return value if isinstance(value, str) else str(value)

@@ -13,8 +13,9 @@ from typing import Any
 
 import orjson
 
-from airflow_batch_provider.dialects.base import MB, Dialect, Limits, ResultsPage, _str_or_none
+from airflow_batch_provider.dialects.base import Dialect, ResultsPage, str_or_none
 from airflow_batch_provider.exceptions import BatchApiResponseError
+from airflow_batch_provider.limits import MB, Limits
 from airflow_batch_provider.models import LineError, ResultLine
 
 
@@ -73,7 +74,7 @@ class DoublewordDialect(Dialect):
                     code="missing_custom_id",
                     message=f"result {item.get('id')!r} has no custom_id; it cannot be matched to a row",
                 ),
-                line_id=_str_or_none(item.get("id")),
+                line_id=str_or_none(item.get("id")),
                 source="inline",
             )
         body = item.get("response_body")
@@ -90,7 +91,7 @@ class DoublewordDialect(Dialect):
             status_code=200 if ok else None,
             body=body if isinstance(body, dict) else None,
             error=error,
-            line_id=_str_or_none(item.get("id")),
+            line_id=str_or_none(item.get("id")),
             source="inline",
         )
 

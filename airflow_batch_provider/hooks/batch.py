@@ -30,6 +30,7 @@ import orjson
 from airflow.sdk import BaseHook
 
 from airflow_batch_provider import __version__
+from airflow_batch_provider.constants import DEFAULT_CONN_ID
 from airflow_batch_provider.dialects import DIALECTS, Dialect, get_dialect
 from airflow_batch_provider.exceptions import (
     BatchApiError,
@@ -202,7 +203,7 @@ class BatchApiHook(BaseHook):
     """
 
     conn_name_attr = "batch_conn_id"
-    default_conn_name = "batch_api_default"
+    default_conn_name = DEFAULT_CONN_ID
     conn_type = "batch_api"
     hook_name = "LLM Batch API"
 

@@ -14,6 +14,7 @@ from airflow.sdk import BaseSensorOperator, Context
 from airflow.sdk.bases.sensor import PokeReturnValue
 from airflow.sdk.exceptions import AirflowSensorTimeout
 
+from airflow_batch_provider.constants import DEFAULT_CONN_ID
 from airflow_batch_provider.exceptions import BatchApiQuotaError
 from airflow_batch_provider.models import to_utc
 from airflow_batch_provider.outcome import decide, progress_line
@@ -63,7 +64,7 @@ class BatchSensor(BaseSensorOperator):
         self,
         *,
         batch_ids: Any,
-        batch_conn_id: str = "batch_api_default",
+        batch_conn_id: str = DEFAULT_CONN_ID,
         dialect: str | None = None,
         submitted_at: str | None = None,
         deferrable: bool = True,
