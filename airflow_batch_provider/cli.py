@@ -16,22 +16,22 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _serve(parser: argparse.ArgumentParser) -> None:
-    from airflow_batch_provider.server import cli as server_cli
+    from airflow_batch_provider.server import options
 
-    server_cli.add_arguments(parser)
-    parser.set_defaults(func=server_cli.run)
+    options.add_arguments(parser)
+    parser.set_defaults(func=options.run)
 
 
 def _validate(parser: argparse.ArgumentParser) -> None:
-    from airflow_batch_provider import commands
+    from airflow_batch_provider import file_commands
 
-    commands.add_validate_arguments(parser)
+    file_commands.add_validate_arguments(parser)
 
 
 def _prepare(parser: argparse.ArgumentParser) -> None:
-    from airflow_batch_provider import commands
+    from airflow_batch_provider import file_commands
 
-    commands.add_prepare_arguments(parser)
+    file_commands.add_prepare_arguments(parser)
 
 
 def _summary(parser: argparse.ArgumentParser) -> None:

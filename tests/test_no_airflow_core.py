@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CORE_MODULES = (
     "airflow_batch_provider.cli",
-    "airflow_batch_provider.commands",
+    "airflow_batch_provider.file_commands",
     "airflow_batch_provider.exceptions",
     "airflow_batch_provider.models",
     "airflow_batch_provider.dialects",
@@ -30,7 +30,7 @@ CORE_MODULES = (
     "airflow_batch_provider.waiting",
     "airflow_batch_provider.hooks.connection_form",
     "airflow_batch_provider.server.app",
-    "airflow_batch_provider.server.cli",
+    "airflow_batch_provider.server.options",
     "airflow_batch_provider.server.background",
 )
 

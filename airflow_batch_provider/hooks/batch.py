@@ -39,7 +39,14 @@ from airflow_batch_provider.exceptions import (
     ConfigurationError,
     JsonlValidationError,
 )
-from airflow_batch_provider.hooks._http import (
+from airflow_batch_provider.hooks.connection_form import CONN_FIELDS, DEFAULT_TIMEOUT, UI_FIELD_BEHAVIOUR
+from airflow_batch_provider.hooks.retry import (
+    NOT_SENT_ERRORS,
+    REFUSED_STATUS,
+    RetryPolicy,
+    is_retryable_status,
+)
+from airflow_batch_provider.hooks.transport import (
     MAX_CONTROL_BODY,
     REDACTED,
     CallDeadline,
@@ -60,13 +67,6 @@ from airflow_batch_provider.hooks._http import (
     shared_ssl_context,
     status_error,
     transport_error,
-)
-from airflow_batch_provider.hooks.connection_form import CONN_FIELDS, DEFAULT_TIMEOUT, UI_FIELD_BEHAVIOUR
-from airflow_batch_provider.hooks.retry import (
-    NOT_SENT_ERRORS,
-    REFUSED_STATUS,
-    RetryPolicy,
-    is_retryable_status,
 )
 from airflow_batch_provider.models import Batch, ResultLine
 from airflow_batch_provider.staging import atomic_writer, resolve_path

@@ -33,7 +33,7 @@ _ABSENT_STATUS = {
 }
 
 
-def normalize_batches(value: Any) -> list[tuple[str, int | None]]:
+def batches_with_shards(value: Any) -> list[tuple[str, int | None]]:
     """``(batch_id, shard or None)`` pairs from ids, a submit XCom, a terminal event, or a list of those."""
     if value is None:
         return []
@@ -42,7 +42,7 @@ def normalize_batches(value: Any) -> list[tuple[str, int | None]]:
         if text[:1] in ("{", "["):
             # A templated XCom rendered without native objects arrives as its repr.
             try:
-                return normalize_batches(ast.literal_eval(text))
+                return batches_with_shards(ast.literal_eval(text))
             except (ValueError, SyntaxError):
                 raise ConfigurationError(f"batches: cannot read {text[:200]!r}") from None
         return [(text, None)] if text else []
@@ -67,7 +67,7 @@ def normalize_batches(value: Any) -> list[tuple[str, int | None]]:
     if isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
         out: list[tuple[str, int | None]] = []
         for item in value:
-            out.extend(normalize_batches(item))
+            out.extend(batches_with_shards(item))
         return _unique(out)
     raise ConfigurationError(f"batches: cannot read batch ids from a {type(value).__name__}")
 
@@ -239,7 +239,7 @@ class MergeBatchResultsOperator(BaseOperator):
         from airflow_batch_provider import staging
 
         raw = self._batch_input(context)
-        pairs = normalize_batches(raw)
+        pairs = batches_with_shards(raw)
         if not pairs:
             raise ConfigurationError(f"no batch ids found in batches={raw!r}")
         manifest_ref = manifest_reference(self.manifest_path)

@@ -23,9 +23,9 @@ from airflow_batch_provider.waiting import (
     TRANSIENT_ERRORS,
     PartialPolicy,
     apply_outcome_policy,
+    batch_ids_and_deadline,
     cancel_batches,
     check_partial_policy,
-    normalise_batch_ids,
     read_batches,
     terminal_event_now,
 )
@@ -98,7 +98,7 @@ class BatchSensor(BaseSensorOperator):
         return BatchApiHook(self.batch_conn_id, dialect=self.dialect)
 
     def _resolve(self) -> tuple[list[str], datetime]:
-        ids, carried = normalise_batch_ids(self.batch_ids)
+        ids, carried = batch_ids_and_deadline(self.batch_ids)
         self._ids = ids
         started = to_utc(self.submitted_at or carried) or datetime.now(timezone.utc)
         return ids, started

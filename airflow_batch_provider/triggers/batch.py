@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_batch_provider.constants import DEFAULT_CONN_ID
-from airflow_batch_provider.hooks._http import shared_transport
+from airflow_batch_provider.hooks.transport import shared_transport
 from airflow_batch_provider.models import Batch, to_utc
 from airflow_batch_provider.waiting import acancel_batches, aread_batches, await_batches, deadline_from
 
