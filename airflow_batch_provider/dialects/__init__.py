@@ -15,17 +15,25 @@ DIALECTS: dict[str, type[Dialect]] = {
 }
 
 
-def get_dialect(name: str | Dialect | None) -> Dialect:
-    """Return the dialect registered under ``name`` (default ``openai``)."""
-    if isinstance(name, Dialect):
-        return name
+def dialect_class(name: str | None) -> type[Dialect]:
+    """The dialect class registered under ``name`` (default ``openai``).
+
+    Its rules (endpoints, limits, validation) are class attributes: reading them loads no models.
+    """
     key = (name or "openai").strip().lower()
     try:
-        return DIALECTS[key]()
+        return DIALECTS[key]
     except KeyError:
         raise UnknownDialectError(
             f"unknown dialect {name!r}; registered: {', '.join(sorted(DIALECTS))}"
         ) from None
+
+
+def get_dialect(name: str | Dialect | None) -> Dialect:
+    """Return the dialect registered under ``name`` (default ``openai``)."""
+    if isinstance(name, Dialect):
+        return name
+    return dialect_class(name)()
 
 
 __all__ = [
@@ -39,5 +47,6 @@ __all__ = [
     "ValidationRules",
     "XAIDialect",
     "ZeroGPUDialect",
+    "dialect_class",
     "get_dialect",
 ]

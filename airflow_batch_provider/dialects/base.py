@@ -8,11 +8,28 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from airflow_batch_provider.exceptions import BatchApiResponseError
 from airflow_batch_provider.limits import MB, Limits, ValidationRules
-from airflow_batch_provider.models import Batch, BatchState, LineError, ResultLine, ResultSource
+
+# The pydantic models are bound by ``_import_models`` when the first dialect is made, not when
+# this module loads: reading a dialect's rules (``airflow-batch validate``) then needs no pydantic.
+if TYPE_CHECKING:
+    from airflow_batch_provider.models import (  # noqa: TC004 (bound at run time by _import_models)
+        Batch,
+        BatchState,
+        LineError,
+        ResultLine,
+        ResultSource,
+    )
+
+
+def _import_models() -> None:
+    """Bind the models this module parses into (a per-call import costs ~1 us per result line)."""
+    global Batch, BatchState, LineError, ResultLine
+    from airflow_batch_provider.models import Batch, BatchState, LineError, ResultLine
+
 
 # What the hook can read results from. "files": the batch's output and error files;
 # "results_endpoint": a paged endpoint on the batch itself (xAI, Doubleword).
@@ -72,6 +89,10 @@ class Dialect:
     list_page_size: ClassVar[int] = 100
     results_page_size: ClassVar[int] = 1000
 
+    def __init__(self) -> None:
+        # Parsing needs the models; every parse runs on an instance, so they are bound by then.
+        _import_models()
+
     # ---- authentication -------------------------------------------------------------
     def auth_headers(self, api_key: str | None, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
         """Headers that authenticate a request; organisation/project come from connection extras."""
@@ -105,15 +126,16 @@ class Dialect:
         raise NotImplementedError(f"dialect {self.name!r} has no results endpoint; read the output files")
 
     # ---- validation -----------------------------------------------------------------
-    def validation_rules(self, limits: Limits | None = None) -> ValidationRules:
+    @classmethod
+    def validation_rules(cls, limits: Limits | None = None) -> ValidationRules:
         """The rules a file must meet for this vendor, with optional tighter limits."""
         return ValidationRules(
-            endpoints=self.endpoints,
-            limits=limits or self.limits,
-            mixed_endpoints=self.mixed_endpoints,
-            unique_custom_ids=self.unique_custom_ids,
-            mixed_models=self.mixed_models,
-            max_custom_id_chars=self.max_custom_id_chars,
+            endpoints=cls.endpoints,
+            limits=limits or cls.limits,
+            mixed_endpoints=cls.mixed_endpoints,
+            unique_custom_ids=cls.unique_custom_ids,
+            mixed_models=cls.mixed_models,
+            max_custom_id_chars=cls.max_custom_id_chars,
         )
 
     def check_connection(self, extra: Mapping[str, Any], conn_id: str) -> None:
@@ -138,22 +160,24 @@ class Dialect:
             values = (body.get("code"), body.get("type"))
         return any(isinstance(v, str) and v.lower() in self.quota_error_codes for v in values)
 
-    def check_endpoint(self, endpoint: str) -> None:
-        if endpoint not in self.endpoints:
+    @classmethod
+    def check_endpoint(cls, endpoint: str) -> None:
+        if endpoint not in cls.endpoints:
             from airflow_batch_provider.exceptions import ConfigurationError
 
             raise ConfigurationError(
-                f"endpoint {endpoint!r} is not supported by dialect {self.name!r}; "
-                f"supported: {', '.join(sorted(self.endpoints))}"
+                f"endpoint {endpoint!r} is not supported by dialect {cls.name!r}; "
+                f"supported: {', '.join(sorted(cls.endpoints))}"
             )
 
-    def check_completion_window(self, window: str) -> None:
-        if window not in self.completion_windows:
+    @classmethod
+    def check_completion_window(cls, window: str) -> None:
+        if window not in cls.completion_windows:
             from airflow_batch_provider.exceptions import ConfigurationError
 
             raise ConfigurationError(
-                f"completion_window {window!r} is not supported by dialect {self.name!r}; "
-                f"supported: {', '.join(self.completion_windows)}"
+                f"completion_window {window!r} is not supported by dialect {cls.name!r}; "
+                f"supported: {', '.join(cls.completion_windows)}"
             )
 
     # ---- files ----------------------------------------------------------------------

@@ -9,14 +9,21 @@ are UUIDs; ``custom_id`` may repeat; status never reports ``expired``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from airflow_batch_provider.dialects.base import Dialect, ResultsPage, str_or_none
 from airflow_batch_provider.exceptions import BatchApiResponseError
 from airflow_batch_provider.limits import MB, Limits
-from airflow_batch_provider.models import LineError, ResultLine
+
+if TYPE_CHECKING:  # bound at run time by _import_models (see dialects/base.py)
+    from airflow_batch_provider.models import LineError, ResultLine  # noqa: TC004
+
+
+def _import_models() -> None:
+    global LineError, ResultLine
+    from airflow_batch_provider.models import LineError, ResultLine
 
 
 class DoublewordDialect(Dialect):
@@ -34,6 +41,10 @@ class DoublewordDialect(Dialect):
     # Each request is routed by its own model.
     mixed_models = True
     results_modes = ("files", "results_endpoint")
+
+    def __init__(self) -> None:
+        super().__init__()
+        _import_models()
 
     def results_path(self, batch_id: str) -> str:
         return f"batches/{batch_id}/results"
