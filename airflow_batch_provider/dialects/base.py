@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from airflow_batch_provider.exceptions import BatchApiResponseError
 from airflow_batch_provider.limits import MB, Limits, ValidationRules
 
-# The pydantic models are bound by ``_import_models`` when the first dialect is made, not when
-# this module loads: reading a dialect's rules (``airflow-batch validate``) then needs no pydantic.
+# The models are imported for type checking only; ``bind_models`` puts them into this module
+# when the first dialect is made. Reading a dialect's rules (``airflow-batch validate``) then
+# loads no pydantic.
 if TYPE_CHECKING:
-    from airflow_batch_provider.models import (  # noqa: TC004 (bound at run time by _import_models)
+    from airflow_batch_provider.models import (  # noqa: TC004 (bound at run time by bind_models)
         Batch,
         BatchState,
         LineError,
@@ -25,10 +26,15 @@ if TYPE_CHECKING:
     )
 
 
-def _import_models() -> None:
-    """Bind the models this module parses into (a per-call import costs ~1 us per result line)."""
-    global Batch, BatchState, LineError, ResultLine
-    from airflow_batch_provider.models import Batch, BatchState, LineError, ResultLine
+def bind_models(namespace: dict[str, Any], *names: str) -> None:
+    """Put the named models into a dialect module's globals (called from its dialect's ``__init__``).
+
+    Every parse runs on an instance, so the names are bound by then; an import inside each
+    parse method would cost about 1 us per result line.
+    """
+    from airflow_batch_provider import models
+
+    namespace.update({name: getattr(models, name) for name in names})
 
 
 # What the hook can read results from. "files": the batch's output and error files;
@@ -90,8 +96,7 @@ class Dialect:
     results_page_size: ClassVar[int] = 1000
 
     def __init__(self) -> None:
-        # Parsing needs the models; every parse runs on an instance, so they are bound by then.
-        _import_models()
+        bind_models(globals(), "Batch", "BatchState", "LineError", "ResultLine")
 
     # ---- authentication -------------------------------------------------------------
     def auth_headers(self, api_key: str | None, extra: Mapping[str, Any] | None = None) -> dict[str, str]:

@@ -13,17 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from airflow_batch_provider.dialects.base import Dialect, ResultsPage, str_or_none
+from airflow_batch_provider.dialects.base import Dialect, ResultsPage, bind_models, str_or_none
 from airflow_batch_provider.exceptions import BatchApiResponseError
 from airflow_batch_provider.limits import MB, Limits
 
-if TYPE_CHECKING:  # bound at run time by _import_models (see dialects/base.py)
+if TYPE_CHECKING:  # bound at run time by bind_models (see dialects/base.py)
     from airflow_batch_provider.models import LineError, ResultLine  # noqa: TC004
-
-
-def _import_models() -> None:
-    global LineError, ResultLine
-    from airflow_batch_provider.models import LineError, ResultLine
 
 
 class DoublewordDialect(Dialect):
@@ -44,7 +39,7 @@ class DoublewordDialect(Dialect):
 
     def __init__(self) -> None:
         super().__init__()
-        _import_models()
+        bind_models(globals(), "LineError", "ResultLine")
 
     def results_path(self, batch_id: str) -> str:
         return f"batches/{batch_id}/results"

@@ -13,24 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage
+from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage, bind_models
 from airflow_batch_provider.exceptions import BatchApiResponseError
 
-if TYPE_CHECKING:  # bound at run time by _import_models (see dialects/base.py)
+if TYPE_CHECKING:  # bound at run time by bind_models (see dialects/base.py)
     from airflow_batch_provider.models import (  # noqa: TC004
-        Batch,
-        BatchError,
-        BatchState,
-        LineError,
-        RequestCounts,
-        ResultLine,
-        to_utc,
-    )
-
-
-def _import_models() -> None:
-    global Batch, BatchError, BatchState, LineError, RequestCounts, ResultLine, to_utc
-    from airflow_batch_provider.models import (
         Batch,
         BatchError,
         BatchState,
@@ -74,7 +61,16 @@ class XAIDialect(Dialect):
 
     def __init__(self) -> None:
         super().__init__()
-        _import_models()
+        bind_models(
+            globals(),
+            "Batch",
+            "BatchError",
+            "BatchState",
+            "LineError",
+            "RequestCounts",
+            "ResultLine",
+            "to_utc",
+        )
 
     def cancel_path(self, batch_id: str) -> str:
         return f"batches/{batch_id}:cancel"
