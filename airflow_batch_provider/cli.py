@@ -1,5 +1,9 @@
 """``airflow-batch``: the command line of the provider (serve, validate, prepare, summary)."""
 
+# The entry point only (the parser, exit codes, one-line errors; the docstring is the --help text).
+# Each command lives with what it runs: file_commands (validate, prepare), server.options (serve),
+# demo (summary).
+
 from __future__ import annotations
 
 import argparse
@@ -16,22 +20,22 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _serve(parser: argparse.ArgumentParser) -> None:
-    from airflow_batch_provider.server import cli as server_cli
+    from airflow_batch_provider.server import options
 
-    server_cli.add_arguments(parser)
-    parser.set_defaults(func=server_cli.run)
+    options.add_arguments(parser)
+    parser.set_defaults(func=options.run)
 
 
 def _validate(parser: argparse.ArgumentParser) -> None:
-    from airflow_batch_provider import commands
+    from airflow_batch_provider import file_commands
 
-    commands.add_validate_arguments(parser)
+    file_commands.add_validate_arguments(parser)
 
 
 def _prepare(parser: argparse.ArgumentParser) -> None:
-    from airflow_batch_provider import commands
+    from airflow_batch_provider import file_commands
 
-    commands.add_prepare_arguments(parser)
+    file_commands.add_prepare_arguments(parser)
 
 
 def _summary(parser: argparse.ArgumentParser) -> None:

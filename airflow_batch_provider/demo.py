@@ -38,6 +38,11 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from airflow_batch_provider.constants import CONN_TYPE, DEFAULT_CONN_ID
+
+# The environment variable Airflow reads the demo's batch connection from.
+BATCH_CONN_ENV = f"AIRFLOW_CONN_{DEFAULT_CONN_ID.upper()}"
+
 TICKETS_TABLE = "support_tickets"
 PRODUCTS_TABLE = "products"
 DEFAULT_TICKETS = 300
@@ -365,7 +370,7 @@ def run_demo(workdir: Path, *, tickets: int = DEFAULT_TICKETS, keep: bool = Fals
     try:
         if real_vendor:
             step("Using the batch API from BATCH_DEMO_CONNECTION (a real vendor: this costs money)")
-            env["AIRFLOW_CONN_BATCH_API_DEFAULT"] = real_vendor
+            env[BATCH_CONN_ENV] = real_vendor
             env["BATCH_EXAMPLES_POLL_INTERVAL"] = "30"
         else:
             # time_scale 0.05: a batch validates, runs and finalizes in well under a second.
@@ -374,8 +379,8 @@ def run_demo(workdir: Path, *, tickets: int = DEFAULT_TICKETS, keep: bool = Fals
             )
             server = BackgroundServer(config).start()
             step(f"Local batch server (echo backend, offline) at {server.base_url}")
-            env["AIRFLOW_CONN_BATCH_API_DEFAULT"] = (
-                f'{{"conn_type": "batch_api", "host": "{server.base_url}", "password": "sk-demo", '
+            env[BATCH_CONN_ENV] = (
+                f'{{"conn_type": "{CONN_TYPE}", "host": "{server.base_url}", "password": "sk-demo", '
                 '"extra": {"dialect": "openai"}}'
             )
         step(f"airflow dags test {DEMO_DAG_ID}")

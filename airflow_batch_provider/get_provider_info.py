@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from airflow_batch_provider import __version__
+from airflow_batch_provider.constants import CONN_TYPE
 from airflow_batch_provider.hooks.connection_form import CONN_FIELDS, UI_FIELD_BEHAVIOUR
 
 
@@ -78,7 +79,7 @@ def get_provider_info() -> dict[str, Any]:
         "connection-types": [
             {
                 "hook-class-name": "airflow_batch_provider.hooks.batch.BatchApiHook",
-                "connection-type": "batch_api",
+                "connection-type": CONN_TYPE,
                 "hook-name": "LLM Batch API",
                 "conn-fields": CONN_FIELDS,
                 "ui-field-behaviour": UI_FIELD_BEHAVIOUR,

@@ -14,7 +14,7 @@ from typing import IO, Any
 
 import orjson
 
-from airflow_batch_provider.dialects.base import ValidationRules
+from airflow_batch_provider.limits import ValidationRules
 
 UTF8_BOM = b"\xef\xbb\xbf"
 _READ_CHUNK = 1 << 20

@@ -30,7 +30,7 @@ from airflow_batch_provider.warehouse.read import value_type
 if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
 
-    from airflow_batch_provider.dialects import Limits, ValidationRules
+    from airflow_batch_provider.limits import Limits, ValidationRules
     from airflow_batch_provider.models import Shard
     from airflow_batch_provider.warehouse.read import RowStream
 

@@ -23,8 +23,6 @@ from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
-from airflow_batch_provider.models import Manifest, Shard
-
 MANIFEST_NAME = "manifest.json"
 KEYS_NAME = "keys.jsonl"
 REJECTS_NAME = "rejects.jsonl"
@@ -33,10 +31,13 @@ _SHARD_NAME = re.compile(r"shard-\d{5,}\.jsonl")
 _LOCAL_PROTOCOLS = frozenset({"", "file", "local"})
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.=-]+")
 
-if TYPE_CHECKING:  # imported lazily at run time: the CLI must start without loading Airflow
+# Imported lazily at run time: the CLI must start without loading Airflow, and
+# ``airflow-batch validate`` / ``prepare`` without loading the pydantic models.
+if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
 
-    from airflow_batch_provider.dialects import Limits
+    from airflow_batch_provider.limits import Limits
+    from airflow_batch_provider.models import Manifest, Shard
 
 
 def resolve_path(path: Any) -> ObjectStoragePath:
@@ -171,6 +172,8 @@ def write_manifest(staging: Any, manifest: Manifest) -> ObjectStoragePath:
 
 def read_manifest(staging: Any) -> Manifest:
     """Read the manifest of a staging directory (or a manifest file path)."""
+    from airflow_batch_provider.models import Manifest
+
     target = manifest_path(staging)
     with open_read(target) as handle:
         return Manifest.model_validate_json(handle.read())
@@ -272,6 +275,8 @@ class ShardedJsonlWriter:
         self._handle = None
         stack, self._stack = self._stack, None
         stack.close()  # publishes the shard (rename, or upload on close)
+        from airflow_batch_provider.models import Shard
+
         self.shards.append(
             Shard(
                 index=self._index,

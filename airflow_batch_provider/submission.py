@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from airflow_batch_provider.constants import SHARD_TAG
 from airflow_batch_provider.exceptions import ConfigurationError
 from airflow_batch_provider.staging import atomic_writer, open_read
 
@@ -110,7 +111,7 @@ def batch_metadata(
         ("airflow_task_id", identity.task_id),
         ("airflow_run_id", identity.run_id),
         ("airflow_map_index", str(identity.map_index)),
-        ("airflow_shard", str(shard)),
+        (SHARD_TAG, str(shard)),
     ]
     user: list[tuple[str, str]] = []
     for key, value in (extra or {}).items():

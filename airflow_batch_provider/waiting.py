@@ -384,7 +384,7 @@ async def acancel_batches(hook: BatchApiHook, batch_ids: Sequence[str], *, log: 
 
 
 # ---- what operators hand in and get back ----------------------------------------------------
-def normalise_batch_ids(value: Any) -> tuple[list[str], str | None]:
+def batch_ids_and_deadline(value: Any) -> tuple[list[str], str | None]:
     """Read batch ids from what a user or an upstream XCom passes.
 
     Accepts one id, a list of ids, a JSON list in a string (a rendered template), or the

@@ -20,13 +20,14 @@ from datetime import timedelta
 
 from airflow.sdk import DAG, Param
 
+from airflow_batch_provider.constants import DEFAULT_CONN_ID
 from airflow_batch_provider.operators.build import SqlToBatchJsonlOperator
 from airflow_batch_provider.operators.merge import MergeBatchResultsOperator
 from airflow_batch_provider.operators.submit import SubmitBatchOperator
 from airflow_batch_provider.sensors.batch import BatchSensor
 
 WAREHOUSE_CONN_ID = os.environ.get("BATCH_EXAMPLES_WAREHOUSE_CONN_ID", "warehouse")
-BATCH_CONN_ID = os.environ.get("BATCH_EXAMPLES_BATCH_CONN_ID", "batch_api_default")
+BATCH_CONN_ID = os.environ.get("BATCH_EXAMPLES_BATCH_CONN_ID", DEFAULT_CONN_ID)
 POLL_INTERVAL = float(os.environ.get("BATCH_EXAMPLES_POLL_INTERVAL", "60"))
 DIMENSIONS = 64
 

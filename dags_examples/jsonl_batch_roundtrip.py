@@ -23,9 +23,10 @@ from typing import Any
 
 from airflow.sdk import Param, dag, get_current_context, task
 
+from airflow_batch_provider.constants import DEFAULT_CONN_ID
 from airflow_batch_provider.operators.submit import SubmitBatchOperator
 
-BATCH_CONN_ID = os.environ.get("BATCH_EXAMPLES_BATCH_CONN_ID", "batch_api_default")
+BATCH_CONN_ID = os.environ.get("BATCH_EXAMPLES_BATCH_CONN_ID", DEFAULT_CONN_ID)
 POLL_INTERVAL = float(os.environ.get("BATCH_EXAMPLES_POLL_INTERVAL", "60"))
 SAMPLE_INPUT = str(Path(__file__).parent / "data" / "faq_requests.jsonl")
 

@@ -31,6 +31,7 @@ from datetime import timedelta
 
 from airflow.sdk import DAG, Param
 
+from airflow_batch_provider.constants import DEFAULT_CONN_ID
 from airflow_batch_provider.operators.build import SqlToBatchJsonlOperator
 from airflow_batch_provider.operators.merge import MergeBatchResultsOperator
 from airflow_batch_provider.operators.submit import SubmitBatchOperator
@@ -38,7 +39,7 @@ from airflow_batch_provider.sensors.batch import BatchSensor
 
 # Deployment settings (operator arguments that are not templated): edit, or set the variables.
 WAREHOUSE_CONN_ID = os.environ.get("BATCH_EXAMPLES_WAREHOUSE_CONN_ID", "warehouse")
-BATCH_CONN_ID = os.environ.get("BATCH_EXAMPLES_BATCH_CONN_ID", "batch_api_default")
+BATCH_CONN_ID = os.environ.get("BATCH_EXAMPLES_BATCH_CONN_ID", DEFAULT_CONN_ID)
 # The trigger polls this often at first and backs off (to 10 minutes) while nothing changes.
 POLL_INTERVAL = float(os.environ.get("BATCH_EXAMPLES_POLL_INTERVAL", "60"))
 

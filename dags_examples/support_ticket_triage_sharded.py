@@ -26,12 +26,13 @@ from typing import Any
 
 from airflow.sdk import Param, dag, task
 
+from airflow_batch_provider.constants import DEFAULT_CONN_ID
 from airflow_batch_provider.operators.build import SqlToBatchJsonlOperator
 from airflow_batch_provider.operators.merge import MergeBatchResultsOperator
 from airflow_batch_provider.operators.submit import SubmitBatchOperator
 
 WAREHOUSE_CONN_ID = os.environ.get("BATCH_EXAMPLES_WAREHOUSE_CONN_ID", "warehouse")
-BATCH_CONN_ID = os.environ.get("BATCH_EXAMPLES_BATCH_CONN_ID", "batch_api_default")
+BATCH_CONN_ID = os.environ.get("BATCH_EXAMPLES_BATCH_CONN_ID", DEFAULT_CONN_ID)
 POLL_INTERVAL = float(os.environ.get("BATCH_EXAMPLES_POLL_INTERVAL", "60"))
 # None: the vendor's own limit (50,000 lines for OpenAI) decides how many shards there are.
 MAX_LINES = (

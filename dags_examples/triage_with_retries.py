@@ -25,12 +25,13 @@ from typing import Any
 
 from airflow.sdk import DAG, BaseHook, Param, task
 
+from airflow_batch_provider.constants import DEFAULT_CONN_ID
 from airflow_batch_provider.operators.build import SqlToBatchJsonlOperator
 from airflow_batch_provider.operators.merge import MergeBatchResultsOperator
 from airflow_batch_provider.operators.submit import SubmitBatchOperator
 
 WAREHOUSE_CONN_ID = os.environ.get("BATCH_EXAMPLES_WAREHOUSE_CONN_ID", "warehouse")
-BATCH_CONN_ID = os.environ.get("BATCH_EXAMPLES_BATCH_CONN_ID", "batch_api_default")
+BATCH_CONN_ID = os.environ.get("BATCH_EXAMPLES_BATCH_CONN_ID", DEFAULT_CONN_ID)
 POLL_INTERVAL = float(os.environ.get("BATCH_EXAMPLES_POLL_INTERVAL", "60"))
 # The DAG's shape depends on it, so it is a constant rather than a run parameter.
 MAX_ATTEMPTS = 3

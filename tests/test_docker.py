@@ -154,7 +154,7 @@ def test_batch_server_command_parses_with_the_provider_cli(
     assert service["entrypoint"] == ["airflow-batch"]
     import argparse
 
-    from airflow_batch_provider.server.cli import add_arguments, config_from_args
+    from airflow_batch_provider.server.options import add_arguments, config_from_args
 
     assert service["command"][0] == "serve"
     parser = argparse.ArgumentParser(prog="airflow-batch serve")

@@ -9,7 +9,6 @@ import orjson
 import pytest
 
 from airflow_batch_provider.dialects import get_dialect
-from airflow_batch_provider.dialects.base import Limits
 from airflow_batch_provider.jsonl import (
     LineValidator,
     Problem,
@@ -19,6 +18,7 @@ from airflow_batch_provider.jsonl import (
     iter_raw_lines,
     validate_stream,
 )
+from airflow_batch_provider.limits import Limits
 
 CHAT = "/v1/chat/completions"
 

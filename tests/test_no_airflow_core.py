@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CORE_MODULES = (
     "airflow_batch_provider.cli",
-    "airflow_batch_provider.commands",
+    "airflow_batch_provider.file_commands",
     "airflow_batch_provider.exceptions",
     "airflow_batch_provider.models",
     "airflow_batch_provider.dialects",
@@ -30,7 +30,7 @@ CORE_MODULES = (
     "airflow_batch_provider.waiting",
     "airflow_batch_provider.hooks.connection_form",
     "airflow_batch_provider.server.app",
-    "airflow_batch_provider.server.cli",
+    "airflow_batch_provider.server.options",
     "airflow_batch_provider.server.background",
 )
 
@@ -43,7 +43,8 @@ try:
 except SystemExit as exc:
     code = exc.code
 loaded = sorted(m for m in sys.modules if m == "airflow" or m.startswith("airflow."))
-print("\\n@@" + json.dumps({"code": code, "airflow": loaded}))
+models = sorted(m for m in ("pydantic", "airflow_batch_provider.models") if m in sys.modules)
+print("\\n@@" + json.dumps({"code": code, "airflow": loaded, "models": models}))
 """
 
 
@@ -88,6 +89,16 @@ def _probe(tmp_path: Path, *argv: str) -> dict[str, object]:
     return result
 
 
+def _two_line_file(tmp_path: Path) -> Path:
+    src = tmp_path / "two.jsonl"
+    lines = [
+        {"custom_id": str(i), "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}}
+        for i in range(2)
+    ]
+    src.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    return src
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -103,12 +114,7 @@ def _probe(tmp_path: Path, *argv: str) -> dict[str, object]:
     ],
 )
 def test_cli_commands_do_not_import_airflow(tmp_path: Path, argv: tuple[str, ...]) -> None:
-    src = tmp_path / "two.jsonl"
-    lines = [
-        {"custom_id": str(i), "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}}
-        for i in range(2)
-    ]
-    src.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    src = _two_line_file(tmp_path)
     db = tmp_path / "w.duckdb"
     if "{db}" in argv:
         import duckdb
@@ -123,6 +129,23 @@ def test_cli_commands_do_not_import_airflow(tmp_path: Path, argv: tuple[str, ...
     assert result["code"] in (0, None), result
     assert result["airflow"] == [], result["airflow"]
     assert not (tmp_path / "untouched-airflow-home").exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("validate", "{file}"),
+        ("validate", "{file}", "--dialect", "xai", "--endpoint", "/v1/chat/completions"),
+        ("validate", "{file}", "--dialect", "doubleword"),
+        ("prepare", "{file}", "--model", "m", "--output", "{out}"),
+    ],
+)
+def test_file_commands_do_not_load_the_pydantic_models(tmp_path: Path, argv: tuple[str, ...]) -> None:
+    """validate and prepare read a dialect's rules (limits.py, class attributes), never the models."""
+    src = _two_line_file(tmp_path)
+    result = _probe(tmp_path, *(a.format(file=src, out=tmp_path / "out.jsonl") for a in argv))
+    assert result["code"] in (0, None), result
+    assert result["models"] == [], result["models"]
 
 
 def test_connection_form_reads_the_one_dialect_registry(monkeypatch: pytest.MonkeyPatch) -> None:

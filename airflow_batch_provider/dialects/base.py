@@ -7,81 +7,39 @@ nothing outside ``dialects/`` knows a vendor's name, header, path or field.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from airflow_batch_provider.exceptions import BatchApiResponseError
-from airflow_batch_provider.models import Batch, BatchState, LineError, ResultLine, ResultSource
+from airflow_batch_provider.limits import MB, Limits, ValidationRules
 
-MB = 1024 * 1024
+# The models are imported for type checking only; ``bind_models`` puts them into this module
+# when the first dialect is made. Reading a dialect's rules (``airflow-batch validate``) then
+# loads no pydantic.
+if TYPE_CHECKING:
+    from airflow_batch_provider.models import (  # noqa: TC004 (bound at run time by bind_models)
+        Batch,
+        BatchState,
+        LineError,
+        ResultLine,
+        ResultSource,
+    )
+
+
+def bind_models(namespace: dict[str, Any], *names: str) -> None:
+    """Put the named models into a dialect module's globals (called from its dialect's ``__init__``).
+
+    Every parse runs on an instance, so the names are bound by then; an import inside each
+    parse method would cost about 1 us per result line.
+    """
+    from airflow_batch_provider import models
+
+    namespace.update({name: getattr(models, name) for name in names})
+
 
 # What the hook can read results from. "files": the batch's output and error files;
 # "results_endpoint": a paged endpoint on the batch itself (xAI, Doubleword).
 ResultsMode = Literal["files", "results_endpoint"]
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Size limits of one batch input file.
-
-    :param max_lines: most lines in one file.
-    :param max_file_bytes: largest file in bytes.
-    :param max_line_bytes: largest single line in bytes (without its newline).
-    :param max_upload_bytes: largest file the vendor's upload endpoint takes, when that is lower
-        than ``max_file_bytes`` (None: no separate upload limit).
-    """
-
-    max_lines: int = 50_000
-    max_file_bytes: int = 200 * MB
-    max_line_bytes: int = 1 * MB
-    max_upload_bytes: int | None = None
-
-    @property
-    def max_shard_bytes(self) -> int:
-        """The largest file that can be both uploaded and run as one batch."""
-        if self.max_upload_bytes is None:
-            return self.max_file_bytes
-        return min(self.max_file_bytes, self.max_upload_bytes)
-
-    def tightened(
-        self,
-        *,
-        max_lines: int | None = None,
-        max_file_bytes: int | None = None,
-        max_line_bytes: int | None = None,
-    ) -> Limits:
-        """Return limits no looser than these (a user may lower, never raise, a vendor limit)."""
-
-        def pick(own: int, wanted: int | None) -> int:
-            return own if wanted is None else min(own, int(wanted))
-
-        return Limits(
-            max_lines=pick(self.max_lines, max_lines),
-            max_file_bytes=pick(self.max_shard_bytes, max_file_bytes),
-            max_line_bytes=pick(self.max_line_bytes, max_line_bytes),
-            max_upload_bytes=self.max_upload_bytes,
-        )
-
-
-@dataclass(frozen=True)
-class ValidationRules:
-    """What a batch input file must satisfy for one dialect (the seed 001 rules are the baseline).
-
-    :param endpoints: urls a line may target.
-    :param limits: size limits.
-    :param mixed_endpoints: whether lines of one file may target different urls.
-    :param unique_custom_ids: whether custom_id must be unique within the file.
-    :param mixed_models: whether lines of one file may name different ``body.model`` values.
-    :param max_custom_id_chars: longest custom_id the vendor accepts (None: no limit).
-    """
-
-    endpoints: frozenset[str]
-    limits: Limits = field(default_factory=Limits)
-    mixed_endpoints: bool = False
-    unique_custom_ids: bool = True
-    methods: frozenset[str] = frozenset({"POST"})
-    mixed_models: bool = False
-    max_custom_id_chars: int | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +95,9 @@ class Dialect:
     list_page_size: ClassVar[int] = 100
     results_page_size: ClassVar[int] = 1000
 
+    def __init__(self) -> None:
+        bind_models(globals(), "Batch", "BatchState", "LineError", "ResultLine")
+
     # ---- authentication -------------------------------------------------------------
     def auth_headers(self, api_key: str | None, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
         """Headers that authenticate a request; organisation/project come from connection extras."""
@@ -170,15 +131,16 @@ class Dialect:
         raise NotImplementedError(f"dialect {self.name!r} has no results endpoint; read the output files")
 
     # ---- validation -----------------------------------------------------------------
-    def validation_rules(self, limits: Limits | None = None) -> ValidationRules:
+    @classmethod
+    def validation_rules(cls, limits: Limits | None = None) -> ValidationRules:
         """The rules a file must meet for this vendor, with optional tighter limits."""
         return ValidationRules(
-            endpoints=self.endpoints,
-            limits=limits or self.limits,
-            mixed_endpoints=self.mixed_endpoints,
-            unique_custom_ids=self.unique_custom_ids,
-            mixed_models=self.mixed_models,
-            max_custom_id_chars=self.max_custom_id_chars,
+            endpoints=cls.endpoints,
+            limits=limits or cls.limits,
+            mixed_endpoints=cls.mixed_endpoints,
+            unique_custom_ids=cls.unique_custom_ids,
+            mixed_models=cls.mixed_models,
+            max_custom_id_chars=cls.max_custom_id_chars,
         )
 
     def check_connection(self, extra: Mapping[str, Any], conn_id: str) -> None:
@@ -203,22 +165,24 @@ class Dialect:
             values = (body.get("code"), body.get("type"))
         return any(isinstance(v, str) and v.lower() in self.quota_error_codes for v in values)
 
-    def check_endpoint(self, endpoint: str) -> None:
-        if endpoint not in self.endpoints:
+    @classmethod
+    def check_endpoint(cls, endpoint: str) -> None:
+        if endpoint not in cls.endpoints:
             from airflow_batch_provider.exceptions import ConfigurationError
 
             raise ConfigurationError(
-                f"endpoint {endpoint!r} is not supported by dialect {self.name!r}; "
-                f"supported: {', '.join(sorted(self.endpoints))}"
+                f"endpoint {endpoint!r} is not supported by dialect {cls.name!r}; "
+                f"supported: {', '.join(sorted(cls.endpoints))}"
             )
 
-    def check_completion_window(self, window: str) -> None:
-        if window not in self.completion_windows:
+    @classmethod
+    def check_completion_window(cls, window: str) -> None:
+        if window not in cls.completion_windows:
             from airflow_batch_provider.exceptions import ConfigurationError
 
             raise ConfigurationError(
-                f"completion_window {window!r} is not supported by dialect {self.name!r}; "
-                f"supported: {', '.join(self.completion_windows)}"
+                f"completion_window {window!r} is not supported by dialect {cls.name!r}; "
+                f"supported: {', '.join(cls.completion_windows)}"
             )
 
     # ---- files ----------------------------------------------------------------------
@@ -321,8 +285,8 @@ class Dialect:
             status_code=status_code,
             body=body if isinstance(body, dict) else None,
             error=error,
-            request_id=_str_or_none(request_id),
-            line_id=_str_or_none(raw.get("id")),
+            request_id=str_or_none(request_id),
+            line_id=str_or_none(raw.get("id")),
             source=source,
         )
 
@@ -332,10 +296,10 @@ class Dialect:
         """The normalised error of a line, from its ``error`` field or a non-2xx response body."""
         if isinstance(raw_error, Mapping):
             return LineError(
-                code=_str_or_none(raw_error.get("code")),
-                message=_str_or_none(raw_error.get("message")),
-                param=_str_or_none(raw_error.get("param")),
-                type=_str_or_none(raw_error.get("type")),
+                code=str_or_none(raw_error.get("code")),
+                message=str_or_none(raw_error.get("message")),
+                param=str_or_none(raw_error.get("param")),
+                type=str_or_none(raw_error.get("type")),
             )
         if isinstance(raw_error, str) and raw_error:
             return LineError(code="error", message=raw_error)
@@ -343,12 +307,12 @@ class Dialect:
             inner = body.get("error") if isinstance(body, Mapping) else None
             if isinstance(inner, Mapping):
                 return LineError(
-                    code=_str_or_none(inner.get("code")) or f"http_{status_code}",
-                    message=_str_or_none(inner.get("message")),
-                    param=_str_or_none(inner.get("param")),
-                    type=_str_or_none(inner.get("type")),
+                    code=str_or_none(inner.get("code")) or f"http_{status_code}",
+                    message=str_or_none(inner.get("message")),
+                    param=str_or_none(inner.get("param")),
+                    type=str_or_none(inner.get("type")),
                 )
-            return LineError(code=f"http_{status_code}", message=_str_or_none(inner) or None)
+            return LineError(code=f"http_{status_code}", message=str_or_none(inner) or None)
         return None
 
     def results_params(self, limit: int | None = None) -> dict[str, Any]:
@@ -364,7 +328,8 @@ class Dialect:
         return f"<Dialect {self.name}>"
 
 
-def _str_or_none(value: Any) -> str | None:
+def str_or_none(value: Any) -> str | None:
+    """``value`` as text, None staying None (vendors send ids and codes as numbers or strings)."""
     if value is None:
         return None
     return value if isinstance(value, str) else str(value)

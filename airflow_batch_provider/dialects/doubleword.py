@@ -9,13 +9,16 @@ are UUIDs; ``custom_id`` may repeat; status never reports ``expired``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from airflow_batch_provider.dialects.base import MB, Dialect, Limits, ResultsPage, _str_or_none
+from airflow_batch_provider.dialects.base import Dialect, ResultsPage, bind_models, str_or_none
 from airflow_batch_provider.exceptions import BatchApiResponseError
-from airflow_batch_provider.models import LineError, ResultLine
+from airflow_batch_provider.limits import MB, Limits
+
+if TYPE_CHECKING:  # bound at run time by bind_models (see dialects/base.py)
+    from airflow_batch_provider.models import LineError, ResultLine  # noqa: TC004
 
 
 class DoublewordDialect(Dialect):
@@ -33,6 +36,10 @@ class DoublewordDialect(Dialect):
     # Each request is routed by its own model.
     mixed_models = True
     results_modes = ("files", "results_endpoint")
+
+    def __init__(self) -> None:
+        super().__init__()
+        bind_models(globals(), "LineError", "ResultLine")
 
     def results_path(self, batch_id: str) -> str:
         return f"batches/{batch_id}/results"
@@ -73,7 +80,7 @@ class DoublewordDialect(Dialect):
                     code="missing_custom_id",
                     message=f"result {item.get('id')!r} has no custom_id; it cannot be matched to a row",
                 ),
-                line_id=_str_or_none(item.get("id")),
+                line_id=str_or_none(item.get("id")),
                 source="inline",
             )
         body = item.get("response_body")
@@ -90,7 +97,7 @@ class DoublewordDialect(Dialect):
             status_code=200 if ok else None,
             body=body if isinstance(body, dict) else None,
             error=error,
-            line_id=_str_or_none(item.get("id")),
+            line_id=str_or_none(item.get("id")),
             source="inline",
         )
 

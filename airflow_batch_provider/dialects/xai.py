@@ -11,19 +11,22 @@ Uploads send no ``purpose``; one file may mix endpoints; a batch is created from
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage
+from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage, bind_models
 from airflow_batch_provider.exceptions import BatchApiResponseError
-from airflow_batch_provider.models import (
-    Batch,
-    BatchError,
-    BatchState,
-    LineError,
-    RequestCounts,
-    ResultLine,
-    to_utc,
-)
+
+if TYPE_CHECKING:  # bound at run time by bind_models (see dialects/base.py)
+    from airflow_batch_provider.models import (  # noqa: TC004
+        Batch,
+        BatchError,
+        BatchState,
+        LineError,
+        RequestCounts,
+        ResultLine,
+        to_utc,
+    )
+
 
 # The metadata key whose value becomes the batch name, so orphans can be found by listing.
 NAME_KEY = "airflow_batch_key"
@@ -55,6 +58,19 @@ class XAIDialect(Dialect):
     upload_purpose = None
     supports_metadata = False
     results_modes = ("results_endpoint",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        bind_models(
+            globals(),
+            "Batch",
+            "BatchError",
+            "BatchState",
+            "LineError",
+            "RequestCounts",
+            "ResultLine",
+            "to_utc",
+        )
 
     def cancel_path(self, batch_id: str) -> str:
         return f"batches/{batch_id}:cancel"

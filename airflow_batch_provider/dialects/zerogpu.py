@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from airflow_batch_provider.dialects.base import MB, Dialect, Limits
+from airflow_batch_provider.dialects.base import Dialect
+from airflow_batch_provider.limits import MB, Limits
 
 
 class ZeroGPUDialect(Dialect):

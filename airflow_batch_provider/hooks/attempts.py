@@ -16,9 +16,9 @@ import httpx
 import orjson
 
 from airflow_batch_provider.exceptions import BatchApiError, BatchApiQuotaError
-from airflow_batch_provider.hooks._http import status_error, transport_error
 from airflow_batch_provider.hooks.retry import NOT_SENT_ERRORS, REFUSED_STATUS, is_retryable_status
 from airflow_batch_provider.hooks.settings import BatchApiSettings
+from airflow_batch_provider.hooks.transport import status_error, transport_error
 
 
 class AmbiguousCreate(Exception):

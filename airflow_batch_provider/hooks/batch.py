@@ -30,26 +30,13 @@ from typing import Any, ClassVar
 import httpx
 from airflow.sdk import BaseHook
 
+from airflow_batch_provider.constants import CONN_TYPE, DEFAULT_CONN_ID
 from airflow_batch_provider.dialects import Dialect, get_dialect
 from airflow_batch_provider.exceptions import (
     BatchApiError,
     BatchApiResponseError,
 )
 from airflow_batch_provider.hooks import calls
-from airflow_batch_provider.hooks._http import (
-    CallDeadline,
-    PathSource,
-    aiter_with_progress,
-    aread_capped,
-    arm_total_deadline,
-    deadline_scope,
-    iter_with_progress,
-    next_hop,
-    parse_json_body,
-    read_capped,
-    redact,
-    redact_json,
-)
 from airflow_batch_provider.hooks.attempts import AmbiguousCreate, Restarts, Retries, SendOnce
 from airflow_batch_provider.hooks.calls import Call
 from airflow_batch_provider.hooks.connection_form import (
@@ -75,6 +62,20 @@ from airflow_batch_provider.hooks.results import (
 )
 from airflow_batch_provider.hooks.retry import RetryPolicy
 from airflow_batch_provider.hooks.settings import BatchApiSettings, settings_from_connection
+from airflow_batch_provider.hooks.transport import (
+    CallDeadline,
+    PathSource,
+    aiter_with_progress,
+    aread_capped,
+    arm_total_deadline,
+    deadline_scope,
+    iter_with_progress,
+    next_hop,
+    parse_json_body,
+    read_capped,
+    redact,
+    redact_json,
+)
 from airflow_batch_provider.models import Batch, ResultLine
 from airflow_batch_provider.staging import atomic_writer, resolve_path
 
@@ -96,8 +97,8 @@ class BatchApiHook(BaseHook):
     """
 
     conn_name_attr = "batch_conn_id"
-    default_conn_name = "batch_api_default"
-    conn_type = "batch_api"
+    default_conn_name = DEFAULT_CONN_ID
+    conn_type = CONN_TYPE
     hook_name = "LLM Batch API"
 
     conn_fields: ClassVar[dict[str, dict[str, Any]]] = CONN_FIELDS

@@ -15,7 +15,7 @@ import httpx
 
 from airflow_batch_provider.dialects import Dialect
 from airflow_batch_provider.exceptions import ConfigurationError, JsonlValidationError
-from airflow_batch_provider.hooks._http import MAX_CONTROL_BODY, MultipartUpload, PathSource
+from airflow_batch_provider.hooks.transport import MAX_CONTROL_BODY, MultipartUpload, PathSource
 
 LIST_ACTION = "listing batches"
 # Result lines are far smaller than this; the cap only stops a broken server from filling memory.

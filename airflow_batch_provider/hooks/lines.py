@@ -16,10 +16,10 @@ import httpx
 
 from airflow_batch_provider.exceptions import BatchApiResponseError
 from airflow_batch_provider.hooks import calls
-from airflow_batch_provider.hooks._http import REDACTED, LineSplitter, parse_json_line
 from airflow_batch_provider.hooks.attempts import Restarts
 from airflow_batch_provider.hooks.calls import MAX_RESULT_LINE_BYTES
 from airflow_batch_provider.hooks.settings import BatchApiSettings
+from airflow_batch_provider.hooks.transport import REDACTED, LineSplitter, parse_json_line
 
 DOWNLOAD_CHUNK = 1 << 20
 # The custom_id of a line too damaged to parse (truncated, say) when it is still legible.

@@ -16,10 +16,10 @@ import orjson
 
 from airflow_batch_provider.dialects import Dialect
 from airflow_batch_provider.exceptions import BatchApiResponseError, ConfigurationError
-from airflow_batch_provider.hooks._http import REDACTED, parse_json_body
 from airflow_batch_provider.hooks.attempts import message_of
 from airflow_batch_provider.hooks.lines import BadLine
 from airflow_batch_provider.hooks.settings import BatchApiSettings
+from airflow_batch_provider.hooks.transport import REDACTED, parse_json_body
 from airflow_batch_provider.models import Batch, LineError, ResultLine
 
 T = TypeVar("T")

@@ -17,9 +17,9 @@ import orjson
 from airflow_batch_provider import __version__
 from airflow_batch_provider.dialects import Dialect, get_dialect
 from airflow_batch_provider.exceptions import ConfigurationError
-from airflow_batch_provider.hooks._http import shared_ssl_context
 from airflow_batch_provider.hooks.connection_form import DEFAULT_TIMEOUT
 from airflow_batch_provider.hooks.retry import RetryPolicy
+from airflow_batch_provider.hooks.transport import shared_ssl_context
 
 CONNECT_TIMEOUT = 10.0
 # Header names whose values are treated as secrets (redacted from vendor text like the key).

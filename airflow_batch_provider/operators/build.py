@@ -32,7 +32,8 @@ from airflow_batch_provider.warehouse.read import stream_rows
 if TYPE_CHECKING:
     from airflow.sdk import Context, ObjectStoragePath
 
-    from airflow_batch_provider.dialects import Dialect, Limits
+    from airflow_batch_provider.dialects import Dialect
+    from airflow_batch_provider.limits import Limits
 
 __all__ = ["NullValueError", "SqlToBatchJsonlOperator", "default_staging_path", "manifest_xcom"]
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from airflow.sdk import BaseHook, BaseOperator
 
+from airflow_batch_provider.constants import DEFAULT_CONN_ID, SHARD_TAG
 from airflow_batch_provider.exceptions import BatchProviderError, ConfigurationError
 from airflow_batch_provider.jsonl import iter_objects
 from airflow_batch_provider.models import BatchState, Manifest, ResultLine
@@ -23,8 +24,6 @@ if TYPE_CHECKING:
     from airflow_batch_provider.hooks.batch import BatchApiHook
 
 BAD_RESULT_LINE_CHOICES = ("fail", "record")
-#: Batch metadata key naming the shard a batch was submitted for (set by the submit operator).
-SHARD_METADATA = "airflow_shard"
 
 # A key of a shard whose batch ended this way, with no result line, gets this status.
 _ABSENT_STATUS = {
@@ -34,7 +33,7 @@ _ABSENT_STATUS = {
 }
 
 
-def normalize_batches(value: Any) -> list[tuple[str, int | None]]:
+def batches_with_shards(value: Any) -> list[tuple[str, int | None]]:
     """``(batch_id, shard or None)`` pairs from ids, a submit XCom, a terminal event, or a list of those."""
     if value is None:
         return []
@@ -43,7 +42,7 @@ def normalize_batches(value: Any) -> list[tuple[str, int | None]]:
         if text[:1] in ("{", "["):
             # A templated XCom rendered without native objects arrives as its repr.
             try:
-                return normalize_batches(ast.literal_eval(text))
+                return batches_with_shards(ast.literal_eval(text))
             except (ValueError, SyntaxError):
                 raise ConfigurationError(f"batches: cannot read {text[:200]!r}") from None
         return [(text, None)] if text else []
@@ -68,7 +67,7 @@ def normalize_batches(value: Any) -> list[tuple[str, int | None]]:
     if isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
         out: list[tuple[str, int | None]] = []
         for item in value:
-            out.extend(normalize_batches(item))
+            out.extend(batches_with_shards(item))
         return _unique(out)
     raise ConfigurationError(f"batches: cannot read batch ids from a {type(value).__name__}")
 
@@ -175,7 +174,7 @@ class MergeBatchResultsOperator(BaseOperator):
         batches: Any = None,
         manifest_path: Any = None,
         submit_task_id: str | None = None,
-        batch_conn_id: str = "batch_api_default",
+        batch_conn_id: str = DEFAULT_CONN_ID,
         dialect: str | None = None,
         target_schema: str | None = None,
         create_table: bool = True,
@@ -240,7 +239,7 @@ class MergeBatchResultsOperator(BaseOperator):
         from airflow_batch_provider import staging
 
         raw = self._batch_input(context)
-        pairs = normalize_batches(raw)
+        pairs = batches_with_shards(raw)
         if not pairs:
             raise ConfigurationError(f"no batch ids found in batches={raw!r}")
         manifest_ref = manifest_reference(self.manifest_path)
@@ -270,7 +269,7 @@ class MergeBatchResultsOperator(BaseOperator):
             batch = batches[batch_id]
             if shard is None:
                 # The terminal event carries no shard numbers; the submit tagged each batch.
-                tagged = hook.dialect.metadata_of(batch).get(SHARD_METADATA)
+                tagged = hook.dialect.metadata_of(batch).get(SHARD_TAG)
                 shard = int(tagged) if tagged is not None and tagged.isdigit() else None
             if shard is not None:
                 shards[shard] = ShardOutcome(batch_id, _ABSENT_STATUS.get(batch.state, "missing"))

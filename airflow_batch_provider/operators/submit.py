@@ -23,6 +23,7 @@ import orjson
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.configuration import conf
 
+from airflow_batch_provider.constants import DEFAULT_CONN_ID
 from airflow_batch_provider.exceptions import (
     BatchApiNotFoundError,
     ConfigurationError,
@@ -142,7 +143,7 @@ class SubmitBatchOperator(BaseOperator):
         self,
         *,
         source: Any,
-        batch_conn_id: str = "batch_api_default",
+        batch_conn_id: str = DEFAULT_CONN_ID,
         dialect: str | None = None,
         shard: int | None = None,
         endpoint: str | None = None,

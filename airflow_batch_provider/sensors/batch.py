@@ -14,6 +14,7 @@ from airflow.sdk import BaseSensorOperator, Context
 from airflow.sdk.bases.sensor import PokeReturnValue
 from airflow.sdk.exceptions import AirflowSensorTimeout
 
+from airflow_batch_provider.constants import DEFAULT_CONN_ID
 from airflow_batch_provider.exceptions import BatchApiQuotaError
 from airflow_batch_provider.models import to_utc
 from airflow_batch_provider.outcome import decide, progress_line
@@ -22,9 +23,9 @@ from airflow_batch_provider.waiting import (
     TRANSIENT_ERRORS,
     PartialPolicy,
     apply_outcome_policy,
+    batch_ids_and_deadline,
     cancel_batches,
     check_partial_policy,
-    normalise_batch_ids,
     read_batches,
     terminal_event_now,
 )
@@ -63,7 +64,7 @@ class BatchSensor(BaseSensorOperator):
         self,
         *,
         batch_ids: Any,
-        batch_conn_id: str = "batch_api_default",
+        batch_conn_id: str = DEFAULT_CONN_ID,
         dialect: str | None = None,
         submitted_at: str | None = None,
         deferrable: bool = True,
@@ -97,7 +98,7 @@ class BatchSensor(BaseSensorOperator):
         return BatchApiHook(self.batch_conn_id, dialect=self.dialect)
 
     def _resolve(self) -> tuple[list[str], datetime]:
-        ids, carried = normalise_batch_ids(self.batch_ids)
+        ids, carried = batch_ids_and_deadline(self.batch_ids)
         self._ids = ids
         started = to_utc(self.submitted_at or carried) or datetime.now(timezone.utc)
         return ids, started

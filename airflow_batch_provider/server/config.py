@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from airflow_batch_provider.dialects import DIALECTS, get_dialect
-from airflow_batch_provider.dialects.base import Limits
+from airflow_batch_provider.limits import Limits
 
 # Fault kinds a request can ask for with the X-Batch-Fault header.
 REQUEST_FAULTS = ("429", "500", "503", "slow", "drop", "quota")

@@ -18,8 +18,8 @@ from typing import IO, Any
 
 import orjson
 
-from airflow_batch_provider.dialects.base import ValidationRules
 from airflow_batch_provider.jsonl import LineValidator, Problem, iter_raw_lines
+from airflow_batch_provider.limits import ValidationRules
 from airflow_batch_provider.server.backends import EchoBackend, UpstreamBackend, error_body
 from airflow_batch_provider.server.config import ServerConfig
 from airflow_batch_provider.server.faults import Faults

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_batch_provider.hooks._http import shared_transport
+from airflow_batch_provider.constants import DEFAULT_CONN_ID
+from airflow_batch_provider.hooks.transport import shared_transport
 from airflow_batch_provider.models import Batch, to_utc
 from airflow_batch_provider.waiting import acancel_batches, aread_batches, await_batches, deadline_from
 
@@ -128,7 +129,7 @@ class BatchTrigger(BaseTrigger):
         self,
         *,
         batch_ids: Sequence[str],
-        batch_conn_id: str = "batch_api_default",
+        batch_conn_id: str = DEFAULT_CONN_ID,
         dialect: str | None = None,
         submitted_at: str | float | None = None,
         timeout: float | None = None,

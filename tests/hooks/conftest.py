@@ -9,14 +9,10 @@ from typing import Any
 import httpx
 import pytest
 
+from airflow_batch_provider.constants import CONN_TYPE, DEFAULT_CONN_ID
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.hooks.retry import RetryPolicy
-
-SECRET = "sk-very-secret-key-1234567890"
-MOCK_URL = "http://vendor.test/v1"
-
-# Tiny waits so retry tests run fast; the waits themselves are checked through recorded sleeps.
-FAST = RetryPolicy(max_retries=3, backoff_initial=0.001, backoff_max=0.002, retry_after_max=0.05)
+from tests.fixtures.hook import FAST, MOCK_URL, SECRET
 
 
 @pytest.fixture
@@ -24,7 +20,7 @@ def batch_conn(monkeypatch: pytest.MonkeyPatch) -> Callable[..., str]:
     """Define a ``batch_api`` connection in the environment; returns its conn id."""
 
     def make(
-        conn_id: str = "batch_api_default",
+        conn_id: str = DEFAULT_CONN_ID,
         *,
         host: str = MOCK_URL,
         password: str | None = SECRET,
@@ -32,7 +28,7 @@ def batch_conn(monkeypatch: pytest.MonkeyPatch) -> Callable[..., str]:
         **extra: Any,
     ) -> str:
         conn: dict[str, Any] = {
-            "conn_type": "batch_api",
+            "conn_type": CONN_TYPE,
             "host": host,
             "extra": {"dialect": dialect, **extra},
         }
@@ -80,19 +76,3 @@ def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     monkeypatch.setattr(batch_module.time, "sleep", fake_sleep)
     monkeypatch.setattr(batch_module.asyncio, "sleep", fake_asleep)
     return recorded
-
-
-def openai_batch(batch_id: str = "batch_1", status: str = "in_progress", **fields: Any) -> dict[str, Any]:
-    """An OpenAI-shaped batch object."""
-    return {
-        "id": batch_id,
-        "object": "batch",
-        "endpoint": "/v1/chat/completions",
-        "input_file_id": fields.pop("input_file_id", "file-in"),
-        "completion_window": "24h",
-        "status": status,
-        "created_at": 1_736_000_000,
-        "request_counts": {"total": 2, "completed": 0, "failed": 0},
-        "metadata": fields.pop("metadata", None),
-        **fields,
-    }

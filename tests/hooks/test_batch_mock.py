@@ -30,7 +30,7 @@ from airflow_batch_provider.exceptions import (
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.hooks.settings import normalize_base_url
 from airflow_batch_provider.models import BatchState
-from tests.hooks.conftest import FAST, SECRET, openai_batch
+from tests.fixtures.hook import FAST, SECRET, openai_batch
 
 
 def json_response(status: int, data: Any, **headers: str) -> httpx.Response:
@@ -198,15 +198,15 @@ def test_key_never_in_logs_or_errors(
 
 def test_key_cut_by_the_body_limit_leaves_no_fragment(mock_hook) -> None:
     """A non-JSON error body echoing the key right where the text is cut: no piece of it survives."""
-    from airflow_batch_provider.hooks._http import _BODY_LIMIT
+    from airflow_batch_provider.hooks.transport import ERROR_BODY_LIMIT
 
-    text = "x" * (_BODY_LIMIT - 10) + SECRET + " trailing"
+    text = "x" * (ERROR_BODY_LIMIT - 10) + SECRET + " trailing"
     hook = mock_hook(lambda r: httpx.Response(400, text=text))
     with pytest.raises(BatchApiBadRequestError) as info:
         hook.get_batch("batch_1")
     shown = str(info.value) + repr(info.value.body)
     assert SECRET[:10] not in shown
-    assert len(info.value.body) <= _BODY_LIMIT
+    assert len(info.value.body) <= ERROR_BODY_LIMIT
 
 
 def test_key_is_registered_with_the_secrets_masker(mock_hook) -> None:
@@ -898,7 +898,7 @@ def _multipart(request: httpx.Request) -> tuple[dict[str, str], bytes, str]:
 
 
 def test_multipart_body_is_produced_in_bounded_chunks(tmp_path: Path) -> None:
-    from airflow_batch_provider.hooks._http import UPLOAD_CHUNK, MultipartUpload
+    from airflow_batch_provider.hooks.transport import UPLOAD_CHUNK, MultipartUpload
 
     data = b"z" * (3 * UPLOAD_CHUNK + 17)
     source = tmp_path / "big.jsonl"
@@ -911,7 +911,7 @@ def test_multipart_body_is_produced_in_bounded_chunks(tmp_path: Path) -> None:
 
 
 def test_multipart_refuses_a_file_that_changed_during_upload(tmp_path: Path) -> None:
-    from airflow_batch_provider.hooks._http import MultipartUpload
+    from airflow_batch_provider.hooks.transport import MultipartUpload
 
     source = tmp_path / "in.jsonl"
     source.write_bytes(b"12345")

@@ -24,8 +24,8 @@ from airflow_batch_provider.exceptions import (
 )
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.hooks.retry import RetryPolicy
+from tests.fixtures.hook import SECRET, openai_batch
 from tests.fixtures.hostile import Exchange, HostileServer, drip, gzip_bomb, redirect, reply, sequence
-from tests.hooks.conftest import SECRET, openai_batch
 
 CUSTOM_SECRET = "custom-header-secret-987654"
 HEADERS = {"X-Gateway-Token": CUSTOM_SECRET, "X-Project-Id": "proj-visible"}

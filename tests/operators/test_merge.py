@@ -10,9 +10,10 @@ import orjson
 import pytest
 
 from airflow_batch_provider import staging
+from airflow_batch_provider.constants import SHARD_TAG
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.models import Manifest, Shard
-from airflow_batch_provider.operators.merge import MergeBatchResultsOperator, normalize_batches
+from airflow_batch_provider.operators.merge import MergeBatchResultsOperator, batches_with_shards
 
 ENDPOINT = "/v1/chat/completions"
 
@@ -211,15 +212,15 @@ def test_without_manifest_custom_id_is_the_key(server: Any, sqlite_warehouse: An
     ) == [("t-1",), ("t-2",)]
 
 
-def test_normalize_batches_reads_every_input_shape() -> None:
-    assert normalize_batches("b1") == [("b1", None)]
-    assert normalize_batches(["b1", "b2", "b1"]) == [("b1", None), ("b2", None)]
-    assert normalize_batches({"batches": [{"shard": 0, "batch_id": "b1"}], "batch_ids": ["b1"]}) == [
+def test_batches_with_shards_reads_every_input_shape() -> None:
+    assert batches_with_shards("b1") == [("b1", None)]
+    assert batches_with_shards(["b1", "b2", "b1"]) == [("b1", None), ("b2", None)]
+    assert batches_with_shards({"batches": [{"shard": 0, "batch_id": "b1"}], "batch_ids": ["b1"]}) == [
         ("b1", 0)
     ]
     event = {"status": "success", "batch_ids": ["b1"], "batches": [{"id": "b1", "state": "completed"}]}
-    assert normalize_batches(event) == [("b1", None)]
-    assert normalize_batches([{"batch_ids": ["a"]}, {"batch_ids": ["b"]}]) == [("a", None), ("b", None)]
+    assert batches_with_shards(event) == [("b1", None)]
+    assert batches_with_shards([{"batch_ids": ["a"]}, {"batch_ids": ["b"]}]) == [("a", None), ("b", None)]
 
 
 def test_terminal_event_without_shards_uses_the_batch_metadata(
@@ -230,7 +231,7 @@ def test_terminal_event_without_shards_uses_the_batch_metadata(
     manifest_data = staging.read_manifest(str(manifest))
     hook = BatchApiHook()
     file_id = hook.upload_file(str(manifest.parent / manifest_data.shards[0].path))
-    batch = hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT, metadata={"airflow_shard": "0"})
+    batch = hook.create_batch(input_file_id=file_id, endpoint=ENDPOINT, metadata={SHARD_TAG: "0"})
     while not batch.is_terminal:
         time.sleep(0.1)
         batch = hook.get_batch(batch.id)
@@ -256,10 +257,10 @@ def test_a_running_batch_is_not_merged(server: Any, sqlite_warehouse: Any, tmp_p
 
 
 def test_batches_rendered_as_a_string_are_read() -> None:
-    assert normalize_batches("{'batch_ids': ['b1'], 'batches': [{'shard': 2, 'batch_id': 'b1'}]}") == [
+    assert batches_with_shards("{'batch_ids': ['b1'], 'batches': [{'shard': 2, 'batch_id': 'b1'}]}") == [
         ("b1", 2)
     ]
-    assert normalize_batches("['b1', 'b2']") == [("b1", None), ("b2", None)]
+    assert batches_with_shards("['b1', 'b2']") == [("b1", None), ("b2", None)]
 
 
 def test_embeddings_and_responses_through_the_server(server: Any, warehouse: Any, tmp_path: Path) -> None:
@@ -291,11 +292,11 @@ def test_no_resubmission_after_the_last_attempt(server: Any, sqlite_warehouse: A
     assert not (tmp_path / "stage" / "attempt-2").exists()
 
 
-def test_normalize_batches_reads_a_mapped_tasks_lazy_sequence() -> None:
+def test_batches_with_shards_reads_a_mapped_tasks_lazy_sequence() -> None:
     """A mapped submit's XCom is a lazy Sequence (not a list); every batch in it is read."""
     from collections.abc import Sequence
 
-    from airflow_batch_provider.operators.merge import normalize_batches
+    from airflow_batch_provider.operators.merge import batches_with_shards
 
     class LazySequence(Sequence):
         def __init__(self, items: list) -> None:
@@ -313,7 +314,7 @@ def test_normalize_batches_reads_a_mapped_tasks_lazy_sequence() -> None:
             {"batch_ids": ["b1"], "batches": [{"shard": 1, "batch_id": "b1"}]},
         ]
     )
-    assert normalize_batches(value) == [("b0", 0), ("b1", 1)]
+    assert batches_with_shards(value) == [("b0", 0), ("b1", 1)]
 
 
 # ---- manifest_path given the build's XCom (issue #13 point 19) --------------------------------

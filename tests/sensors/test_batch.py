@@ -18,7 +18,7 @@ from airflow_batch_provider.models import Batch
 from airflow_batch_provider.outcome import error_event
 from airflow_batch_provider.sensors.batch import BatchSensor
 from airflow_batch_provider.triggers.batch import BatchTrigger
-from airflow_batch_provider.waiting import normalise_batch_ids
+from airflow_batch_provider.waiting import batch_ids_and_deadline
 from tests.fixtures.airflow import write_batch_jsonl
 
 
@@ -51,14 +51,14 @@ async def defer_and_run(sensor: BatchSensor, context: dict[str, Any]) -> dict[st
 
 
 def test_batch_ids_forms() -> None:
-    assert normalise_batch_ids("b1") == (["b1"], None)
-    assert normalise_batch_ids("b1, b2") == (["b1", "b2"], None)
-    assert normalise_batch_ids("['b1', 'b2']") == (["b1", "b2"], None)
+    assert batch_ids_and_deadline("b1") == (["b1"], None)
+    assert batch_ids_and_deadline("b1, b2") == (["b1", "b2"], None)
+    assert batch_ids_and_deadline("['b1', 'b2']") == (["b1", "b2"], None)
     submit_xcom = {"batch_ids": ["b1"], "submitted_at": "2026-01-01T00:00:00+00:00", "batches": []}
-    assert normalise_batch_ids(submit_xcom) == (["b1"], "2026-01-01T00:00:00+00:00")
+    assert batch_ids_and_deadline(submit_xcom) == (["b1"], "2026-01-01T00:00:00+00:00")
     for bad in ([], "", None, [""], {"batch_ids": [1]}):
         with pytest.raises(ConfigurationError, match="batch_ids"):
-            normalise_batch_ids(bad)
+            batch_ids_and_deadline(bad)
 
 
 def test_defers_with_deadline_from_submit_time(

@@ -20,8 +20,8 @@ import pytest
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.triggers.batch import BatchTrigger
 from airflow_batch_provider.waiting import wait_batches
+from tests.fixtures.hook import openai_batch
 from tests.fixtures.hostile import Exchange, HostileServer, drip, reply, sequence
-from tests.hooks.conftest import openai_batch
 
 SECRET = "sk-hostile-trigger-key-5551234"
 # Each read comes quickly (50 ms apart), the whole answer takes ~15 s: only a deadline per

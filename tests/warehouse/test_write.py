@@ -701,7 +701,7 @@ def test_spool_hands_every_byte_to_a_concurrent_reader_in_order(monkeypatch: pyt
     # Short writes (as on a full disk) are completed, never counted as written.
     real_write = os.write
     monkeypatch.setattr(wd.os, "write", lambda fd, data: real_write(fd, bytes(data[:300])))
-    spool = wd._Spool(segment=10_000)  # many segment files, each freed once read
+    spool = wd.Spool(segment=10_000)  # many segment files, each freed once read
     received: list[bytes] = []
     reader = threading.Thread(target=lambda: received.extend(c for f in spool.files() for c in f))
     reader.start()
@@ -722,7 +722,7 @@ def test_spool_files_are_read_one_by_one_as_rounds() -> None:
 
     from airflow_batch_provider.warehouse.loaders import pg_copy as wd
 
-    spool = wd._Spool(segment=5_000)
+    spool = wd.Spool(segment=5_000)
     rounds: list[bytes] = []
     reader = threading.Thread(target=lambda: rounds.extend(b"".join(f) for f in spool.files()))
     reader.start()
@@ -744,16 +744,16 @@ def test_spool_files_are_read_one_by_one_as_rounds() -> None:
 def test_spool_failure_on_either_side_stops_the_other() -> None:
     import threading
 
-    from airflow_batch_provider.warehouse.loaders.pg_copy import _Spool, _SpoolAborted
+    from airflow_batch_provider.warehouse.loaders.pg_copy import Spool, SpoolAborted
 
-    spool = _Spool(segment=1000)
+    spool = Spool(segment=1000)
     errors: list[BaseException] = []
 
     def read() -> None:
         try:
             for file in spool.files():
                 list(file)
-        except _SpoolAborted as exc:
+        except SpoolAborted as exc:
             errors.append(exc)
 
     reader = threading.Thread(target=read)
@@ -764,9 +764,9 @@ def test_spool_failure_on_either_side_stops_the_other() -> None:
     assert len(errors) == 1 and spool.first_failure == "writer"
     spool.close()
 
-    spool = _Spool(segment=1000)
+    spool = Spool(segment=1000)
     spool.fail("reader")
-    with pytest.raises(_SpoolAborted):
+    with pytest.raises(SpoolAborted):
         spool.write(b"more")
     spool.fail("writer")
     assert spool.first_failure == "reader"
@@ -874,10 +874,10 @@ def test_remerge_with_multi_column_typed_keys_replaces_each_row(warehouse: Any, 
 
 
 def test_duckdb_version_gates_the_replace_upsert() -> None:
-    from airflow_batch_provider.warehouse.databases.duckdb import _version
+    from airflow_batch_provider.warehouse.databases.duckdb import version_tuple
 
-    assert _version("1.1.3") < (1, 2) <= _version("1.2.0") < _version("2.0.1")
-    assert _version("1.2.0.dev123") == (1, 2, 0)
+    assert version_tuple("1.1.3") < (1, 2) <= version_tuple("1.2.0") < version_tuple("2.0.1")
+    assert version_tuple("1.2.0.dev123") == (1, 2, 0)
 
 
 # ---- PostgreSQL: results written in rounds while they load ------------------------------------
@@ -1068,7 +1068,7 @@ def test_spool_rounds_double_in_size_every_n_files() -> None:
     """Rounds grow (each becomes a table held until commit): 100 GB makes hundreds, not thousands."""
     from airflow_batch_provider.warehouse.loaders import pg_copy as wd
 
-    spool = wd._Spool(segment=100, double_every=2)
+    spool = wd.Spool(segment=100, double_every=2)
     for _ in range(100):
         spool.write(b"x" * 10)
     spool.finish()

@@ -40,7 +40,7 @@ class DuckDBSqlDialect(SqlDialect):
         super().__init__(hook)
         import duckdb
 
-        if _version(duckdb.__version__) < (1, 2):
+        if version_tuple(duckdb.__version__) < (1, 2):
             # Before 1.2, DuckDB refused to re-insert a key deleted in the same transaction,
             # and had no multi-column ``IN (SELECT ...)``.
             self.capabilities = replace(self.capabilities, upsert_by_replace=False, keyless_tables=False)
@@ -173,7 +173,7 @@ def read_settings(conn: Any, session_sql: Sequence[str]) -> list[str]:
     return [f"SET memory_limit = '{READ_MEMORY_LIMIT}'"]
 
 
-def _version(text: str) -> tuple[int, ...]:
+def version_tuple(text: str) -> tuple[int, ...]:
     """``(1, 2)`` from ``"1.2.0"`` or ``"1.2.0.dev1"`` (leading numeric parts only)."""
     parts = []
     for part in text.split("."):

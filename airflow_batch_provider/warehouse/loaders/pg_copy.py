@@ -23,7 +23,7 @@ from typing import IO, Any
 log = logging.getLogger(__name__)
 
 
-class _SpoolAborted(Exception):
+class SpoolAborted(Exception):
     """The other side of a spool gave up; the real error is reported by whoever failed."""
 
 
@@ -36,12 +36,15 @@ ROUND_BYTES = 24 << 20
 ROUNDS_PER_SIZE = 16
 
 
-class _Spool:
+class Spool:
     """Temp files one thread appends to while another reads them in order and then deletes them.
 
     It lets Python format COPY rows at full speed while the connection is still busy with
     earlier work, without holding the rows in memory: what is not yet sent waits on disk.
     The writer side is a psycopg ``copy.Writer`` (``write``/``finish``).
+
+    :param segment: bytes per spool file before the next one starts.
+    :param double_every: files of each size before the size doubles (None: the size stays).
     """
 
     def __init__(self, segment: int, *, double_every: int | None = None) -> None:
@@ -61,7 +64,7 @@ class _Spool:
 
     def write(self, data: Any) -> None:
         if self._failed:
-            raise _SpoolAborted("the COPY reading this spool failed")
+            raise SpoolAborted("the COPY reading this spool failed")
         with self._cond:
             if not self._files or self._files[-1][1] >= self._segment_size():
                 self._files.append([tempfile.TemporaryFile(prefix="abp-copy-"), 0])  # noqa: SIM115
@@ -106,7 +109,7 @@ class _Spool:
                 while not self._failed and not self._files and not self._done:
                     self._cond.wait()
                 if self._failed:
-                    raise _SpoolAborted("the rows could not all be produced")
+                    raise SpoolAborted("the rows could not all be produced")
                 if not self._files:
                     return
             yield self._file_chunks()
@@ -123,7 +126,7 @@ class _Spool:
                 ):
                     self._cond.wait()
                 if self._failed:
-                    raise _SpoolAborted("the rows could not all be produced")
+                    raise SpoolAborted("the rows could not all be produced")
                 if not self._files:
                     return  # done, nothing was ever written
                 handle, available = self._files[0]
@@ -163,7 +166,7 @@ def _overlapped_copy(
     conn: Any,
     rows: Iterable[Sequence[Any]],
     before: Callable[[], Any],
-    load: Callable[[_Spool], Any],
+    load: Callable[[Spool], Any],
     *,
     segment: int,
     double_every: int | None = None,
@@ -179,7 +182,7 @@ def _overlapped_copy(
     """
     from psycopg import Copy
 
-    spool = _Spool(segment, double_every=double_every)
+    spool = Spool(segment, double_every=double_every)
     count = 0
     iterator = iter(rows)
     formatting = conn.cursor()
@@ -214,7 +217,7 @@ def _overlapped_copy(
                         count += 1
                 log.debug("%.2fs: %d rows formatted", time.perf_counter() - formatted, count)
             except BaseException as exc:
-                if not isinstance(exc, _SpoolAborted):
+                if not isinstance(exc, SpoolAborted):
                     spool.fail("writer")
                 if spool.first_failure == "writer":
                     # Do not wait for the worker's statement (keys can take minutes) to finish.
@@ -228,7 +231,7 @@ def _overlapped_copy(
                 except Exception as error:
                     worker_error = error
                 if spool.first_failure == "reader" and worker_error is not None:
-                    raise worker_error from (None if isinstance(exc, _SpoolAborted) else exc)
+                    raise worker_error from (None if isinstance(exc, SpoolAborted) else exc)
                 raise
             loading.result()
     finally:
@@ -353,7 +356,7 @@ def load_in_rounds(
         while Python formats the next round.
     """
 
-    def load_rounds(spool: _Spool) -> None:
+    def load_rounds(spool: Spool) -> None:
         # One spool file is one round.
         for number, chunks in enumerate(spool.files(), start=1):
             part, create, copy_sql = round_sql(number)

@@ -17,7 +17,7 @@ from typing import IO, Any, TextIO
 import orjson
 
 from airflow_batch_provider import staging
-from airflow_batch_provider.dialects import DIALECTS
+from airflow_batch_provider.dialects import DIALECTS, dialect_class
 from airflow_batch_provider.jsonl import LineValidator, iter_raw_lines
 
 # prepare rewrites whole lines, so it must hold one; this is far above any vendor's line limit.
@@ -94,10 +94,9 @@ def _open_input(path: str) -> Iterator[IO[bytes]]:
 
 def run_validate(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Validate a file; print problems and a summary; return 1 if there is any problem, else 0."""
-    from airflow_batch_provider.dialects import get_dialect
-
     out = out or sys.stdout
-    dialect = get_dialect(args.dialect)
+    # The class, not an instance: its rules are class attributes, and no model is needed.
+    dialect = dialect_class(args.dialect)
     if args.endpoint:
         dialect.check_endpoint(args.endpoint)
     limits = dialect.limits.tightened(

@@ -11,12 +11,12 @@ import time
 import httpx
 import pytest
 
-from airflow_batch_provider.server import cli
+from airflow_batch_provider.server import options
 
 
 def test_options_build_the_config(tmp_path, monkeypatch):
     parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
+    options.add_arguments(parser)
     monkeypatch.setenv("MY_SERVER_KEY", "sk-abc")
     args = parser.parse_args(
         [
@@ -25,7 +25,7 @@ def test_options_build_the_config(tmp_path, monkeypatch):
             "--fault-429", "0.25", "--fault-line-failure", "0.1", "--stall-batches", "--max-lines", "10",
         ]
     )  # fmt: skip
-    config = cli.config_from_args(args)
+    config = options.config_from_args(args)
     assert config.dialect == "xai"
     assert config.api_key == "sk-abc"
     assert config.time_scale == 0.01
@@ -37,10 +37,12 @@ def test_options_build_the_config(tmp_path, monkeypatch):
 
 def test_missing_key_variable_is_refused(tmp_path, monkeypatch):
     parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
+    options.add_arguments(parser)
     monkeypatch.delenv("NOT_SET_KEY", raising=False)
     with pytest.raises(SystemExit, match="NOT_SET_KEY"):
-        cli.config_from_args(parser.parse_args(["--data-dir", str(tmp_path), "--api-key-env", "NOT_SET_KEY"]))
+        options.config_from_args(
+            parser.parse_args(["--data-dir", str(tmp_path), "--api-key-env", "NOT_SET_KEY"])
+        )
 
 
 def test_serve_command_prints_the_url_and_serves(tmp_path):

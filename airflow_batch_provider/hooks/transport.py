@@ -42,7 +42,8 @@ PathSource = Union[str, "os.PathLike[str]", "ObjectStoragePath"]
 
 UPLOAD_CHUNK = 1 << 20
 REQUEST_ID_HEADERS = ("x-request-id", "request-id", "x-amzn-requestid", "cf-ray")
-_BODY_LIMIT = 4000
+#: Most characters of a non-JSON error body kept on an exception (after redaction).
+ERROR_BODY_LIMIT = 4000
 REDACTED = "***"
 
 
@@ -644,7 +645,7 @@ def parse_json_body(response: httpx.Response, action: str, secret: Secrets) -> A
             status_code=response.status_code,
             request_id=request_id_of(response),
             # Redact before cutting: a key straddling the cut would otherwise leave a fragment.
-            body=redact(response.text, secret)[:_BODY_LIMIT],
+            body=redact(response.text, secret)[:ERROR_BODY_LIMIT],
         ) from None
 
 
@@ -664,7 +665,7 @@ def body_of(response: httpx.Response, secret: Secrets) -> Any:
         return _redact_value(orjson.loads(response.content), secret)
     except orjson.JSONDecodeError:
         # Redact before cutting: a key straddling the cut would otherwise leave a fragment.
-        return redact(response.content.decode("utf-8", errors="replace"), secret)[:_BODY_LIMIT]
+        return redact(response.content.decode("utf-8", errors="replace"), secret)[:ERROR_BODY_LIMIT]
 
 
 def _vendor_message(body: Any) -> str | None:
