@@ -16,7 +16,7 @@ import inspect
 import itertools
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +78,8 @@ class World:
 
     :param dialect: the dialect name.
     :param server: the live local batch server speaking it.
-    :param proxy: a hostile server in front of it that drops every create's answer.
+    :param proxy: a hostile server in front of it: it drops every create's answer after the
+        server made the batch, and serves ``BIG_FILE`` dropping every other download after a MiB.
     :param tmp: a directory for inputs and downloads.
     """
 
@@ -297,7 +298,8 @@ def by_custom_id(lines: list[Any]) -> list[Any]:
 # ---- rows -------------------------------------------------------------------------------------
 
 SyncCall = Callable[[World], Any]
-AsyncCall = Callable[[World], Awaitable[Any]]
+# An awaitable or an async iterator.
+AsyncCall = Callable[[World], Any]
 
 
 @dataclass(frozen=True)
@@ -328,6 +330,32 @@ class Row:
 
 async def collect(items: AsyncIterator[Any]) -> list[Any]:
     return [item async for item in items]
+
+
+def given(w: World, value: Any) -> Any:
+    """``value``, or what it returns for the world if it is a function."""
+    return value(w) if callable(value) else value
+
+
+def twins(method: str, *args: Any, variant: str = "plain", **kwargs: Any) -> tuple[SyncCall, AsyncCall]:
+    """``method`` and ``a<method>`` called with the same arguments on a fresh hook each.
+
+    An argument that is a function is called with the world first (for values known only once
+    the world exists, or made anew for each twin). Iterators are collected by the runner.
+    """
+
+    def resolve(w: World) -> tuple[list[Any], dict[str, Any]]:
+        return [given(w, a) for a in args], {k: given(w, v) for k, v in kwargs.items()}
+
+    def sync_call(w: World) -> Any:
+        call_args, call_kwargs = resolve(w)
+        return getattr(w.hook(variant), method)(*call_args, **call_kwargs)
+
+    def async_call(w: World) -> Any:
+        call_args, call_kwargs = resolve(w)
+        return getattr(w.hook(variant), f"a{method}")(*call_args, **call_kwargs)
+
+    return sync_call, async_call
 
 
 def client_shape(client: httpx.Client | httpx.AsyncClient) -> Any:
@@ -447,8 +475,8 @@ def lines_shape(lines: list[dict[str, Any]], requests: int) -> Any:
     return len(lines), len({line["custom_id"] for line in lines}), digest, requests
 
 
-def create_kwargs(w: World, **overrides: Any) -> dict[str, Any]:
-    return {"input_file_id": w.input_file_id, "endpoint": ENDPOINT, "metadata": w.run_key(), **overrides}
+def create_kwargs(w: World) -> dict[str, Any]:
+    return {name: given(w, value) for name, value in CREATE.items()}
 
 
 def cancel_sync(w: World) -> Any:
@@ -488,12 +516,30 @@ DROP = {"drop_rate": 0.5}  # deterministic: the first download of each twin drop
 MISSING_FILE = "file-00000000000000000000missing"
 MISSING_BATCH = "batch_00000000000000000000missing"
 
+
+def done(w: World) -> Batch:
+    return w.done
+
+
+def done_id(w: World) -> str:
+    return w.done.id
+
+
+def readable(w: World) -> str:
+    return w.readable_file
+
+
+# The create arguments; each twin gets metadata of its own, so a lookup finds only its batch.
+CREATE: dict[str, Any] = {
+    "input_file_id": lambda w: w.input_file_id,
+    "endpoint": ENDPOINT,
+    "metadata": World.run_key,
+}
+
 ROWS: list[Row] = [
     # -- settings, clients, lifecycle
-    Row(
-        "get_settings", lambda w: w.hook().get_settings(), lambda w: w.hook().aget_settings(), settings_shape
-    ),
-    Row("get_conn", lambda w: w.hook().get_conn(), lambda w: w.hook().aget_conn(), client_shape),
+    Row("get_settings", *twins("get_settings"), settings_shape),
+    Row("get_conn", *twins("get_conn"), client_shape),
     Row("close", close_sync, close_async),
     Row("__enter__", context_sync, context_async),
     # -- files
@@ -504,42 +550,20 @@ ROWS: list[Row] = [
         lambda w: upload_async(w, filename="named.jsonl"),
         scrub,
     ),
-    Row(
-        "upload_file[no such local file]",
-        lambda w: w.hook().upload_file(w.tmp / "absent.jsonl"),
-        lambda w: w.hook().aupload_file(w.tmp / "absent.jsonl"),
-    ),
+    Row("upload_file[no such local file]", *twins("upload_file", lambda w: w.tmp / "absent.jsonl")),
     Row(
         "upload_file[over the dialect limit]",
-        lambda w: w.hook().upload_file(oversize(w, server=False), filename="big.jsonl"),
-        lambda w: w.hook().aupload_file(oversize(w, server=False), filename="big.jsonl"),
+        *twins("upload_file", lambda w: oversize(w, server=False), filename="big.jsonl"),
     ),
     Row(
         "upload_file[over the server limit]",
-        lambda w: w.hook().upload_file(oversize(w, server=True), filename="big.jsonl"),
-        lambda w: w.hook().aupload_file(oversize(w, server=True), filename="big.jsonl"),
+        *twins("upload_file", lambda w: oversize(w, server=True), filename="big.jsonl"),
     ),
-    Row(
-        "upload_file[quota]",
-        lambda w: w.hook("quota").upload_file(w.input_path),
-        lambda w: w.hook("quota").aupload_file(w.input_path),
-    ),
-    Row(
-        "get_file",
-        lambda w: w.hook().get_file(w.input_file_id),
-        lambda w: w.hook().aget_file(w.input_file_id),
-    ),
-    Row(
-        "get_file[missing]",
-        lambda w: w.hook().get_file(MISSING_FILE),
-        lambda w: w.hook().aget_file(MISSING_FILE),
-    ),
+    Row("upload_file[quota]", *twins("upload_file", lambda w: w.input_path, variant="quota")),
+    Row("get_file", *twins("get_file", lambda w: w.input_file_id)),
+    Row("get_file[missing]", *twins("get_file", MISSING_FILE)),
     Row("delete_file", delete_sync, delete_async),
-    Row(
-        "delete_file[missing]",
-        lambda w: w.hook().delete_file(MISSING_FILE),
-        lambda w: w.hook().adelete_file(MISSING_FILE),
-    ),
+    Row("delete_file[missing]", *twins("delete_file", MISSING_FILE)),
     Row(
         "download_file",
         lambda w: download_sync(w, w.readable_file),
@@ -557,172 +581,49 @@ ROWS: list[Row] = [
         lambda w: download_sync(w, MISSING_FILE),
         lambda w: download_async(w, MISSING_FILE),
     ),
-    Row(
-        "iter_file_lines",
-        lambda w: list(w.hook().iter_file_lines(w.readable_file)),
-        lambda w: collect(w.hook().aiter_file_lines(w.readable_file)),
-    ),
-    Row(
-        "iter_file_lines[dropped mid-stream]",
-        lambda w: list(w.hook().iter_file_lines(w.readable_file)),
-        lambda w: collect(w.hook().aiter_file_lines(w.readable_file)),
-        faults=DROP,
-    ),
+    Row("iter_file_lines", *twins("iter_file_lines", readable)),
+    Row("iter_file_lines[dropped mid-stream]", *twins("iter_file_lines", readable), faults=DROP),
     Row("iter_file_lines[dropped after a MiB, resumed]", big_lines_sync, big_lines_async),
-    Row(
-        "iter_file_lines[missing]",
-        lambda w: list(w.hook().iter_file_lines(MISSING_FILE)),
-        lambda w: collect(w.hook().aiter_file_lines(MISSING_FILE)),
-    ),
-    Row(
-        "iter_file_lines[quota]",
-        lambda w: list(w.hook("quota").iter_file_lines(w.readable_file)),
-        lambda w: collect(w.hook("quota").aiter_file_lines(w.readable_file)),
-    ),
+    Row("iter_file_lines[missing]", *twins("iter_file_lines", MISSING_FILE)),
+    Row("iter_file_lines[quota]", *twins("iter_file_lines", readable, variant="quota")),
     # -- batches
+    Row("create_batch", *twins("create_batch", **CREATE), scrub),
     Row(
-        "create_batch",
-        lambda w: w.hook().create_batch(**create_kwargs(w)),
-        lambda w: w.hook().acreate_batch(**create_kwargs(w)),
-        scrub,
+        "create_batch[missing input file]", *twins("create_batch", **CREATE | {"input_file_id": MISSING_FILE})
     ),
+    Row("create_batch[bad window]", *twins("create_batch", **CREATE | {"completion_window": "7m"})),
+    Row("create_batch[quota]", *twins("create_batch", **CREATE, variant="quota")),
+    # The proxy creates the batch, then drops the answer: the lookup by metadata adopts it.
+    Row("create_batch[answer dropped, adopted]", *twins("create_batch", **CREATE, variant="proxy"), created),
+    # Nothing to look for: raise rather than risk paying twice.
     Row(
-        "create_batch[missing input file]",
-        lambda w: w.hook().create_batch(**create_kwargs(w, input_file_id=MISSING_FILE)),
-        lambda w: w.hook().acreate_batch(**create_kwargs(w, input_file_id=MISSING_FILE)),
-    ),
-    Row(
-        "create_batch[bad window]",
-        lambda w: w.hook().create_batch(**create_kwargs(w, completion_window="7m")),
-        lambda w: w.hook().acreate_batch(**create_kwargs(w, completion_window="7m")),
-    ),
-    Row(
-        "create_batch[quota]",
-        lambda w: w.hook("quota").create_batch(**create_kwargs(w)),
-        lambda w: w.hook("quota").acreate_batch(**create_kwargs(w)),
-    ),
-    Row(
-        # The proxy creates the batch, then drops the answer: the lookup by metadata adopts it.
-        "create_batch[answer dropped, adopted]",
-        lambda w: w.hook("proxy").create_batch(**create_kwargs(w)),
-        lambda w: w.hook("proxy").acreate_batch(**create_kwargs(w)),
-        created,
-    ),
-    Row(
-        # Nothing to look for: raise rather than risk paying twice.
         "create_batch[answer dropped, no metadata]",
-        lambda w: w.hook("proxy").create_batch(**create_kwargs(w, metadata=None)),
-        lambda w: w.hook("proxy").acreate_batch(**create_kwargs(w, metadata=None)),
+        *twins("create_batch", **CREATE | {"metadata": None}, variant="proxy"),
     ),
-    Row("get_batch", lambda w: w.hook().get_batch(w.done.id), lambda w: w.hook().aget_batch(w.done.id)),
-    Row(
-        "get_batch[missing]",
-        lambda w: w.hook().get_batch(MISSING_BATCH),
-        lambda w: w.hook().aget_batch(MISSING_BATCH),
-    ),
-    Row(
-        "get_batch[quota]",
-        lambda w: w.hook("quota").get_batch(w.done.id),
-        lambda w: w.hook("quota").aget_batch(w.done.id),
-    ),
+    Row("get_batch", *twins("get_batch", done_id)),
+    Row("get_batch[missing]", *twins("get_batch", MISSING_BATCH)),
+    Row("get_batch[quota]", *twins("get_batch", done_id, variant="quota")),
     Row("cancel_batch", cancel_sync, cancel_async, polls=True),
-    Row(
-        "cancel_batch[finished]",
-        lambda w: w.hook().cancel_batch(w.done.id),
-        lambda w: w.hook().acancel_batch(w.done.id),
-    ),
-    Row(
-        "cancel_batch[missing]",
-        lambda w: w.hook().cancel_batch(MISSING_BATCH),
-        lambda w: w.hook().acancel_batch(MISSING_BATCH),
-    ),
-    Row(
-        "list_batches",
-        lambda w: list(w.hook().list_batches()),
-        lambda w: collect(w.hook().alist_batches()),
-        ids,
-    ),
-    Row(
-        "list_batches[page_size=2]",
-        lambda w: list(w.hook().list_batches(page_size=2)),
-        lambda w: collect(w.hook().alist_batches(page_size=2)),
-        ids,
-    ),
-    Row(
-        "list_batches[page_size=2, limit=3]",
-        lambda w: list(w.hook().list_batches(page_size=2, limit=3)),
-        lambda w: collect(w.hook().alist_batches(page_size=2, limit=3)),
-        ids,
-    ),
-    Row(
-        "list_batches[page_size over the server's]",
-        lambda w: list(w.hook().list_batches(page_size=5000)),
-        lambda w: collect(w.hook().alist_batches(page_size=5000)),
-        ids,
-    ),
-    Row(
-        "list_batches[quota]",
-        lambda w: list(w.hook("quota").list_batches()),
-        lambda w: collect(w.hook("quota").alist_batches()),
-    ),
-    Row(
-        "find_batches",
-        lambda w: w.hook().find_batches(w.metadata),
-        lambda w: w.hook().afind_batches(w.metadata),
-    ),
-    Row(
-        "find_batches[no match]",
-        lambda w: w.hook().find_batches({"airflow_batch_key": "nothing"}),
-        lambda w: w.hook().afind_batches({"airflow_batch_key": "nothing"}),
-    ),
-    Row("find_batches[empty]", lambda w: w.hook().find_batches({}), lambda w: w.hook().afind_batches({})),
-    Row(
-        "find_batches[limit=2]",
-        lambda w: w.hook().find_batches(w.metadata, limit=2),
-        lambda w: w.hook().afind_batches(w.metadata, limit=2),
-    ),
+    Row("cancel_batch[finished]", *twins("cancel_batch", done_id)),
+    Row("cancel_batch[missing]", *twins("cancel_batch", MISSING_BATCH)),
+    Row("list_batches", *twins("list_batches"), ids),
+    Row("list_batches[page_size=2]", *twins("list_batches", page_size=2), ids),
+    Row("list_batches[page_size=2, limit=3]", *twins("list_batches", page_size=2, limit=3), ids),
+    Row("list_batches[page_size over the server's]", *twins("list_batches", page_size=5000), ids),
+    Row("list_batches[quota]", *twins("list_batches", variant="quota")),
+    Row("find_batches", *twins("find_batches", lambda w: w.metadata)),
+    Row("find_batches[no match]", *twins("find_batches", {"airflow_batch_key": "nothing"})),
+    Row("find_batches[empty]", *twins("find_batches", {})),
+    Row("find_batches[limit=2]", *twins("find_batches", lambda w: w.metadata, limit=2)),
     # -- results
-    Row(
-        "iter_results",
-        lambda w: list(w.hook().iter_results(w.done)),
-        lambda w: collect(w.hook().aiter_results(w.done)),
-        by_custom_id,
-    ),
-    Row(
-        "iter_results[by id]",
-        lambda w: list(w.hook().iter_results(w.done.id)),
-        lambda w: collect(w.hook().aiter_results(w.done.id)),
-        by_custom_id,
-    ),
-    Row(
-        "iter_results[files]",
-        lambda w: list(w.hook().iter_results(w.done, mode="files")),
-        lambda w: collect(w.hook().aiter_results(w.done, mode="files")),
-        by_custom_id,
-    ),
+    Row("iter_results", *twins("iter_results", done), by_custom_id),
+    Row("iter_results[by id]", *twins("iter_results", done_id), by_custom_id),
+    Row("iter_results[files]", *twins("iter_results", done, mode="files"), by_custom_id),
     Row("iter_results[results_endpoint, pages of 2]", paged_results_sync, paged_results_async, by_custom_id),
-    Row(
-        "iter_results[dropped mid-stream]",
-        lambda w: list(w.hook().iter_results(w.done)),
-        lambda w: collect(w.hook().aiter_results(w.done)),
-        by_custom_id,
-        faults=DROP,
-    ),
-    Row(
-        "iter_results[bad mode]",
-        lambda w: list(w.hook().iter_results(w.done, mode="carrier-pigeon")),
-        lambda w: collect(w.hook().aiter_results(w.done, mode="carrier-pigeon")),
-    ),
-    Row(
-        "iter_results[missing]",
-        lambda w: list(w.hook().iter_results(MISSING_BATCH)),
-        lambda w: collect(w.hook().aiter_results(MISSING_BATCH)),
-    ),
-    Row(
-        "iter_results[quota]",
-        lambda w: list(w.hook("quota").iter_results(w.done.id)),
-        lambda w: collect(w.hook("quota").aiter_results(w.done.id)),
-    ),
+    Row("iter_results[dropped mid-stream]", *twins("iter_results", done), by_custom_id, faults=DROP),
+    Row("iter_results[bad mode]", *twins("iter_results", done, mode="carrier-pigeon")),
+    Row("iter_results[missing]", *twins("iter_results", MISSING_BATCH)),
+    Row("iter_results[quota]", *twins("iter_results", done_id, variant="quota")),
     # -- sync only
     Row(
         "test_connection",
@@ -771,7 +672,10 @@ def run_sync(world: World, row: Row) -> tuple[Any, dict[str, int]]:
     before = world.counters()
     try:
         with _faults(world, row):
-            outcome: Any = ("ok", row.normaliser(row.sync_call(world)))
+            result = row.sync_call(world)
+            if isinstance(result, Iterator):
+                result = list(result)
+            outcome: Any = ("ok", row.normaliser(result))
     except Exception as exc:
         outcome = _error(exc)
     finally:
@@ -786,7 +690,9 @@ async def run_async(world: World, row: Row) -> tuple[Any, dict[str, int]]:
     before = world.counters()
     try:
         with _faults(world, row):
-            outcome: Any = ("ok", row.normaliser(await row.async_call(world)))
+            result = row.async_call(world)
+            result = await (collect(result) if isinstance(result, AsyncIterator) else result)
+            outcome: Any = ("ok", row.normaliser(result))
     except Exception as exc:
         outcome = _error(exc)
     finally:
@@ -842,7 +748,11 @@ def test_every_public_method_has_a_row() -> None:
     # Rows name the sync method; every async one is reached through its twin.
     assert covered - sync_methods - {"__enter__"} == set(), "rows for methods the hook no longer has"
     assert {row.method for row in ROWS if row.async_call is None} == SYNC_ONLY
-    assert {"__enter__", "__exit__", "__aenter__", "__aexit__"} <= set(vars(BatchApiHook))
+    # The context managers are twins too (their row is ``__enter__``).
+    assert all(
+        inspect.getattr_static(BatchApiHook, name) is not inspect.getattr_static(BaseHook, name, None)
+        for name in ("__enter__", "__exit__", "__aenter__", "__aexit__")
+    )
 
 
 def test_every_async_method_has_its_sync_twin() -> None:
