@@ -771,8 +771,8 @@ def test_twins_take_the_same_parameters() -> None:
         if not is_async(function):
             continue
         sync = inspect.signature(methods[name[1:]]).parameters
-        both = inspect.signature(function).parameters
-        shape = {p: (sync[p].kind, sync[p].default) for p in sync.keys() & both.keys() if sync[p] != both[p]}
+        twin = inspect.signature(function).parameters
+        shape = {p: (sync[p].kind, sync[p].default) for p in sync.keys() & twin.keys() if sync[p] != twin[p]}
         assert shape == {}, f"{name}: parameters differ in kind or default: {shape}"
-        gap = (sync.keys() ^ both.keys()) - KNOWN_SIGNATURE_GAPS.get(name[1:], set())
+        gap = (sync.keys() ^ twin.keys()) - KNOWN_SIGNATURE_GAPS.get(name[1:], set())
         assert gap == set(), f"{name} and {name[1:]} differ in parameters {gap}"
