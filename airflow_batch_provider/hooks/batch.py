@@ -710,16 +710,17 @@ class BatchApiHook(BaseHook):
             pages.turn()
 
     async def aiter_results(
-        self, batch: Batch | str, *, mode: str | None = None
+        self, batch: Batch | str, *, mode: str | None = None, on_bad_line: str = "fail"
     ) -> AsyncIterator[ResultLine]:
         """Async twin of ``iter_results``."""
         dialect = (await self.aget_settings()).dialect
         if isinstance(batch, str):
             batch = await self.aget_batch(batch)
         if results_mode(dialect, batch, mode) == "files":
+            read = result_line_or_bad if on_bad_line == "record" else result_line
             for file_id, source in result_files(batch):
-                async for number, obj in self._aiter_jsonl(file_id):
-                    yield result_line(dialect, obj, source, file_id, number)
+                async for number, obj in self._aiter_jsonl(file_id, lenient=on_bad_line == "record"):
+                    yield read(dialect, obj, source, file_id, number)
             return
         pages = results_pages(dialect, batch)
         while pages.params is not None:

@@ -59,7 +59,7 @@ SYNC_ONLY = {"test_connection"}
 # Connection-form classmethods: the UI calls them, no I/O, nothing to twin.
 FORM_METHODS = {"get_ui_field_behaviour", "get_connection_form_widgets"}
 # Parameters one twin has and the other lacks, known today (reported; remove when fixed).
-KNOWN_SIGNATURE_GAPS = {"iter_results": {"on_bad_line"}}
+KNOWN_SIGNATURE_GAPS: dict[str, set[str]] = {}
 # Headers the proxy does not pass on (hop-by-hop, or set again by its own client).
 HOP_HEADERS = {"host", "content-length", "connection", "accept-encoding", "transfer-encoding"}
 
@@ -89,6 +89,8 @@ class World:
     tmp: Path
     input_path: Path = field(init=False)
     input_file_id: str = ""
+    # A file whose lines no dialect can read as answers.
+    junk_file_id: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
     batch: Batch | None = None
     hooks: list[BatchApiHook] = field(default_factory=list)
@@ -221,6 +223,9 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             write_input(world.input_path, n=6)
             with world.hook() as hook, world.hook("stall") as stall:
                 world.input_file_id = hook.upload_file(world.input_path)
+                junk = world.tmp / "junk.jsonl"
+                junk.write_bytes(b'{"custom_id": "row-0", "respo\n[1, 2]\nnot json at all\n')
+                world.junk_file_id = hook.upload_file(junk)
                 for _ in range(STALLED):
                     stall.create_batch(input_file_id=world.input_file_id, endpoint=ENDPOINT)
                 world.batch = _partly_failed_batch(world, hook)
@@ -295,6 +300,13 @@ def by_custom_id(lines: list[Any]) -> list[Any]:
     return sorted(exact(lines), key=lambda line: (line["custom_id"], line["source"]))
 
 
+def all_recorded(lines: list[Any]) -> list[Any]:
+    """``by_custom_id``, after checking every line was recorded as unreadable (not read, not dropped)."""
+    shaped = by_custom_id(lines)
+    assert shaped and all(line["error"]["code"] == "invalid_result_line" for line in shaped), shaped
+    return shaped
+
+
 # ---- rows -------------------------------------------------------------------------------------
 
 SyncCall = Callable[[World], Any]
@@ -335,6 +347,16 @@ async def collect(items: AsyncIterator[Any]) -> list[Any]:
 def given(w: World, value: Any) -> Any:
     """``value``, or what it returns for the world if it is a function."""
     return value(w) if callable(value) else value
+
+
+def never(batch: Batch) -> bool:
+    """An ``accept`` test no batch passes."""
+    return False
+
+
+def misread(w: World) -> Batch:
+    """The finished batch with a file of unreadable lines (not JSON, not an object) as its output."""
+    return w.done.model_copy(update={"output_file_id": w.junk_file_id, "error_file_id": None})
 
 
 def twins(method: str, *args: Any, variant: str = "plain", **kwargs: Any) -> tuple[SyncCall, AsyncCall]:
@@ -615,12 +637,28 @@ ROWS: list[Row] = [
     Row("find_batches[no match]", *twins("find_batches", {"airflow_batch_key": "nothing"})),
     Row("find_batches[empty]", *twins("find_batches", {})),
     Row("find_batches[limit=2]", *twins("find_batches", lambda w: w.metadata, limit=2)),
+    Row("find_created_batch", *twins("find_created_batch", lambda w: w.metadata)),
+    Row("find_created_batch[no match]", *twins("find_created_batch", {"airflow_batch_key": "nothing"})),
+    Row(
+        "find_created_batch[other input file]",
+        *twins("find_created_batch", lambda w: w.metadata, input_file_id=MISSING_FILE),
+    ),
+    Row(
+        "find_created_batch[none accepted]",
+        *twins("find_created_batch", lambda w: w.metadata, accept=lambda w: never),
+    ),
     # -- results
     Row("iter_results", *twins("iter_results", done), by_custom_id),
     Row("iter_results[by id]", *twins("iter_results", done_id), by_custom_id),
     Row("iter_results[files]", *twins("iter_results", done, mode="files"), by_custom_id),
     Row("iter_results[results_endpoint, pages of 2]", paged_results_sync, paged_results_async, by_custom_id),
     Row("iter_results[dropped mid-stream]", *twins("iter_results", done), by_custom_id, faults=DROP),
+    Row(
+        "iter_results[unreadable lines recorded]",
+        *twins("iter_results", misread, mode="files", on_bad_line="record"),
+        all_recorded,
+    ),
+    Row("iter_results[unreadable lines fail]", *twins("iter_results", misread, mode="files")),
     Row("iter_results[bad mode]", *twins("iter_results", done, mode="carrier-pigeon")),
     Row("iter_results[missing]", *twins("iter_results", MISSING_BATCH)),
     Row("iter_results[quota]", *twins("iter_results", done_id, variant="quota")),
