@@ -32,8 +32,14 @@ def _closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _child_pytest(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess[str]:
-    (tmp_path / "test_probe.py").write_text(_PROBE)
+def _child_pytest(
+    tmp_path: Path,
+    ci: str | None,
+    probe: str = _PROBE,
+    plugins: tuple[str, ...] = (),
+    env_extra: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "test_probe.py").write_text(probe)
     port = str(_closed_port())
     env = {k: v for k, v in os.environ.items() if k != "CI" and not k.startswith("PYTEST")}
     env.update(
@@ -41,11 +47,13 @@ def _child_pytest(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess
         BATCH_TEST_PG_PORT=port,
         BATCH_TEST_MYSQL_PORT=port,
         AIRFLOW_HOME=str(tmp_path / "airflow-home"),
+        **(env_extra or {}),
     )
     if ci is not None:
         env["CI"] = ci
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+        + [arg for plugin in plugins for arg in ("-p", plugin)]
         + ["-p", "tests.fixtures.warehouse", "test_probe.py"],
         capture_output=True,
         text=True,
@@ -71,3 +79,23 @@ def test_missing_databases_skip_outside_ci(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "2 skipped" in out and "is not reachable" in out
+
+
+@pytest.mark.parametrize("ci", ["true", None], ids=["ci", "developer"])
+def test_an_s3_server_that_cannot_start_fails_under_ci(tmp_path: Path, ci: str | None) -> None:
+    """The moto S3 fixture follows the same rule: a failure under CI, a skip elsewhere."""
+    # A virtualenv path under a regular file: moto can be neither found nor installed there.
+    (tmp_path / "not-a-dir").write_text("")
+    proc = _child_pytest(
+        tmp_path,
+        ci,
+        probe="def test_s3(s3_staging):\n    pass\n",
+        plugins=("tests.fixtures.s3",),
+        env_extra={"BATCH_TEST_MOTO_VENV": str(tmp_path / "not-a-dir" / "venv")},
+    )
+    assert "cannot install moto[server]" in proc.stdout, proc.stdout[-3000:]
+    if ci:
+        assert proc.returncode == 1 and "1 error" in proc.stdout, proc.stdout[-3000:]
+        assert "under CI=true a missing S3 server is a failure" in proc.stdout
+    else:
+        assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-3000:]
