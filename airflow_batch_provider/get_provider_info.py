@@ -52,14 +52,29 @@ def get_provider_info() -> dict[str, Any]:
                 "options": {
                     "staging_root": {
                         "description": (
-                            "Where the build operator stages batch files when a task gives no "
-                            "staging_path: a local path or any ObjectStoragePath URL. Default: "
-                            "$AIRFLOW_HOME/batch-staging."
+                            "The default staging root of every operator: the build writes shards, keys, "
+                            "rejects and the manifest to <staging_root>/<dag_id>/<run_id>/<task_id> when "
+                            "it is given no staging_path, and submission state, resubmission shards and "
+                            "the merge follow the manifest there. A local path or any ObjectStoragePath "
+                            "URL, with the connection before the bucket (s3://aws_conn_id@bucket/prefix, "
+                            "gs://gcp_conn_id@bucket/prefix). Default: $AIRFLOW_HOME/batch-staging. On a "
+                            "distributed executor (anything but LocalExecutor) local staging fails the "
+                            "build at once unless local_staging_is_shared is set."
                         ),
                         "version_added": "0.1.0",
                         "type": "string",
-                        "example": "s3://my-bucket/batch-staging",
+                        "example": "s3://aws_default@my-bucket/batch-staging",
                         "default": None,
+                    },
+                    "local_staging_is_shared": {
+                        "description": (
+                            "Set when a local staging path is a filesystem every worker mounts (NFS, "
+                            "EFS...): a Celery, Kubernetes or Edge deployment then may stage on it."
+                        ),
+                        "version_added": "0.1.0",
+                        "type": "boolean",
+                        "example": "True",
+                        "default": "False",
                     },
                     "triggerer_gc_freeze": {
                         "description": (

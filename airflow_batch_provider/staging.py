@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import re
 import tempfile
+import uuid
 from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any
 
 import orjson
+
+from airflow_batch_provider.exceptions import ConfigurationError
 
 MANIFEST_NAME = "manifest.json"
 KEYS_NAME = "keys.jsonl"
@@ -30,6 +34,14 @@ SHARD_PATTERN = "shard-{index:05d}.jsonl"
 _SHARD_NAME = re.compile(r"shard-\d{5,}\.jsonl")
 _LOCAL_PROTOCOLS = frozenset({"", "file", "local"})
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.=-]+")
+#: Part size of object-store uploads and read-ahead of object-store reads: what one open remote
+#: file holds in memory. S3 needs parts of at least 5 MiB, GCS multiples of 256 KiB.
+REMOTE_BLOCK_SIZE = 8 << 20
+CONFIG_SECTION = "batch_provider"
+# Executors that run every task on the scheduler's machine (Sequential and Debug: Airflow 2 names).
+_LOCAL_EXECUTORS = frozenset({"LocalExecutor", "SequentialExecutor", "DebugExecutor"})
+# Stores whose fsspec files publish an object only when close() completes its upload.
+_PUBLISHED_ON_CLOSE = frozenset({"s3", "s3a", "s3n", "gs", "gcs"})
 
 # Imported lazily at run time: the CLI must start without loading Airflow, and
 # ``airflow-batch validate`` / ``prepare`` without loading the pydantic models.
@@ -82,6 +94,65 @@ def mkdirs(path: ObjectStoragePath) -> None:
             path.mkdir(parents=True, exist_ok=True)
 
 
+def staging_root() -> str:
+    """The deployment's staging root, under which every task's default staging directory lies.
+
+    ``[batch_provider] staging_root`` (environment variable ``AIRFLOW__BATCH_PROVIDER__STAGING_ROOT``;
+    the older ``AIRFLOW_BATCH_STAGING_ROOT`` is still read), else ``$AIRFLOW_HOME/batch-staging``.
+    """
+    from airflow.sdk import conf
+
+    root = conf.get(CONFIG_SECTION, "staging_root", fallback=None) or os.environ.get(
+        "AIRFLOW_BATCH_STAGING_ROOT"
+    )
+    if root:
+        return str(root)
+    home = os.environ.get("AIRFLOW_HOME") or os.path.expanduser("~/airflow")
+    return "file://" + os.path.join(os.path.abspath(home), "batch-staging")
+
+
+def remote_executors(setting: str) -> list[str]:
+    """The executors of a ``[core] executor`` value that may run a task on another machine.
+
+    The value is a comma-separated list (``alias:module.path.Executor`` entries allowed), optionally
+    per team (``LocalExecutor;team1=CeleryExecutor``). Only the local executors run every task
+    on the scheduler's machine; Celery, Kubernetes, Edge or any other may not.
+    """
+    found: list[str] = []
+    for team in setting.split(";"):
+        for entry in team.rpartition("=")[2].split(","):
+            name = entry.strip()
+            if name and name.rpartition(":")[2].rpartition(".")[2] not in _LOCAL_EXECUTORS:
+                found.append(name)
+    return found
+
+
+def check_shared(path: ObjectStoragePath) -> None:
+    """Fail at once when ``path`` is on local disk but other tasks may run on other machines.
+
+    A later task on another worker would otherwise fail with a ``FileNotFoundError``. A local
+    path that every worker mounts (NFS, EFS...) is allowed with ``[batch_provider]
+    local_staging_is_shared = True``.
+    """
+    if not is_local(path):
+        return
+    from airflow.sdk import conf
+
+    if conf.getboolean(CONFIG_SECTION, "local_staging_is_shared", fallback=False):
+        return
+    remote = remote_executors(conf.get("core", "executor", fallback="") or "")
+    if remote:
+        raise ConfigurationError(
+            f"staging {path} is on this machine's disk, but the executor ({', '.join(remote)}) may run "
+            "the next task on another machine, which cannot read it. Set [batch_provider] staging_root "
+            "(environment variable AIRFLOW__BATCH_PROVIDER__STAGING_ROOT) to object storage every "
+            "worker reaches, e.g. s3://<aws_conn_id>@<bucket>/batch-staging or "
+            "gs://<gcp_conn_id>@<bucket>/batch-staging, or give the task such a staging_path; if "
+            "this path is a filesystem every worker mounts, set [batch_provider] "
+            "local_staging_is_shared = True (AIRFLOW__BATCH_PROVIDER__LOCAL_STAGING_IS_SHARED)."
+        )
+
+
 def _plain_local(path: Any) -> str | None:
     """The absolute OS path when ``path`` is a plain ``str``/``PathLike`` without a scheme, else None.
 
@@ -100,55 +171,91 @@ def atomic_writer(path: ObjectStoragePath | str, buffering: int = 1 << 20) -> It
 
     Local files (an ``ObjectStoragePath`` or a plain OS path) are written to a temporary file in
     the same directory, flushed to disk and renamed over the target, keeping the permission
-    bits of the file replaced. Object stores publish an object only when its upload is closed,
-    so there the object is written directly and the upload is discarded on error.
+    bits of the file replaced. On an object store see :func:`_remote_writer`: the object is
+    published only when the block exits without an error.
     """
     plain = _plain_local(path)
     store = None if plain is not None else resolve_path(path)
-    if store is None or is_local(store):
-        target = plain if store is None else local_path(store)
-        assert target is not None
-        directory = os.path.dirname(target) or "."
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
+    if store is not None and not is_local(store):
+        with _remote_writer(store) as remote:
+            yield remote
+        return
+    target = plain if store is None else local_path(store)
+    assert target is not None
+    directory = os.path.dirname(target) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb", buffering=buffering) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(tmp, os.stat(target).st_mode & 0o7777)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _drop(handle: Any) -> None:
+    """Abort ``handle``'s upload and mark it closed, so neither ``close()`` nor ``__del__`` publishes it."""
+    with contextlib.suppress(Exception):
+        handle.discard()  # s3fs: aborts the multipart upload; gcsfs: cancels the resumable one
+    with contextlib.suppress(Exception):
+        handle.buffer = None  # what close() would still upload
+        handle.closed = True
+
+
+@contextlib.contextmanager
+def _remote_writer(store: ObjectStoragePath) -> Iterator[IO[bytes]]:
+    """Stream an object store upload that is published only when the block exits cleanly.
+
+    fsspec's files upload on ``close()``, which ``with file:`` calls even when the block raised,
+    so a half-written object would appear. On S3 and GCS an upload (in parts, or resumable) is
+    invisible until ``close()`` completes it in one request: the object is written in place and
+    its upload aborted on error. Any other store gets a temporary sibling key, moved over the
+    target once complete and removed on error. Parts are ``REMOTE_BLOCK_SIZE`` bytes, so memory
+    stays flat whatever the size.
+    """
+    fs = store.fs
+    if store.protocol in _PUBLISHED_ON_CLOSE:
+        handle: Any = fs.open(store.path, "wb", block_size=REMOTE_BLOCK_SIZE)
         try:
-            with os.fdopen(fd, "wb", buffering=buffering) as handle:
-                yield handle
-                handle.flush()
-                os.fsync(handle.fileno())
-            with contextlib.suppress(FileNotFoundError):
-                os.chmod(tmp, os.stat(target).st_mode & 0o7777)
-            os.replace(tmp, target)
+            yield handle
+            handle.close()  # completes the upload: the object appears whole, at once
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            _drop(handle)
             raise
         return
-    handle = store.open("wb")
+    temp = f"{store.parent.path}/.{store.name}.{uuid.uuid4().hex}.tmp"
+    handle = fs.open(temp, "wb", block_size=REMOTE_BLOCK_SIZE)
     try:
-        yield handle
+        with handle:
+            yield handle
+        fs.mv(temp, store.path)
     except BaseException:
-        # fsspec buffered files upload on close(); discard() drops the pending upload instead.
-        discard = getattr(handle, "discard", None)
-        if callable(discard):
-            with contextlib.suppress(Exception):
-                discard()
         with contextlib.suppress(Exception):
-            store.unlink()
+            fs.rm(temp)
         raise
-    handle.close()
 
 
 def open_read(path: ObjectStoragePath | str) -> IO[bytes]:
-    """Open a staged file (or a plain local OS path) for binary streaming reads."""
+    """Open a staged file (or a plain local OS path) for binary streaming reads.
+
+    Object stores are read ``REMOTE_BLOCK_SIZE`` bytes at a time (fsspec's default read-ahead of
+    tens of MB would otherwise be held per open file) through a standard ``io.BufferedReader``.
+    """
     plain = _plain_local(path)
     if plain is not None:
         return open(plain, "rb", buffering=1 << 20)
     path = resolve_path(path)
     if is_local(path):
         return open(local_path(path), "rb", buffering=1 << 20)
-    handle: IO[bytes] = path.open("rb")
-    return handle
+    remote = path.fs.open(path.path, "rb", block_size=REMOTE_BLOCK_SIZE)
+    # fsspec's files lack parts of the io API (readline(size), used to cap a line's length).
+    return io.BufferedReader(remote, buffer_size=1 << 20)
 
 
 def write_bytes_atomic(path: ObjectStoragePath, data: bytes) -> None:

@@ -33,7 +33,11 @@ def _closed_port() -> int:
 
 
 def _child_pytest(
-    tmp_path: Path, ci: str | None, probe: str = _PROBE, plugin: str = "tests.fixtures.warehouse"
+    tmp_path: Path,
+    ci: str | None,
+    probe: str = _PROBE,
+    plugins: tuple[str, ...] = (),
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_probe.py").write_text(probe)
     port = str(_closed_port())
@@ -44,12 +48,14 @@ def _child_pytest(
         BATCH_TEST_MYSQL_PORT=port,
         BATCH_TEST_REDIS_URL=f"redis://127.0.0.1:{port}/5",
         AIRFLOW_HOME=str(tmp_path / "airflow-home"),
+        **(env_extra or {}),
     )
     if ci is not None:
         env["CI"] = ci
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
-        + ["-p", plugin, "test_probe.py"],
+        + [arg for plugin in plugins for arg in ("-p", plugin)]
+        + ["-p", "tests.fixtures.warehouse", "test_probe.py"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -80,10 +86,30 @@ def test_missing_databases_skip_outside_ci(tmp_path: Path) -> None:
 def test_missing_redis_fails_under_ci(tmp_path: Path, ci: str | None) -> None:
     """The Celery deployment's broker: under CI a Redis that does not answer fails, elsewhere skips."""
     probe = "def test_redis(celery_broker):\n    pass\n"
-    proc = _child_pytest(tmp_path, ci, probe=probe, plugin="tests.fixtures.workers")
+    proc = _child_pytest(tmp_path, ci, probe=probe, plugins=("tests.fixtures.workers",))
     out = proc.stdout + proc.stderr
     assert "Redis at redis://127.0.0.1:" in out and "is not reachable" in out, out[-3000:]
     if ci:
         assert proc.returncode == 1 and "1 error" in out and "skipped" not in out, out[-3000:]
     else:
         assert proc.returncode == 0 and "1 skipped" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("ci", ["true", None], ids=["ci", "developer"])
+def test_an_s3_server_that_cannot_start_fails_under_ci(tmp_path: Path, ci: str | None) -> None:
+    """The moto S3 fixture follows the same rule: a failure under CI, a skip elsewhere."""
+    # A virtualenv path under a regular file: moto can be neither found nor installed there.
+    (tmp_path / "not-a-dir").write_text("")
+    proc = _child_pytest(
+        tmp_path,
+        ci,
+        probe="def test_s3(s3_staging):\n    pass\n",
+        plugins=("tests.fixtures.s3",),
+        env_extra={"BATCH_TEST_MOTO_VENV": str(tmp_path / "not-a-dir" / "venv")},
+    )
+    assert "cannot install moto[server]" in proc.stdout, proc.stdout[-3000:]
+    if ci:
+        assert proc.returncode == 1 and "1 error" in proc.stdout, proc.stdout[-3000:]
+        assert "under CI=true a missing S3 server is a failure" in proc.stdout
+    else:
+        assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-3000:]

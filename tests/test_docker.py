@@ -22,6 +22,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "docker-compose.yaml"
+CELERY = DOCKER / "docker-compose.celery.yaml"
 ENV_EXAMPLE = DOCKER / ".env.example"
 AIRFLOW_VERSION = "3.3.2"
 AIRFLOW_SERVICES = {
@@ -54,35 +55,46 @@ def _env_example() -> dict[str, str]:
     return values
 
 
-@pytest.fixture(scope="module")
-def resolved() -> dict[str, Any]:
-    """The compose model after validation and interpolation with the example .env."""
-    proc = subprocess.run(
-        [_compose_binary(), "-f", str(COMPOSE), "--env-file", str(ENV_EXAMPLE), "config"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert proc.returncode == 0, f"docker-compose config rejected {COMPOSE}:\n{proc.stderr}"
-    model = yaml.safe_load(proc.stdout)
-    assert isinstance(model, dict)
-    return model
-
-
-def test_compose_requires_every_secret_from_env(tmp_path: Path) -> None:
-    """Without a .env, interpolation of a required secret fails with a message naming it."""
-    env = {k: v for k, v in os.environ.items() if k not in _env_example()}
-    empty = tmp_path / "empty.env"
-    empty.write_text("")
-    proc = subprocess.run(
-        [_compose_binary(), "-f", str(COMPOSE), "--env-file", str(empty), "config"],
+def _compose_config(*files: Path, env_file: Path = ENV_EXAMPLE, env: dict[str, str] | None = None) -> Any:
+    """``docker-compose -f FILE... --env-file ENV config``, run to completion."""
+    options = [arg for f in files for arg in ("-f", str(f))]
+    return subprocess.run(
+        [_compose_binary(), *options, "--env-file", str(env_file), "config"],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
         env=env,
     )
+
+
+def _resolve(*files: Path) -> dict[str, Any]:
+    proc = _compose_config(*files)
+    assert proc.returncode == 0, f"docker-compose config rejected {files}:\n{proc.stderr}"
+    model = yaml.safe_load(proc.stdout)
+    assert isinstance(model, dict)
+    return model
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict[str, Any]:
+    """The compose model after validation and interpolation with the example .env."""
+    return _resolve(COMPOSE)
+
+
+@pytest.fixture(scope="module")
+def celery() -> dict[str, Any]:
+    """The CeleryExecutor variant: the base file with docker-compose.celery.yaml over it."""
+    return _resolve(COMPOSE, CELERY)
+
+
+@pytest.mark.parametrize("files", [(COMPOSE,), (COMPOSE, CELERY)], ids=["local", "celery"])
+def test_compose_requires_every_secret_from_env(tmp_path: Path, files: tuple[Path, ...]) -> None:
+    """Without a .env, interpolation of a required secret fails with a message naming it."""
+    env = {k: v for k, v in os.environ.items() if k not in _env_example()}
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    proc = _compose_config(*files, env_file=empty, env=env)
     assert proc.returncode != 0
     assert "docker/.env" in proc.stderr, proc.stderr
 
@@ -112,20 +124,25 @@ def test_services_and_commands(resolved: dict[str, Any]) -> None:
     assert "AIRFLOW_CONN_WAREHOUSE" in services["airflow-init"]["environment"]
 
 
-def test_airflow_environment_is_consistent(resolved: dict[str, Any]) -> None:
-    """Every AIRFLOW__SECTION__KEY names a real Airflow option; components share secrets and the DB."""
+def _check_airflow_options(env: dict[str, str]) -> None:
+    """Every AIRFLOW__SECTION__KEY of ``env`` names a real Airflow (or provider) option."""
     from airflow.configuration import conf
 
-    environments = [resolved["services"][n]["environment"] for n in AIRFLOW_SERVICES]
-    first = environments[0]
-    for env in environments[1:]:
-        assert env == first
-    for name in first:
+    for name in env:
         match = re.fullmatch(r"AIRFLOW__([A-Z_]+?)__([A-Z_]+)", name)
         if match:
             section, key = match.group(1).lower(), match.group(2).lower()
             options = conf.configuration_description.get(section, {}).get("options", {})
             assert key in options, f"{name}: Airflow has no option [{section}] {key}"
+
+
+def test_airflow_environment_is_consistent(resolved: dict[str, Any]) -> None:
+    """Every AIRFLOW__SECTION__KEY names a real Airflow option; components share secrets and the DB."""
+    environments = [resolved["services"][n]["environment"] for n in AIRFLOW_SERVICES]
+    first = environments[0]
+    for env in environments[1:]:
+        assert env == first
+    _check_airflow_options(first)
     assert first["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor"
     assert first["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("postgresql+psycopg2://airflow:")
     assert first["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].endswith("@postgres:5432/airflow")
@@ -170,16 +187,17 @@ def test_batch_server_command_parses_with_the_provider_cli(
     assert str(ports["target"]) == "8000"
 
 
-def test_no_secret_is_written_in_the_repository() -> None:
+@pytest.mark.parametrize("compose", [COMPOSE, CELERY], ids=["local", "celery"])
+def test_no_secret_is_written_in_the_repository(compose: Path) -> None:
     """Secret values reach the compose file only through ${VAR} from the git-ignored docker/.env."""
-    text = COMPOSE.read_text()
+    text = compose.read_text()
     secret_key = re.compile(r"(PASSWORD|FERNET_KEY|JWT_SECRET|SECRET_KEY|API_KEY)$")
     checked = 0
     for line in text.splitlines():
         key, sep, value = line.strip().partition(":")
         if sep and secret_key.search(key.strip()):
             checked += 1
-            assert value.strip().startswith("${"), f"{COMPOSE.name}: {key.strip()} is set literally"
+            assert value.strip().startswith("${"), f"{compose.name}: {key.strip()} is set literally"
     assert checked >= 5
     assert (DOCKER / ".gitignore").read_text().split() == [".env"]
     for name, value in _env_example().items():
@@ -201,3 +219,61 @@ def test_dockerfile_builds_on_airflow_and_copies_existing_paths() -> None:
         for source in sources.split():
             assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
     assert (ROOT / "docker" / "postgres" / "10-warehouse.sql").read_text().count("CREATE DATABASE warehouse")
+
+
+# ---- the CeleryExecutor variant ------------------------------------------------------------------
+
+CELERY_WORKERS = ("airflow-worker-1", "airflow-worker-2")
+
+
+def test_celery_variant_adds_broker_store_and_two_workers(celery: dict[str, Any]) -> None:
+    services = celery["services"]
+    base = {"postgres", "batch-server", "airflow-init", *AIRFLOW_SERVICES}
+    assert set(services) == base | {"redis", "minio", "minio-init", *CELERY_WORKERS}
+    assert services["redis"]["image"].startswith("redis:")
+    assert services["minio"]["image"].startswith("minio/minio")
+    for name in (*AIRFLOW_SERVICES, *CELERY_WORKERS):
+        depends = services[name]["depends_on"]
+        assert depends["redis"]["condition"] == "service_healthy", name
+        assert depends["minio-init"]["condition"] == "service_completed_successfully", name
+        assert depends["airflow-init"]["condition"] == "service_completed_successfully", name
+    for name in CELERY_WORKERS:
+        worker = services[name]
+        assert worker["command"] == ["celery", "worker"], name
+        assert worker["image"] == "airflow-batch-provider:local"
+        assert "inspect ping" in " ".join(worker["healthcheck"]["test"])
+
+
+def test_celery_variant_stages_on_object_storage(celery: dict[str, Any]) -> None:
+    """Every component and worker shares one environment: Celery on Redis, staging on MinIO."""
+    from airflow_batch_provider import staging
+
+    services = celery["services"]
+    env = services["airflow-scheduler"]["environment"]
+    for name in (*AIRFLOW_SERVICES, *CELERY_WORKERS):
+        assert services[name]["environment"] == env, f"{name} differs from airflow-scheduler"
+    _check_airflow_options(env)
+    assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    assert staging.remote_executors(env["AIRFLOW__CORE__EXECUTOR"]) == ["CeleryExecutor"]
+    assert env["AIRFLOW__CELERY__BROKER_URL"] == "redis://redis:6379/0"
+    root = staging.resolve_path(env["AIRFLOW__BATCH_PROVIDER__STAGING_ROOT"])
+    assert (root.protocol, root.conn_id, root.bucket) == ("s3", "minio", "batch-staging")
+    staging.check_shared(root)  # object storage: the shared-staging check lets it through
+    connection = orjson.loads(env["AIRFLOW_CONN_MINIO"])
+    assert connection["conn_type"] == "aws"
+    assert connection["extra"]["endpoint_url"] == "http://minio:9000"
+    minio = services["minio"]["environment"]
+    assert (connection["login"], connection["password"]) == (
+        minio["MINIO_ROOT_USER"],
+        minio["MINIO_ROOT_PASSWORD"],
+    )
+    assert connection["password"] == _env_example()["MINIO_ROOT_PASSWORD"]
+    init_script = " ".join(services["minio-init"]["command"])
+    assert f"mc mb --ignore-existing staging/{root.bucket}" in init_script
+
+
+def test_dockerfile_installs_what_the_celery_variant_runs() -> None:
+    text = (DOCKER / "Dockerfile").read_text()
+    assert "apache-airflow-providers-celery" in text
+    extras = re.search(r'"/opt/provider\[([a-z0-9,]+)\]"', text)
+    assert extras and "s3" in extras.group(1).split(",")

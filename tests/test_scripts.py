@@ -107,6 +107,15 @@ def test_bootstrap_adds_the_mysql_extra_when_headers_exist(tmp_path: Path) -> No
     ]
 
 
+def test_bootstrap_gives_moto_a_virtualenv_of_its_own(tmp_path: Path) -> None:
+    from tests.fixtures.s3 import MOTO_REQUIREMENT
+
+    code, stderr, commands = _run_bootstrap(tmp_path, uv_on_path=True, headers=True)
+    assert code == 0 and stderr == "", stderr
+    assert f"uv pip install --quiet --python .venv-moto/bin/python {MOTO_REQUIREMENT}" in commands
+    assert any(c.startswith("uv venv") and c.endswith(" .venv-moto") for c in commands), commands
+
+
 def _run_ci(
     tmp_path: Path,
     *,

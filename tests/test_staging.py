@@ -9,6 +9,7 @@ import pytest
 
 from airflow_batch_provider import staging
 from airflow_batch_provider.dialects import Limits
+from airflow_batch_provider.exceptions import ConfigurationError
 from airflow_batch_provider.models import Manifest
 
 
@@ -75,3 +76,49 @@ def test_remove_stale_shards(tmp_path: Path) -> None:
     removed = staging.remove_stale_shards(staging.resolve_path(tmp_path), {"shard-00000.jsonl"})
     assert removed == ["shard-00001.jsonl"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keys.jsonl", "shard-00000.jsonl"]
+
+
+# ---- staging_root and the shared-staging check ---------------------------------------------------
+
+
+def test_staging_root_comes_from_the_provider_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AIRFLOW_BATCH_STAGING_ROOT", raising=False)
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path / "home"))
+    assert staging.staging_root() == f"file://{tmp_path}/home/batch-staging"
+    monkeypatch.setenv("AIRFLOW__BATCH_PROVIDER__STAGING_ROOT", "s3://aws_prod@bucket/staging")
+    assert staging.staging_root() == "s3://aws_prod@bucket/staging"
+
+
+@pytest.mark.parametrize(
+    ("setting", "remote"),
+    [
+        ("LocalExecutor", []),
+        ("SequentialExecutor", []),
+        ("airflow.executors.local_executor.LocalExecutor", []),
+        ("CeleryExecutor", ["CeleryExecutor"]),
+        ("LocalExecutor,KubernetesExecutor", ["KubernetesExecutor"]),
+        ("edge:x.EdgeExecutor", ["edge:x.EdgeExecutor"]),
+        ("LocalExecutor;team1=CeleryExecutor", ["CeleryExecutor"]),
+        ("my.company.ExecutorOfOurOwn", ["my.company.ExecutorOfOurOwn"]),
+    ],
+)
+def test_remote_executors(setting: str, remote: list[str]) -> None:
+    assert staging.remote_executors(setting) == remote
+
+
+def test_local_staging_fails_at_once_on_a_distributed_executor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local = staging.resolve_path(tmp_path / "stage")
+    remote = staging.resolve_path("s3://aws_prod@bucket/stage")
+    monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", "LocalExecutor")
+    staging.check_shared(local)
+    monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", "CeleryExecutor")
+    staging.check_shared(remote)
+    with pytest.raises(ConfigurationError) as caught:
+        staging.check_shared(local)
+    message = str(caught.value)
+    assert "CeleryExecutor" in message and str(local) in message
+    assert "AIRFLOW__BATCH_PROVIDER__STAGING_ROOT" in message and "s3://" in message
+    monkeypatch.setenv("AIRFLOW__BATCH_PROVIDER__LOCAL_STAGING_IS_SHARED", "True")  # an NFS mount
+    staging.check_shared(local)

@@ -478,8 +478,10 @@ def _open_source(value: PathSource) -> tuple[IO[bytes], int]:
     if local is not None:
         handle = open(local, "rb")  # noqa: SIM115 - closed by the caller
         return handle, os.fstat(handle.fileno()).st_size
+    from airflow_batch_provider.staging import open_read  # bounded read-ahead on object stores
+
     size = int(value.size())  # type: ignore[union-attr]
-    return value.open("rb"), size  # type: ignore[union-attr]
+    return open_read(value), size  # type: ignore[arg-type]
 
 
 def _quote(value: str) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -259,6 +258,9 @@ class SqlToBatchJsonlOperator(BaseOperator):
     # ---- execution ----------------------------------------------------------------------------
 
     def execute(self, context: Context) -> dict[str, Any]:
+        directory = self._staging_dir(context)
+        # Before any work: on a distributed executor, local staging would strand the next task.
+        staging.check_shared(directory)
         dialect = self._dialect()
         endpoint = self._endpoint()
         dialect.check_endpoint(endpoint)
@@ -268,7 +270,6 @@ class SqlToBatchJsonlOperator(BaseOperator):
         hook = self._hook()
         self._check_names(hook)
         query = self._query(hook)
-        directory = self._staging_dir(context)
         staging.mkdirs(directory)
         # A manifest left by an earlier try would describe shards this try is about to replace.
         manifest_file = directory / staging.MANIFEST_NAME
@@ -354,15 +355,11 @@ def _one_line(sql: str, limit: int = 200) -> str:
 
 
 def default_staging_path(context: Context | Mapping[str, Any], task_id: str) -> str:
-    """The default staging directory of a task instance: root / dag / run / task[-map_index]."""
-    from airflow.sdk import conf
+    """The default staging directory of a task instance: root / dag / run / task[-map_index].
 
-    root = conf.get("batch_provider", "staging_root", fallback=None) or os.environ.get(
-        "AIRFLOW_BATCH_STAGING_ROOT"
-    )
-    if not root:
-        home = os.environ.get("AIRFLOW_HOME") or os.path.expanduser("~/airflow")
-        root = "file://" + os.path.join(os.path.abspath(home), "batch-staging")
+    The root is ``[batch_provider] staging_root`` (see :func:`staging.staging_root`).
+    """
+    root = staging.staging_root()
     ti = context.get("ti") or context.get("task_instance")
     dag_id = getattr(ti, "dag_id", None) or getattr(context.get("dag"), "dag_id", None) or "dag"
     run_id = context.get("run_id") or getattr(ti, "run_id", None) or "manual"

@@ -544,6 +544,22 @@ def test_default_staging_path_has_run_identity(
     assert (expected / "manifest.json").exists()
 
 
+def test_local_default_staging_fails_first_on_a_distributed_executor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Celery the build stops before reading the database, saying what to set."""
+    monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", "CeleryExecutor")
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    monkeypatch.delenv("AIRFLOW_BATCH_STAGING_ROOT", raising=False)
+    op = SqlToBatchJsonlOperator(
+        task_id="build", conn_id="no_such_connection", key_columns="id", table="t", messages=MESSAGES
+    )
+    with pytest.raises(ConfigurationError, match=r"\[batch_provider\] staging_root") as caught:
+        op.execute({"run_id": "r1"})  # type: ignore[arg-type]
+    assert f"file://{tmp_path}/batch-staging/dag/r1/build" in str(caught.value)
+    assert not (tmp_path / "batch-staging").exists()
+
+
 def test_template_fields_render_from_context(sqlite_warehouse: Any, tmp_path: Path) -> None:
     op = SqlToBatchJsonlOperator(
         task_id="build",
