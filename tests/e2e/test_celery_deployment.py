@@ -4,30 +4,41 @@ The topology is :func:`tests.fixtures.workers.celery_cluster`: api-server, sched
 dag-processor, two triggerers and two Celery workers (Redis broker, PostgreSQL metadata DB and
 result backend), each worker in a working directory and temp folder of its own. The pipeline
 is example 2 (``support_ticket_triage_sharded``: build -> one mapped submit per shard, each
-deferred to a triggerer -> merge), over a ticket table cut into three shards, staged where
-every worker can read it. Three runs:
+deferred to a triggerer -> merge), over a ticket table cut into three shards. Staging is object
+storage (an S3 bucket on a moto server, ``AIRFLOW__BATCH_PROVIDER__STAGING_ROOT=s3://...`` and
+the ``aws`` connection in every component's environment); the workers share no staging folder,
+and each run checks that every staged file is in the bucket and none on this machine's disk.
+Three runs:
 
 * plainly: every row lands once, and tasks ran on both workers;
 * a worker SIGKILLed (with its task process) right after a submit created its batch at the
   server, before the task heard the batch id: the retry runs on the other worker and finds that
-  batch instead of paying for a second one (one batch per shard, checked at the server);
+  batch through the intent the killed try left in Airflow's task state store (no shared disk)
+  instead of paying for a second one (one batch per shard, checked at the server);
 * the triggerer holding the deferred submits SIGKILLed while the batches run: the other one
   takes the same trigger rows over, whose deadline still counts from the submission.
+
+A local-disk variant is not run: with the CeleryExecutor a build staging on local disk fails at
+once unless ``[batch_provider] local_staging_is_shared`` says every worker mounts it
+(``tests/test_staging.py``), and a second deployment would double the module's time.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from airflow_batch_provider import staging
+from airflow_batch_provider.submission import RunIdentity
 from tests.fixtures.e2e import (
     AirflowCluster,
     RunResult,
@@ -35,6 +46,7 @@ from tests.fixtures.e2e import (
     realtime_server_config,
     ticket_warehouse,
 )
+from tests.fixtures.s3 import S3Staging, new_bucket
 from tests.fixtures.server import BatchServerHandle
 from tests.fixtures.workers import (
     TRIGGERERS,
@@ -59,16 +71,11 @@ API_KEY = "sk-celery-" + uuid.uuid4().hex
 WAIT_TIMEOUT = timedelta(hours=26)
 
 
-@dataclass
-class Staging:
-    """Where the workers stage files, and what else they need to reach it.
-
-    :param root: the staging root URL (``file://`` a folder every worker sees, or ``s3://``).
-    :param env: extra environment of every component (an object-store connection...).
-    """
-
-    root: str
-    env: dict[str, str] = field(default_factory=dict)
+# Under the module's bucket: the deployment's [batch_provider] staging_root.
+STAGING_PREFIX = "batch-staging"
+# What a build stages: the manifest, keys and rejects files, and its shards.
+STAGED_FILES = (staging.MANIFEST_NAME, staging.KEYS_NAME, staging.REJECTS_NAME)
+SHARD_FILE = re.compile(r"shard-\d+\.jsonl")
 
 
 @dataclass
@@ -77,29 +84,21 @@ class Deployment:
     server: BatchServerHandle
     gate: BatchCreateGate
     warehouse: TicketWarehouse
+    bucket: S3Staging
 
 
-# Where the workers stage files. Object storage is one more entry here: "s3" takes the module- or
-# session-scoped fixture named below, which must give a Staging whose root is an s3:// URL served by
-# a process the Airflow components can reach (a moto server, not an in-process mock) and whose env
-# carries the AWS connection to it.
-STAGING_KINDS = ["file"]
-
-
-@pytest.fixture(scope="module", params=STAGING_KINDS)
-def staging(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Staging:
-    """A staging root both workers reach: one folder of this machine, or an object store."""
-    if request.param == "s3":
-        s3: Staging = request.getfixturevalue("s3_staging")
-        return s3
-    return Staging(f"file://{tmp_path_factory.mktemp('celery-staging')}")
+@pytest.fixture(scope="module")
+def bucket(moto_s3: str) -> Iterator[S3Staging]:
+    """A bucket of the module's own on the session's moto server, reachable from this process too."""
+    with pytest.MonkeyPatch.context() as mp:
+        yield new_bucket(moto_s3, mp)
 
 
 @pytest.fixture(scope="module")
 def deployment(
-    tmp_path_factory: pytest.TempPathFactory, celery_broker: str, staging: Staging
+    tmp_path_factory: pytest.TempPathFactory, celery_broker: str, bucket: S3Staging
 ) -> Iterator[Deployment]:
-    """Seeded warehouse, gated local batch server and the Celery deployment, for the module."""
+    """Seeded warehouse, gated local batch server and the Celery deployment staging on S3, for the module."""
     work = tmp_path_factory.mktemp("celery-deployment")
     dags = work / "dags"
     dags.mkdir()
@@ -111,14 +110,15 @@ def deployment(
             env = {
                 "AIRFLOW_CONN_WAREHOUSE": warehouse.connection,
                 "AIRFLOW_CONN_BATCH_API_DEFAULT": server.connection_json(),
-                "AIRFLOW__BATCH_PROVIDER__STAGING_ROOT": staging.root,
+                # Every component reaches the bucket through the same aws connection.
+                **bucket.env,
+                "AIRFLOW__BATCH_PROVIDER__STAGING_ROOT": f"{bucket.root}/{STAGING_PREFIX}",
                 "BATCH_EXAMPLES_MAX_LINES": str(MAX_LINES),
                 "BATCH_EXAMPLES_POLL_INTERVAL": "2",
-                **staging.env,
             }
             with celery_cluster(work / "airflow-home", dags, broker_url=celery_broker, env=env) as cluster:
                 cluster.wait_for_dag(DAG_ID)
-                yield Deployment(cluster, server, gate, warehouse)
+                yield Deployment(cluster, server, gate, warehouse, bucket)
     finally:
         server.stop()
 
@@ -153,7 +153,25 @@ def check_landed(d: Deployment, run_id: str, result: RunResult, table: str) -> l
     assert query(f"SELECT COUNT(*), COUNT(DISTINCT ticket_id) FROM {table}") == [(TICKETS, TICKETS)]
     counts = dict(query(f"SELECT status, COUNT(*) FROM {table} GROUP BY status"))
     assert counts == {"succeeded": TICKETS - EMPTY_BODIES, "rejected": EMPTY_BODIES}
+    check_staged_on_s3(d, run_id)
     return batches
+
+
+def check_staged_on_s3(d: Deployment, run_id: str) -> None:
+    """The run staged its files in the bucket, under the staging root, and nothing on local disk."""
+    built = d.cluster.xcom(DAG_ID, run_id, "build_requests")
+    folder = f"{STAGING_PREFIX}/{DAG_ID}/{staging.safe_segment(run_id)}/build_requests"
+    assert built["manifest_path"] == f"{d.bucket.root}/{folder}/{staging.MANIFEST_NAME}", built
+    shards = [staging.shard_name(i) for i in range(SHARDS)]
+    # Exactly these: no submit-state/ files either, the submits kept their state in Airflow.
+    assert d.bucket.keys(folder) == sorted(f"{folder}/{name}" for name in (*STAGED_FILES, *shards))
+    # Not in AIRFLOW_HOME (the default staging root), nor in a worker's working or temp folder.
+    local = [
+        path
+        for path in d.cluster.home.rglob("*")
+        if path.name in STAGED_FILES or SHARD_FILE.fullmatch(path.name) or path.name == "submit-state"
+    ]
+    assert local == [], local
 
 
 def submits(cluster: AirflowCluster, run_id: str) -> dict[int, dict[str, Any]]:
@@ -207,6 +225,12 @@ def test_worker_killed_after_submit_created_its_batch(celery: Deployment) -> Non
     assert [b["id"] for b in batches if int(b["metadata"]["airflow_shard"]) == shard] == [held["id"]]
     submitted = cluster.xcom(DAG_ID, run_id, "submit_shard", shard)
     assert submitted["batch_ids"] == [held["id"]]
+    # The workers share no disk: the killed try's intent reached the retry through Airflow's task
+    # state store, which now holds the adopted batch (and check_landed saw no submit-state/ file).
+    key = RunIdentity(DAG_ID, "submit_shard", run_id, shard).key(shard)
+    records = cluster.task_state(DAG_ID, run_id, "submit_shard", shard)
+    assert list(records) == [key], records
+    assert (records[key]["batch_id"], records[key]["input_file_id"]) == (held["id"], held["input_file_id"])
     assert datetime.fromisoformat(submitted["submitted_at"]) == datetime.fromtimestamp(
         held["created_at"], timezone.utc
     )
