@@ -8,8 +8,10 @@ deferred to a triggerer -> merge), over a ticket table cut into three shards. St
 storage (an S3 bucket on a moto server, ``AIRFLOW__BATCH_PROVIDER__STAGING_ROOT=s3://...`` and
 the ``aws`` connection in every component's environment); the workers share no staging folder,
 and each run checks that every staged file is in the bucket and none on this machine's disk.
-Three runs:
+The runs:
 
+* a build told to stage on a local folder fails at once, before reading a row (the executor
+  may run the next task on another machine);
 * plainly: every row lands once, and tasks ran on both workers;
 * a worker SIGKILLed (with its task process) right after a submit created its batch at the
   server, before the task heard the batch id: the retry runs on the other worker and finds that
@@ -18,9 +20,9 @@ Three runs:
 * the triggerer holding the deferred submits SIGKILLed while the batches run: the other one
   takes the same trigger rows over, whose deadline still counts from the submission.
 
-A local-disk variant is not run: with the CeleryExecutor a build staging on local disk fails at
-once unless ``[batch_provider] local_staging_is_shared`` says every worker mounts it
-(``tests/test_staging.py``), and a second deployment would double the module's time.
+The pipeline runs are not repeated on a shared local folder (with ``[batch_provider]
+local_staging_is_shared``): a second deployment would double the module's time, and the
+option's check is unit-tested in ``tests/test_staging.py``.
 """
 
 from __future__ import annotations
@@ -76,6 +78,32 @@ STAGING_PREFIX = "batch-staging"
 # What a build stages: the manifest, keys and rejects files, and its shards.
 STAGED_FILES = (staging.MANIFEST_NAME, staging.KEYS_NAME, staging.REJECTS_NAME)
 SHARD_FILE = re.compile(r"shard-\d+\.jsonl")
+# A build whose staging path the run's conf names: a local one must fail at once on this executor.
+PROBE_DAG_ID = "local_staging_probe"
+PROBE_DAG = f"""
+from airflow.sdk import Param, dag
+
+from airflow_batch_provider.operators.build import SqlToBatchJsonlOperator
+
+
+@dag(
+    dag_id="{PROBE_DAG_ID}", schedule=None, catchup=False, params={{"staging_path": Param("", type="string")}}
+)
+def local_staging_probe():
+    SqlToBatchJsonlOperator(
+        task_id="build_requests",
+        conn_id="warehouse",
+        table="support_tickets",
+        key_columns="ticket_id",
+        messages=[{{"role": "user", "content": "{{{{ body }}}}"}}],
+        model="gpt-4o-mini",
+        staging_path="{{{{ params.staging_path }}}}",
+        retries=0,
+    )
+
+
+local_staging_probe()
+"""
 
 
 @dataclass
@@ -103,6 +131,7 @@ def deployment(
     dags = work / "dags"
     dags.mkdir()
     shutil.copy(ROOT / "dags_examples" / f"{DAG_ID}.py", dags)
+    (dags / f"{PROBE_DAG_ID}.py").write_text(PROBE_DAG)
     # A batch completes about 6 s after its create: every submit really waits in a triggerer.
     server, gate = gated_batch_server(realtime_server_config(work / "server", API_KEY, validate_seconds=4))
     try:
@@ -118,6 +147,7 @@ def deployment(
             }
             with celery_cluster(work / "airflow-home", dags, broker_url=celery_broker, env=env) as cluster:
                 cluster.wait_for_dag(DAG_ID)
+                cluster.wait_for_dag(PROBE_DAG_ID)
                 yield Deployment(cluster, server, gate, warehouse, bucket)
     finally:
         server.stop()
@@ -178,6 +208,20 @@ def submits(cluster: AirflowCluster, run_id: str) -> dict[int, dict[str, Any]]:
     """The mapped submit task instances of a run, by map index."""
     instances = cluster.task_instances(DAG_ID, run_id)
     return {ti["map_index"]: ti for ti in instances if ti["task_id"] == "submit_shard"}
+
+
+def test_local_staging_fails_the_build_at_once(celery: Deployment, tmp_path: Path) -> None:
+    """With tasks spread over workers, a build staging on one machine's disk stops before its first row."""
+    cluster = celery.cluster
+    local = tmp_path / "local-staging"
+    run_id = cluster.trigger(PROBE_DAG_ID, conf={"staging_path": f"file://{local}"})
+    result = cluster.wait_for_run(PROBE_DAG_ID, run_id, timeout=120)
+    assert result.state == "failed", result.seen
+    (build,) = result.task_instances
+    assert (build["state"], build["try_number"]) == ("failed", 1), build
+    logs = "\n".join(cluster.task_logs(PROBE_DAG_ID, run_id, "build_requests").values())
+    assert "ConfigurationError" in logs and "local_staging_is_shared" in logs, logs[-3000:]
+    assert not local.exists()
 
 
 def test_example_runs_on_both_workers(celery: Deployment) -> None:
