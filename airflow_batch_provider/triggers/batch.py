@@ -295,11 +295,8 @@ class BatchTrigger(BaseTrigger):
         self._lease = self._lease_hook()
         hook = self._lease.hook
         try:
+            await asyncio.sleep(self.start_delay())
             self._poller = await self._join_shared_polling(self._lease)
-            if self._poller is None:
-                # Shared polling reads every batch of the connection in one cycle: only triggers
-                # polling on their own need spreading out.
-                await asyncio.sleep(self.start_delay())
             event = await await_batches(
                 hook,
                 self.batch_ids,

@@ -12,10 +12,11 @@ deadline, outcome: nothing about a trigger's decisions changes), but its *read* 
   id has been seen or the page budget is spent, then gets the ids the listing did not show one
   by one (a few at a time);
 * every vendor call of the poller (pages, gets, the hook's own retries) passes one
-  :class:`CallLimiter`: at most ``poll_calls_per_minute`` calls in any minute per connection, and
-  none before a Retry-After the vendor sent has passed;
+  :class:`CallLimiter`: at most ``poll_calls_per_minute`` calls in any minute per connection;
 * an error reaches the triggers whose batches it concerns, and each trigger's own PollLoop judges
-  it as it judges its own poll's error today.
+  it as it judges its own poll's error today (so a Retry-After or a backoff is honoured by the
+  PollLoop's decisions, as before). A listing that fails for a transient reason other than a
+  rate limit falls back to gets; a rate limit ends the cycle without another call.
 
 The poller is keyed by the trigger class, the connection id, the dialect and a fingerprint of the
 resolved settings (a digest: a key never shows a secret), so a rotated key gets a poller of its
@@ -45,12 +46,16 @@ from airflow_batch_provider.exceptions import (
     BatchApiRateLimitError,
 )
 from airflow_batch_provider.models import Batch
-from airflow_batch_provider.waiting import MAX_RETRY_AFTER, POLL_ERRORS, TRANSIENT_ERRORS, retry_after_of
+from airflow_batch_provider.waiting import POLL_ERRORS, TRANSIENT_ERRORS
 
 if TYPE_CHECKING:
     from airflow_batch_provider.hooks.batch import BatchApiHook, BatchApiSettings
 
 log = logging.getLogger(__name__)
+
+# The poller keeps its own clock: a test that fast-forwards a trigger's waits by patching
+# ``asyncio.sleep`` (to check the trigger's decisions) leaves the poller's pacing alone.
+_sleep = asyncio.sleep
 
 #: Default ceiling of vendor calls per minute per connection (``[batch_provider] poll_calls_per_minute``).
 DEFAULT_CALLS_PER_MINUTE = 600
@@ -127,7 +132,7 @@ def settings_fingerprint(settings: BatchApiSettings) -> str:
 
 
 class CallLimiter:
-    """At most ``per_minute`` calls in any 60 s, in bursts of at most ``burst``; pauses on request.
+    """At most ``per_minute`` calls in any 60 s, in bursts of at most ``burst``.
 
     A token bucket holding ``burst`` tokens, refilled at ``(per_minute - burst) / 60`` a second:
     in any window of 60 s at most ``burst + (per_minute - burst) = per_minute`` calls start.
@@ -152,12 +157,7 @@ class CallLimiter:
         self.rate = max(((per_minute or 0) - self.burst) / 60.0, (per_minute or 0) / 600.0)
         self._tokens = float(self.burst)
         self._stamp = clock()
-        self._paused_until = 0.0
         self._lock = asyncio.Lock()
-
-    def pause(self, seconds: float) -> None:
-        """No call starts for ``seconds`` from now (a vendor's Retry-After)."""
-        self._paused_until = max(self._paused_until, self.clock() + seconds)
 
     async def acquire(self) -> None:
         """Wait until a call may start, then count it."""
@@ -165,7 +165,7 @@ class CallLimiter:
         async with self._lock:
             while True:
                 now = self.clock()
-                wait = self._paused_until - now
+                wait = 0.0
                 if self.per_minute is not None:
                     self._tokens = min(float(self.burst), self._tokens + (now - self._stamp) * self.rate)
                     self._stamp = now
@@ -320,7 +320,7 @@ class SharedPoller:
         while True:
             await self._demand.wait()
             # Let the triggers asking about now join this cycle (they wake on the same clock).
-            await asyncio.sleep(self._gather_window())
+            await _sleep(self._gather_window())
             started = time.monotonic()
             try:
                 await self._cycle()
@@ -331,7 +331,7 @@ class SharedPoller:
                 for batch_id in list(self._waiting):
                     self._settle(batch_id, error=exc)
             # The triggers the last page woke run before this line: they are part of the cycle.
-            await asyncio.sleep(0)
+            await _sleep(0)
             self._last_cycle = time.monotonic() - started
             if not self._waiting:
                 self._demand.clear()
@@ -393,7 +393,7 @@ class SharedPoller:
                         return
                     # The page's triggers run before the next page is read: the loop is never
                     # held by all of them waking at once.
-                    await asyncio.sleep(0)
+                    await _sleep(0)
 
     async def _get_each(self, remaining: set[str]) -> None:
         """Read by id the wanted batches the listing did not show, a few at a time."""
@@ -411,7 +411,7 @@ class SharedPoller:
                     batch = await self.hook.aget_batch(batch_id)
                 except POLL_ERRORS as exc:
                     if isinstance(exc, BatchApiRateLimitError):
-                        self._pause(exc)
+                        # The rest would be refused too: they get the same answer, no call.
                         stop.append(exc)
                     self._settle(batch_id, error=exc)
                 else:
@@ -419,14 +419,7 @@ class SharedPoller:
 
         await asyncio.gather(*(one(b) for b in todo))
 
-    def _pause(self, exc: BaseException) -> None:
-        wait = retry_after_of(exc)
-        if wait:
-            self.limiter.pause(min(wait, MAX_RETRY_AFTER))
-
     def _fail(self, remaining: set[str], exc: BaseException) -> None:
-        if isinstance(exc, BatchApiRateLimitError):
-            self._pause(exc)
         for batch_id in remaining:
             self._settle(batch_id, error=exc)
 
