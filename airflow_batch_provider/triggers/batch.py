@@ -258,7 +258,7 @@ class BatchTrigger(BaseTrigger):
 
     async def _poll(self, hook: BatchApiHook) -> list[Batch]:
         if self._poller is not None:
-            return await self._poller.read(self.batch_ids)
+            return await self._poller.read(self)
         return await aread_batches(hook, self.batch_ids)
 
     async def _join_shared_polling(self, lease: _HookLease) -> SharedPoller | None:
@@ -281,7 +281,7 @@ class BatchTrigger(BaseTrigger):
             return lease.hook, lambda: _release_lease(lease)
 
         poller = get_poller(key, make, calls_per_minute(settings))
-        poller.join(self, len(self.batch_ids), self.poll_interval)
+        poller.join(self, self.batch_ids, self.poll_interval)
         return poller
 
     async def _leave_shared_polling(self) -> None:

@@ -68,6 +68,10 @@ MAX_GATHER = 0.5
 GATHER_FRACTION = 0.05
 # Pages a listing may read beyond what the registered batches fill, for other batches in between.
 SLACK_PAGES = 2
+# Triggers a listing wakes before it lets them run (each judges its batches and maybe logs).
+WAKE_CHUNK = 16
+# A read is answered from a state seen less than this fraction of the trigger's poll interval ago.
+FRESH_FRACTION = 0.5
 # Batches read by id at once when the listing did not show them.
 GET_CONCURRENCY = 8
 
@@ -184,6 +188,15 @@ class CallLimiter:
         await self.acquire()
 
 
+@dataclass
+class _Member:
+    """A joined trigger: its batches, how old a state may be to answer it, when it was last answered."""
+
+    batch_ids: tuple[str, ...]
+    max_age: float
+    read_at: float = 0.0
+
+
 @dataclass(frozen=True)
 class PollerKey:
     """What a poller is shared by; its repr shows a digest of the settings, never a secret."""
@@ -196,6 +209,12 @@ class PollerKey:
 
 class SharedPoller:
     """Reads the batches of every registered trigger of one connection, in cycles.
+
+    A cycle lists batches newest first until it has seen every registered batch (or spent its
+    page budget), keeps the last state seen of each, and gets by id the wanted batches the
+    listing did not show. A trigger's read is answered at once from a state seen less than half
+    its poll interval ago (the cycle another trigger caused a moment before read it too), else
+    by the next cycle.
 
     :param key: what the poller is shared by.
     :param hook: the hook it reads with (a lease of the triggers' shared hook).
@@ -214,30 +233,37 @@ class SharedPoller:
         self.hook = hook
         self.limiter = limiter
         self._release = release
-        self._members: dict[object, tuple[int, float]] = {}  # trigger -> (batch ids, poll interval)
-        self._registered_ids = 0
+        self._members: dict[object, _Member] = {}
+        self._registered: dict[str, int] = {}  # batch id -> triggers watching it
+        self._seen: dict[str, tuple[Batch, float]] = {}  # batch id -> (last state, when read)
         self._waiting: dict[str, list[asyncio.Future[Batch]]] = {}
         self._demand = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._can_list = True
-        self._last_cycle = 0.0
         self._installed = False
         self.cycles = 0
         self.list_pages = 0
         self.gets = 0
 
     # ---- membership ------------------------------------------------------------------------
-    def join(self, member: object, batch_count: int, poll_interval: float) -> None:
-        self._members[member] = (batch_count, poll_interval)
-        self._registered_ids += batch_count
+    def join(self, member: object, batch_ids: Sequence[str], poll_interval: float) -> None:
+        ids = tuple(batch_ids)
+        self._members[member] = _Member(ids, poll_interval * FRESH_FRACTION)
+        for batch_id in ids:
+            self._registered[batch_id] = self._registered.get(batch_id, 0) + 1
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"shared-poll {self.key}")
 
     async def leave(self, member: object) -> bool:
         """Unregister a trigger; the last one out stops the poller. Returns whether it stopped."""
         entry = self._members.pop(member, None)
-        if entry is not None:
-            self._registered_ids -= entry[0]
+        for batch_id in entry.batch_ids if entry else ():
+            left = self._registered.get(batch_id, 1) - 1
+            if left > 0:
+                self._registered[batch_id] = left
+            else:
+                self._registered.pop(batch_id, None)
+                self._seen.pop(batch_id, None)
         if self._members:
             return False
         task, self._task = self._task, None
@@ -261,8 +287,19 @@ class SharedPoller:
         return len(self._members)
 
     # ---- what a trigger calls ----------------------------------------------------------------
-    async def read(self, batch_ids: Sequence[str]) -> list[Batch]:
-        """The batches, read by the next cycle; the first error among them is raised."""
+    async def read(self, member: object) -> list[Batch]:
+        """A joined trigger's batches, read by the next cycle; the first error among them is raised.
+
+        States a cycle read for other triggers less than half this trigger's poll interval ago, and
+        after the states it was last given, answer at once.
+        """
+        entry = self._members[member]
+        batch_ids = entry.batch_ids
+        seen = [self._seen.get(b) for b in batch_ids]
+        oldest = max(time.monotonic() - entry.max_age, entry.read_at)
+        if all(s is not None and s[1] > oldest for s in seen):
+            entry.read_at = max(s[1] for s in seen if s is not None)
+            return [s[0] for s in seen if s is not None]
         loop = asyncio.get_running_loop()
         futures = []
         for batch_id in batch_ids:
@@ -271,9 +308,10 @@ class SharedPoller:
             futures.append(future)
         self._demand.set()
         try:
-            if len(futures) == 1:
-                return [await futures[0]]
-            return list(await asyncio.gather(*futures))
+            batches = [await futures[0]] if len(futures) == 1 else list(await asyncio.gather(*futures))
+            # What it was given now is not news to it at its next read.
+            entry.read_at = time.monotonic()
+            return batches
         finally:
             # Cancelled (a trigger leaving, a poll budget spent) or failed on one id: the others
             # are no longer wanted by this trigger.
@@ -291,10 +329,13 @@ class SharedPoller:
             del self._waiting[batch_id]
 
     # ---- settling the futures ---------------------------------------------------------------
-    def _settle(self, batch_id: str, batch: Batch | None = None, error: BaseException | None = None) -> bool:
+    def _settle(self, batch_id: str, batch: Batch | None = None, error: BaseException | None = None) -> int:
+        """Answer the triggers waiting for ``batch_id``; returns how many were woken."""
+        if batch is not None and batch_id in self._registered:
+            self._seen[batch_id] = (batch, time.monotonic())
         waiters = self._waiting.pop(batch_id, None)
         if not waiters:
-            return False
+            return 0
         for future in waiters:
             if future.done():
                 continue
@@ -302,26 +343,19 @@ class SharedPoller:
                 future.set_exception(error)
             else:
                 future.set_result(batch)  # type: ignore[arg-type]
-        return True
+        return len(waiters)
 
     # ---- the cycles -----------------------------------------------------------------------------
     def _gather_window(self) -> float:
-        """How long to let demands gather before a cycle.
-
-        Triggers woken page by page by the last cycle ask again spread over as long as that
-        cycle took: waiting as long lets them all into one cycle instead of one each. Never
-        longer than the shortest poll interval of the triggers.
-        """
-        shortest = min((interval for _, interval in self._members.values()), default=MAX_GATHER)
-        floor = min(MAX_GATHER, shortest * GATHER_FRACTION)
-        return min(shortest, max(floor, self._last_cycle))
+        """How long to let more triggers ask before a cycle: a little of the shortest interval."""
+        shortest = min((m.max_age / FRESH_FRACTION for m in self._members.values()), default=MAX_GATHER)
+        return min(MAX_GATHER, shortest * GATHER_FRACTION)
 
     async def _run(self) -> None:
         while True:
             await self._demand.wait()
             # Let the triggers asking about now join this cycle (they wake on the same clock).
             await _sleep(self._gather_window())
-            started = time.monotonic()
             try:
                 await self._cycle()
             except Exception as exc:
@@ -330,9 +364,6 @@ class SharedPoller:
                 log.exception("Shared polling of %s failed", self.key)
                 for batch_id in list(self._waiting):
                     self._settle(batch_id, error=exc)
-            # The triggers the last page woke run before this line: they are part of the cycle.
-            await _sleep(0)
-            self._last_cycle = time.monotonic() - started
             if not self._waiting:
                 self._demand.clear()
 
@@ -344,23 +375,24 @@ class SharedPoller:
             client.event_hooks = hooks
             self._installed = True
 
-    def page_budget(self, wanted: int, page_size: int) -> int:
+    def page_budget(self, page_size: int) -> int:
         """Pages one cycle may list: enough for every registered batch plus a little, and never more
         than half the gets the listing saves (a listing that finds nothing costs 1.5x the gets)."""
-        fill = math.ceil(self._registered_ids / page_size) + SLACK_PAGES
-        return max(1, min(fill, wanted // 2))
+        registered = len(self._registered)
+        fill = math.ceil(registered / page_size) + SLACK_PAGES
+        return max(1, min(fill, registered // 2))
 
     async def _cycle(self) -> None:
         await self._install_limiter()
         self.cycles += 1
-        remaining = set(self._waiting)
+        wanted = set(self._waiting)
         dialect = (await self.hook.aget_settings()).dialect
-        if self._can_list and dialect.lists_batches and len(remaining) > 1:
+        if self._can_list and dialect.lists_batches and len(self._registered.keys() | wanted) > 1:
             try:
-                await self._list(remaining, dialect.list_page_size)
+                await self._list(wanted, dialect.list_page_size)
             except BatchApiRateLimitError as exc:
                 # Listing again, or a get per batch, is what the vendor asked us not to do now.
-                self._fail(remaining, exc)
+                self._fail(wanted, exc)
                 return
             except (BatchApiNotFoundError, BatchApiBadRequestError) as exc:
                 log.warning("Listing batches is refused (%s); reading them one by one from now on", exc)
@@ -369,35 +401,40 @@ class SharedPoller:
                 log.info("Listing batches failed (%s); reading the rest one by one", exc)
             except POLL_ERRORS as exc:
                 # Auth, quota, a broken connection: a get per batch would fail the same way.
-                self._fail(remaining, exc)
+                self._fail(wanted, exc)
                 return
-        await self._get_each(remaining)
+        await self._get_each(wanted)
 
-    async def _list(self, remaining: set[str], page_size: int) -> None:
-        """List newest first until every id of ``remaining`` has been seen or the budget is spent."""
-        budget = self.page_budget(len(remaining), page_size) * page_size
-        read = 0
+    async def _list(self, wanted: set[str], page_size: int) -> None:
+        """List newest first until every registered and wanted id has been seen or the budget is spent.
+
+        ``wanted`` is left holding the wanted ids the listing did not show.
+        """
+        unseen = set(self._registered) | wanted
+        budget = self.page_budget(page_size) * page_size
+        read = woken = 0
         listing = self.hook.alist_batches(page_size=page_size)
         async with contextlib.aclosing(listing):  # type: ignore[type-var]
             async for batch in listing:
                 if read % page_size == 0:
                     self.list_pages += 1
                 read += 1
-                # A trigger that asked after the cycle began is served too when its batch shows up.
-                if self._settle(batch.id, batch):
-                    remaining.discard(batch.id)
-                    if not remaining:
-                        return
-                if read % page_size == 0:
-                    if read >= budget:
-                        return
-                    # The page's triggers run before the next page is read: the loop is never
-                    # held by all of them waking at once.
+                if batch.id in unseen:
+                    unseen.discard(batch.id)
+                    wanted.discard(batch.id)
+                # A trigger that asked after the cycle began is answered too when its batch shows up.
+                woken += self._settle(batch.id, batch)
+                if not unseen or (read % page_size == 0 and read >= budget):
+                    return
+                if woken >= WAKE_CHUNK:
+                    # The woken triggers run before the listing goes on: the loop is never held
+                    # by all of them waking at once.
+                    woken = 0
                     await _sleep(0)
 
-    async def _get_each(self, remaining: set[str]) -> None:
+    async def _get_each(self, wanted: set[str]) -> None:
         """Read by id the wanted batches the listing did not show, a few at a time."""
-        todo = [b for b in remaining if b in self._waiting]
+        todo = [b for b in wanted if b in self._waiting]
         limit = asyncio.Semaphore(GET_CONCURRENCY)
         stop: list[BaseException] = []
 
@@ -419,8 +456,8 @@ class SharedPoller:
 
         await asyncio.gather(*(one(b) for b in todo))
 
-    def _fail(self, remaining: set[str], exc: BaseException) -> None:
-        for batch_id in remaining:
+    def _fail(self, wanted: set[str], exc: BaseException) -> None:
+        for batch_id in wanted:
             self._settle(batch_id, error=exc)
 
 
