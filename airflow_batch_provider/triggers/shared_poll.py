@@ -66,7 +66,7 @@ MAX_BURST = 10
 # shortest poll interval among its triggers, and not longer than this (see ``_gather_window``).
 MAX_GATHER = 0.5
 GATHER_FRACTION = 0.05
-# Pages a listing may read beyond what the registered batches fill, for other batches in between.
+# Pages a listing reads at least beyond what the registered batches fill, for other batches in between.
 SLACK_PAGES = 2
 # Triggers a listing wakes before it lets them run (each judges its batches and maybe logs).
 WAKE_CHUNK = 16
@@ -376,11 +376,10 @@ class SharedPoller:
             self._installed = True
 
     def page_budget(self, page_size: int) -> int:
-        """Pages one cycle may list: enough for every registered batch plus a little, and never more
-        than half the gets the listing saves (a listing that finds nothing costs 1.5x the gets)."""
-        registered = len(self._registered)
-        fill = math.ceil(registered / page_size) + SLACK_PAGES
-        return max(1, min(fill, registered // 2))
+        """Pages a cycle lists at least (unless it has seen every batch it looks for): as many as the
+        registered batches fill, plus a little for other batches in between. Past that, it goes on
+        only while each page still shows one of them."""
+        return math.ceil(len(self._registered) / page_size) + SLACK_PAGES
 
     async def _cycle(self) -> None:
         await self._install_limiter()
@@ -411,21 +410,28 @@ class SharedPoller:
         ``wanted`` is left holding the wanted ids the listing did not show.
         """
         unseen = set(self._registered) | wanted
-        budget = self.page_budget(page_size) * page_size
-        read = woken = 0
+        budget = self.page_budget(page_size)
+        read = woken = hits = 0
         listing = self.hook.alist_batches(page_size=page_size)
         async with contextlib.aclosing(listing):  # type: ignore[type-var]
             async for batch in listing:
                 if read % page_size == 0:
                     self.list_pages += 1
-                read += 1
                 if batch.id in unseen:
                     unseen.discard(batch.id)
                     wanted.discard(batch.id)
+                    hits += 1
                 # A trigger that asked after the cycle began is answered too when its batch shows up.
                 woken += self._settle(batch.id, batch)
-                if not unseen or (read % page_size == 0 and read >= budget):
+                read += 1
+                if not unseen:
                     return
+                if read % page_size == 0:
+                    # Past the budget, a page without one of ours says the rest are older still:
+                    # gets are cheaper than paging through the vendor's history.
+                    if read >= budget * page_size and not hits:
+                        return
+                    hits = 0
                 if woken >= WAKE_CHUNK:
                     # The woken triggers run before the listing goes on: the loop is never held
                     # by all of them waking at once.
