@@ -147,6 +147,12 @@ def start_server(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError("the batch server did not start")
 
 
+def point_connection_at(base: str) -> None:
+    """``batch_api_default`` reads the local server."""
+    conn = {"conn_type": "batch_api", "host": base, "password": "sk-bench", "extra": {"dialect": "openai"}}
+    os.environ["AIRFLOW_CONN_BATCH_API_DEFAULT"] = json.dumps(conn)
+
+
 def create_batches(count: int, work: Path) -> list[str]:
     if count > 1000:
         return asyncio.run(acreate_batches(count, work))
@@ -491,9 +497,7 @@ def scale_main(args: argparse.Namespace) -> int:
         work = Path(tmp)
         proc, base = start_server(work / "server")
         try:
-            os.environ["AIRFLOW_CONN_BATCH_API_DEFAULT"] = json.dumps(
-                {"conn_type": "batch_api", "host": base, "password": "sk-bench", "extra": {"dialect": "openai"}}
-            )
+            point_connection_at(base)
             if args.calls_per_minute is not None:
                 os.environ["AIRFLOW__BATCH_PROVIDER__POLL_CALLS_PER_MINUTE"] = str(args.calls_per_minute)
             t0 = time.perf_counter()
@@ -508,8 +512,8 @@ def scale_main(args: argparse.Namespace) -> int:
     shared, per = result["shared"], result["per_trigger"]
     n = args.triggers
     print(
-        f"\n{n} waiting batches, one trigger each, poll interval {args.poll_interval}s, window {args.window}s; "
-        f"per-trigger polling measured on {per['batches']} of them"
+        f"\n{n} waiting batches, one trigger each, poll interval {args.poll_interval}s, "
+        f"window {args.window}s; per-trigger polling measured on {per['batches']} of them"
     )
     print(
         f"{'mode':<12} {'batches':>7} {'polls':>7} {'calls':>6} {'calls/min':>9} {'calls/poll':>10} "
@@ -527,8 +531,9 @@ def scale_main(args: argparse.Namespace) -> int:
         )
     w = shared["warmup"]
     print(
-        f"shared start-up ({n} triggers, first polls spread over min(interval, 10 s)): {w['cpu_s']:.1f}s CPU, "
-        f"max loop hold {w['max_loop_cpu_hold_ms']:.1f} ms ({w['max_hold_without_gc_ms']:.1f} ms without "
+        f"shared start-up ({n} triggers, first polls spread over min(interval, 10 s)): "
+        f"{w['cpu_s']:.1f}s CPU, max loop hold {w['max_loop_cpu_hold_ms']:.1f} ms "
+        f"({w['max_hold_without_gc_ms']:.1f} ms without "
         f"the collector); pollers: {shared['pollers']} while running ({shared['poller_cycles']} cycles, "
         f"{shared['poller_pages']} pages listed, {shared['poller_gets']} gets since start-up), "
         f"{shared['pollers_left_after_cancel']} after every trigger was cancelled"
@@ -588,14 +593,7 @@ def main() -> int:
         work = Path(tmp)
         proc, base = start_server(work / "server")
         try:
-            os.environ["AIRFLOW_CONN_BATCH_API_DEFAULT"] = json.dumps(
-                {
-                    "conn_type": "batch_api",
-                    "host": base,
-                    "password": "sk-bench",
-                    "extra": {"dialect": "openai"},
-                }
-            )
+            point_connection_at(base)
             t0 = time.perf_counter()
             ids = create_batches(args.triggers, work)
             print(f"created {len(ids)} waiting batches in {time.perf_counter() - t0:.1f}s", flush=True)

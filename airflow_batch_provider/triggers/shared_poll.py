@@ -315,7 +315,7 @@ class SharedPoller:
         finally:
             # Cancelled (a trigger leaving, a poll budget spent) or failed on one id: the others
             # are no longer wanted by this trigger.
-            for batch_id, future in zip(batch_ids, futures):
+            for batch_id, future in zip(batch_ids, futures, strict=True):
                 if future.cancel() or future.cancelled():
                     self._drop(batch_id, future)
 

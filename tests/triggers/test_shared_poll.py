@@ -78,7 +78,9 @@ class Vendor:
 def vendor(monkeypatch: pytest.MonkeyPatch) -> Callable[..., tuple[Vendor, type[BatchTrigger]]]:
     """A mock vendor behind ``batch_api_default`` and a trigger class that reads it."""
 
-    def make(count: int, extra: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Vendor, type[BatchTrigger]]:
+    def make(
+        count: int, extra: dict[str, Any] | None = None, **kwargs: Any
+    ) -> tuple[Vendor, type[BatchTrigger]]:
         api = Vendor(count, **kwargs)
         conn = {
             "conn_type": "batch_api",
