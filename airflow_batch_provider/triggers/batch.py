@@ -4,7 +4,9 @@ Async all the way down: the batches are read with the hook's async httpx client,
 sync call or a thread. The trigger's kwargs are primitives only (ids, connection id, clock
 values, intervals) and never a secret; the hook reads the connection itself. The deadline
 is an absolute time computed from the submit time, so a triggerer restart (which rebuilds
-the trigger from its kwargs) keeps it instead of starting the clock again.
+the trigger from its kwargs) keeps it instead of starting the clock again. Triggers of one
+connection share their polling (:mod:`airflow_batch_provider.triggers.shared_poll`): each keeps
+its own poll loop, one poller per connection reads their batches.
 """
 
 from __future__ import annotations

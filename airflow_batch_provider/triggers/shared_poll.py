@@ -220,6 +220,7 @@ class SharedPoller:
     :param hook: the hook it reads with (a lease of the triggers' shared hook).
     :param limiter: the connection's ceiling of calls.
     :param release: called once when the poller stops (releases the hook's lease).
+    :param unregister: called once when the last trigger leaves (takes the poller out of the registry).
     """
 
     def __init__(
@@ -228,11 +229,13 @@ class SharedPoller:
         hook: BatchApiHook,
         limiter: CallLimiter,
         release: Callable[[], Awaitable[None]],
+        unregister: Callable[[], None] = lambda: None,
     ) -> None:
         self.key = key
         self.hook = hook
         self.limiter = limiter
         self._release = release
+        self._unregister = unregister
         self._members: dict[object, _Member] = {}
         self._registered: dict[str, int] = {}  # batch id -> triggers watching it
         self._seen: dict[str, tuple[Batch, float]] = {}  # batch id -> (last state, when read)
@@ -266,6 +269,9 @@ class SharedPoller:
                 self._seen.pop(batch_id, None)
         if self._members:
             return False
+        # Out of the registry before any await: a trigger joining meanwhile gets a new poller
+        # rather than this one, half stopped.
+        self._unregister()
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -490,12 +496,11 @@ def get_poller(
     if poller is None:
         hook, release = make()
 
-        async def stop() -> None:
+        def unregister() -> None:
             if registry.get(key) is poller:
                 del registry[key]
             if not registry:
                 _POLLERS.pop(loop, None)
-            await release()
 
-        poller = registry[key] = SharedPoller(key, hook, CallLimiter(per_minute), stop)
+        poller = registry[key] = SharedPoller(key, hook, CallLimiter(per_minute), release, unregister)
     return poller
