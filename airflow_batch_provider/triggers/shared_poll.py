@@ -382,9 +382,8 @@ class SharedPoller:
             self._installed = True
 
     def page_budget(self, page_size: int) -> int:
-        """Pages a cycle lists at least (unless it has seen every batch it looks for): as many as the
-        registered batches fill, plus a little for other batches in between. Past that, it goes on
-        only while each page still shows one of them."""
+        """Pages a cycle may list to refresh every registered batch: as many as they fill, plus a
+        little for other batches in between (see ``_list`` for when it goes on past that)."""
         return math.ceil(len(self._registered) / page_size) + SLACK_PAGES
 
     async def _cycle(self) -> None:
@@ -417,27 +416,26 @@ class SharedPoller:
         """
         unseen = set(self._registered) | wanted
         budget = self.page_budget(page_size)
-        read = woken = hits = 0
+        read = woken = pages = 0
         listing = self.hook.alist_batches(page_size=page_size)
         async with contextlib.aclosing(listing):  # type: ignore[type-var]
             async for batch in listing:
                 if read % page_size == 0:
+                    pages += 1
                     self.list_pages += 1
                 if batch.id in unseen:
                     unseen.discard(batch.id)
                     wanted.discard(batch.id)
-                    hits += 1
                 # A trigger that asked after the cycle began is answered too when its batch shows up.
                 woken += self._settle(batch.id, batch)
                 read += 1
                 if not unseen:
                     return
-                if read % page_size == 0:
-                    # Past the budget, a page without one of ours says the rest are older still:
-                    # gets are cheaper than paging through the vendor's history.
-                    if read >= budget * page_size and not hits:
-                        return
-                    hits = 0
+                # At a page's end: past the pages the registered batches fill, go on only while a
+                # get for each wanted batch still missing would cost more calls than the paging so
+                # far (a listing never costs more than twice the gets it replaces).
+                if read % page_size == 0 and pages >= budget and pages >= len(wanted):
+                    return
                 if woken >= WAKE_CHUNK:
                     # The woken triggers run before the listing goes on: the loop is never held
                     # by all of them waking at once.
