@@ -88,6 +88,30 @@ def get_provider_info() -> dict[str, Any]:
                         "example": "True",
                         "default": "False",
                     },
+                    "shared_polling": {
+                        "description": (
+                            "BatchTriggers of one connection in one triggerer read their batches "
+                            "together: one listing of the vendor's batches (a page per 100) per "
+                            "cycle instead of one call per batch per poll interval, and a get per "
+                            "batch the listing did not show. False brings back one poll per trigger. "
+                            "The connection extra shared_polling wins."
+                        ),
+                        "version_added": "0.1.0",
+                        "type": "boolean",
+                        "example": "False",
+                        "default": "True",
+                    },
+                    "poll_calls_per_minute": {
+                        "description": (
+                            "Ceiling of vendor calls per minute per connection made by shared "
+                            "polling in one triggerer (listing pages, gets, retries); 0 turns it "
+                            "off. The connection extra poll_calls_per_minute wins."
+                        ),
+                        "version_added": "0.1.0",
+                        "type": "integer",
+                        "example": "300",
+                        "default": "600",
+                    },
                 },
             }
         },

@@ -23,8 +23,15 @@ as many BatchTriggers, and reports every stall with and without the collector's 
 ``--gc-freeze`` turns on ``[batch_provider] triggerer_gc_freeze`` (the first BatchTrigger to start
 freezes the heap; the DateTimeTrigger baseline runs before it, unfrozen).
 
+``--scale`` measures shared polling instead (see ``scale_main``): ``--triggers`` (default there
+10,000) waiting batches in one process, first with the triggers of the connection sharing their
+polling (the default), then with one poll per trigger per interval (``shared_polling = False``, as
+before) on a sample of ``--sample`` of them, and prints vendor calls per minute, the longest loop
+stall, CPU per batch per poll cycle and memory per trigger for both, and their ratios.
+
 Usage: python benchmarks/bench_triggers.py [--triggers 1000] [--window 20] [--poll-interval 10]
        [--single-poll-interval 0.05] [--json]
+       python benchmarks/bench_triggers.py --scale [--triggers 10000] [--sample 1000] [--window 30]
 """
 
 from __future__ import annotations
@@ -55,11 +62,14 @@ sys.path.insert(0, str(ROOT))
 import airflow.jobs.triggerer_job_runner  # noqa: E402, F401
 from airflow.providers.standard.triggers.temporal import DateTimeTrigger  # noqa: E402
 
+from airflow_batch_provider.hooks._http import shared_transport  # noqa: E402
 from airflow_batch_provider.hooks.batch import BatchApiHook  # noqa: E402
 from airflow_batch_provider.models import Batch  # noqa: E402
 from airflow_batch_provider.triggers.batch import BatchTrigger  # noqa: E402
+from airflow_batch_provider.triggers.shared_poll import pollers  # noqa: E402
 
 POLLS = 0
+CALLS = 0
 RESUME = """
 import json, sys, httpx
 root, path = sys.argv[1], sys.argv[2]
@@ -69,8 +79,28 @@ with httpx.Client(timeout=30) as client:
 """
 
 
+class CountingTransport(httpx.AsyncBaseTransport):
+    """The loop's shared transport, counting every request that reaches the vendor."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self._inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        global CALLS
+        CALLS += 1
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
 class CountingTrigger(BatchTrigger):
-    """A BatchTrigger that counts its polls (nothing else differs)."""
+    """A BatchTrigger that counts its polls (batches read) and its vendor calls (nothing else differs)."""
+
+    def _new_hook(self) -> BatchApiHook:
+        return BatchApiHook(
+            self.batch_conn_id, dialect=self.dialect, async_transport=CountingTransport(shared_transport())
+        )
 
     async def _poll(self, hook: BatchApiHook) -> list[Batch]:
         global POLLS
@@ -117,7 +147,15 @@ def start_server(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError("the batch server did not start")
 
 
+def point_connection_at(base: str) -> None:
+    """``batch_api_default`` reads the local server."""
+    conn = {"conn_type": "batch_api", "host": base, "password": "sk-bench", "extra": {"dialect": "openai"}}
+    os.environ["AIRFLOW_CONN_BATCH_API_DEFAULT"] = json.dumps(conn)
+
+
 def create_batches(count: int, work: Path) -> list[str]:
+    if count > 1000:
+        return asyncio.run(acreate_batches(count, work))
     hook = BatchApiHook()
     src = work / "in.jsonl"
     with src.open("w") as out:
@@ -138,6 +176,37 @@ def create_batches(count: int, work: Path) -> list[str]:
     ]  # fmt: skip
     hook.close()
     return ids
+
+
+async def acreate_batches(count: int, work: Path, concurrency: int = 16) -> list[str]:
+    """Many batches, a few created at once (10,000 one after the other take minutes)."""
+    src = work / "in.jsonl"
+    line = {
+        "custom_id": "c0",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "echo", "messages": [{"role": "user", "content": "hi"}]},
+    }
+    src.write_text(json.dumps(line) + "\n")
+    async with BatchApiHook() as hook:
+        file_id = await hook.aupload_file(src)
+        limit = asyncio.Semaphore(concurrency)
+
+        async def one(i: int) -> tuple[float, str]:
+            async with limit:
+                batch = await hook.acreate_batch(
+                    input_file_id=file_id, endpoint="/v1/chat/completions", metadata={"bench": str(i)}
+                )
+                return (batch.created_at.timestamp() if batch.created_at else 0.0), batch.id
+
+        made = await asyncio.gather(*(one(i) for i in range(count)))
+    return [batch_id for _, batch_id in sorted(made)]
+
+
+def rss_mb() -> float:
+    """Resident memory of this process now (not the peak)."""
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 class LoopMonitor:
@@ -194,8 +263,9 @@ class LoopMonitor:
 async def measure(monitor: LoopMonitor, window: float) -> dict[str, float]:
     """CPU seconds, polls, and lateness of the loop over ``window`` seconds."""
     global POLLS
+    global CALLS
     monitor.reset()
-    POLLS = 0
+    POLLS = CALLS = 0
     cpu0, wall0 = time.process_time(), time.perf_counter()
     await asyncio.sleep(window)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
@@ -211,6 +281,7 @@ async def measure(monitor: LoopMonitor, window: float) -> dict[str, float]:
         "cpu_s": cpu,
         "cpu_share": cpu / wall,
         "polls": POLLS,
+        "calls": CALLS,
         "max_stall_ms": late[-1] * 1000,
         "p99_stall_ms": late[min(len(late) - 1, int(len(late) * 0.99))] * 1000,
         "median_stall_ms": statistics.median(late) * 1000,
@@ -362,9 +433,140 @@ async def main_async(args: argparse.Namespace, ids: list[str], base: str) -> dic
     }
 
 
+async def scale_phase(
+    ids: list[str], monitor: LoopMonitor, args: argparse.Namespace, *, shared: bool
+) -> dict[str, Any]:
+    """One trigger per batch, sharing their polling or not: steady-state figures and memory."""
+    os.environ["AIRFLOW__BATCH_PROVIDER__SHARED_POLLING"] = str(shared)
+    gc.collect()
+    rss0, objects0 = rss_mb(), len(gc.get_objects())
+    # The collection above held the loop on purpose: let the monitor absorb it before measuring.
+    await asyncio.sleep(monitor.tick * 5)
+    row, (tasks, _) = await run_phase(ids, monitor, args.window, args.poll_interval)
+    gc.collect()
+    row["rss_per_trigger_kb"] = (rss_mb() - rss0) * 1024 / len(ids)
+    row["objects_per_trigger"] = (len(gc.get_objects()) - objects0) / len(ids)
+    row["calls_per_minute"] = row["calls"] / row["wall_s"] * 60
+    row["batches"] = len(ids)
+    shared_pollers = list(pollers().values())
+    row["pollers"] = len(shared_pollers)
+    row["poller_cycles"] = sum(p.cycles for p in shared_pollers)
+    row["poller_pages"] = sum(p.list_pages for p in shared_pollers)
+    row["poller_gets"] = sum(p.gets for p in shared_pollers)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    # Cancelled triggers leave their poller; the last one out stops it.
+    row["pollers_left_after_cancel"] = len(pollers())
+    del tasks
+    gc.collect()
+    await asyncio.sleep(monitor.tick * 5)
+    return row
+
+
+async def scale_async(args: argparse.Namespace, ids: list[str]) -> dict[str, Any]:
+    monitor = LoopMonitor(args.tick)
+    monitor.start()
+    await asyncio.sleep(0.5)
+    idle = await measure(monitor, min(args.window, 10.0))
+    # The process's first async request imports the HTTP stack's async backend (~80 ms, once):
+    # done here, so neither phase is charged for it.
+    async with BatchApiHook(async_transport=shared_transport()) as hook:
+        await hook.aget_batch(ids[0])
+    await asyncio.sleep(monitor.tick * 5)
+    shared = await scale_phase(ids, monitor, args, shared=True)
+    # Per-trigger polling of every batch would need more than this machine's cores at this
+    # interval: it is measured on a sample of the same batches, its figures per batch.
+    per_trigger = await scale_phase(ids[: args.sample], monitor, args, shared=False)
+    await monitor.stop()
+    for row in (shared, per_trigger):
+        row["net_cpu_s"] = max(row["cpu_s"] - idle["cpu_share"] * row["wall_s"], 0.0)
+        # CPU per batch per poll cycle: one poll cycle reads every batch once.
+        row["cpu_per_batch_poll_us"] = row["net_cpu_s"] / max(row["polls"], 1) * 1e6
+        row["calls_per_batch_poll"] = row["calls"] / max(row["polls"], 1)
+        row["cycles"] = row["polls"] / row["batches"]
+    n = len(ids)
+    per_trigger["calls_per_minute_at_n"] = per_trigger["calls_per_minute"] * n / per_trigger["batches"]
+    per_trigger["cpu_share_at_n"] = per_trigger["cpu_share"] * n / per_trigger["batches"]
+    return {"idle": idle, "shared": shared, "per_trigger": per_trigger}
+
+
+def scale_main(args: argparse.Namespace) -> int:
+    """``--scale``: shared polling against one poll per trigger per interval, same run, same server."""
+    with tempfile.TemporaryDirectory(prefix="bench-triggers-") as tmp:
+        work = Path(tmp)
+        proc, base = start_server(work / "server")
+        try:
+            point_connection_at(base)
+            if args.calls_per_minute is not None:
+                os.environ["AIRFLOW__BATCH_PROVIDER__POLL_CALLS_PER_MINUTE"] = str(args.calls_per_minute)
+            t0 = time.perf_counter()
+            ids = create_batches(args.triggers, work)
+            print(f"created {len(ids)} waiting batches in {time.perf_counter() - t0:.1f}s", flush=True)
+            result = asyncio.run(scale_async(args, ids))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    shared, per = result["shared"], result["per_trigger"]
+    n = args.triggers
+    print(
+        f"\n{n} waiting batches, one trigger each, poll interval {args.poll_interval}s, "
+        f"window {args.window}s; per-trigger polling measured on {per['batches']} of them"
+    )
+    print(
+        f"{'mode':<12} {'batches':>7} {'polls':>7} {'calls':>6} {'calls/min':>9} {'calls/poll':>10} "
+        f"{'cpu/batch/poll':>14} {'cpu share':>9} {'max stall':>9} {'max hold':>8} {'hold-gc':>8} "
+        f"{'mem/trigger':>11} {'objs/trigger':>12}"
+    )
+    for name, row in (("shared", shared), ("per-trigger", per)):
+        print(
+            f"{name:<12} {row['batches']:>7} {row['polls']:>7} {row['calls']:>6} "
+            f"{row['calls_per_minute']:>9.0f} {row['calls_per_batch_poll']:>10.3f} "
+            f"{row['cpu_per_batch_poll_us']:>11.0f} us {row['cpu_share'] * 100:>8.1f}% "
+            f"{row['max_stall_ms']:>7.1f}ms {row['max_loop_cpu_hold_ms']:>6.1f}ms "
+            f"{row['max_hold_without_gc_ms']:>6.1f}ms {row['rss_per_trigger_kb']:>8.1f} KB "
+            f"{row['objects_per_trigger']:>12.1f}"
+        )
+    w = shared["warmup"]
+    print(
+        f"shared start-up ({n} triggers, first polls spread over min(interval, 10 s)): "
+        f"{w['cpu_s']:.1f}s CPU, max loop hold {w['max_loop_cpu_hold_ms']:.1f} ms "
+        f"({w['max_hold_without_gc_ms']:.1f} ms without "
+        f"the collector); pollers: {shared['pollers']} while running ({shared['poller_cycles']} cycles, "
+        f"{shared['poller_pages']} pages listed, {shared['poller_gets']} gets since start-up), "
+        f"{shared['pollers_left_after_cancel']} after every trigger was cancelled"
+    )
+    calls_ratio = per["calls_per_minute_at_n"] / max(shared["calls_per_minute"], 1e-9)
+    cpu_ratio = shared["cpu_per_batch_poll_us"] / max(per["cpu_per_batch_poll_us"], 1e-9)
+    print(
+        f"per-trigger polling of all {n} at this interval: ~{per['calls_per_minute_at_n']:.0f} calls/min and "
+        f"~{per['cpu_share_at_n'] * 100:.0f}% of a core (scaled from the sample)"
+    )
+    print(
+        f"ratios shared/per-trigger: vendor calls per minute 1/{calls_ratio:.0f}, CPU per batch per poll "
+        f"{cpu_ratio:.3f}x, max loop hold without the collector "
+        f"{shared['max_hold_without_gc_ms'] / max(per['max_hold_without_gc_ms'], 1e-9):.2f}x"
+    )
+    hold = max(shared["max_hold_without_gc_ms"], w["max_hold_without_gc_ms"])
+    ok = cpu_ratio <= 0.1 and hold <= 50 and shared["pollers_left_after_cancel"] == 0
+    print(
+        "PASS" if ok else "FAIL",
+        f"(CPU per batch per poll at most a tenth of per-trigger polling: {cpu_ratio:.3f}x; the triggers' "
+        f"own code holds the loop at most 50 ms: {hold:.1f} ms; no poller left after cancelling)",
+    )
+    return 0 if ok else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--triggers", type=int, default=1000)
+    parser.add_argument("--triggers", type=int, default=None, help="1,000 (10,000 with --scale)")
+    parser.add_argument("--scale", action="store_true", help="shared vs per-trigger polling (see docstring)")
+    parser.add_argument("--sample", type=int, default=1000, help="--scale: batches polled per trigger")
+    parser.add_argument(
+        "--calls-per-minute", type=int, default=None, help="--scale: [batch_provider] poll_calls_per_minute"
+    )
     parser.add_argument("--window", type=float, default=20.0, help="seconds measured per phase")
     parser.add_argument(
         "--poll-interval",
@@ -381,20 +583,17 @@ def main() -> int:
         "--gc-freeze", action="store_true", help="[batch_provider] triggerer_gc_freeze = True (see docstring)"
     )
     args = parser.parse_args()
+    if args.triggers is None:
+        args.triggers = 10_000 if args.scale else 1000
+    if args.scale:
+        return scale_main(args)
     if args.gc_freeze:
         os.environ["AIRFLOW__BATCH_PROVIDER__TRIGGERER_GC_FREEZE"] = "True"
     with tempfile.TemporaryDirectory(prefix="bench-triggers-") as tmp:
         work = Path(tmp)
         proc, base = start_server(work / "server")
         try:
-            os.environ["AIRFLOW_CONN_BATCH_API_DEFAULT"] = json.dumps(
-                {
-                    "conn_type": "batch_api",
-                    "host": base,
-                    "password": "sk-bench",
-                    "extra": {"dialect": "openai"},
-                }
-            )
+            point_connection_at(base)
             t0 = time.perf_counter()
             ids = create_batches(args.triggers, work)
             print(f"created {len(ids)} waiting batches in {time.perf_counter() - t0:.1f}s", flush=True)

@@ -93,6 +93,9 @@ class Dialect:
     max_metadata_pairs: ClassVar[int] = 16
     results_modes: ClassVar[tuple[ResultsMode, ...]] = ("files",)
     list_page_size: ClassVar[int] = 100
+    # Whether ``GET batches`` lists every batch of the key with its current status, newest first:
+    # triggers of one connection then read their batches a page at a time instead of one by one.
+    lists_batches: ClassVar[bool] = True
     results_page_size: ClassVar[int] = 1000
 
     def __init__(self) -> None:

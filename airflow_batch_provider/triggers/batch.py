@@ -4,7 +4,9 @@ Async all the way down: the batches are read with the hook's async httpx client,
 sync call or a thread. The trigger's kwargs are primitives only (ids, connection id, clock
 values, intervals) and never a secret; the hook reads the connection itself. The deadline
 is an absolute time computed from the submit time, so a triggerer restart (which rebuilds
-the trigger from its kwargs) keeps it instead of starting the clock again.
+the trigger from its kwargs) keeps it instead of starting the clock again. Triggers of one
+connection share their polling (:mod:`airflow_batch_provider.triggers.shared_poll`): each keeps
+its own poll loop, one poller per connection reads their batches.
 """
 
 from __future__ import annotations
@@ -26,7 +28,21 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from airflow_batch_provider.constants import DEFAULT_CONN_ID
 from airflow_batch_provider.hooks.transport import shared_transport
 from airflow_batch_provider.models import Batch, to_utc
-from airflow_batch_provider.waiting import acancel_batches, aread_batches, await_batches, deadline_from
+from airflow_batch_provider.triggers.shared_poll import (
+    PollerKey,
+    SharedPoller,
+    calls_per_minute,
+    get_poller,
+    settings_fingerprint,
+    shared_polling_enabled,
+)
+from airflow_batch_provider.waiting import (
+    POLL_ERRORS,
+    acancel_batches,
+    aread_batches,
+    await_batches,
+    deadline_from,
+)
 
 if TYPE_CHECKING:
     from airflow_batch_provider.hooks.batch import BatchApiHook
@@ -157,6 +173,7 @@ class BatchTrigger(BaseTrigger):
         self.max_consecutive_errors = int(max_consecutive_errors)
         self.cancel_on_kill = bool(cancel_on_kill)
         self._lease: _HookLease | None = None
+        self._poller: SharedPoller | None = None
 
     @classmethod
     def for_task(
@@ -243,7 +260,37 @@ class BatchTrigger(BaseTrigger):
         return fraction * min(self.poll_interval, MAX_START_SPREAD)
 
     async def _poll(self, hook: BatchApiHook) -> list[Batch]:
+        if self._poller is not None:
+            return await self._poller.read(self)
         return await aread_batches(hook, self.batch_ids)
+
+    async def _join_shared_polling(self, lease: _HookLease) -> SharedPoller | None:
+        """The connection's shared poller, joined; None when this trigger polls on its own.
+
+        Settings that cannot be read are not judged here: the first poll reads them again and
+        reports the error the way a trigger always has.
+        """
+        try:
+            settings = await lease.hook.aget_settings()
+        except POLL_ERRORS:
+            return None
+        if not shared_polling_enabled(settings):
+            return None
+        key = PollerKey(type(self), self.batch_conn_id, self.dialect, settings_fingerprint(settings))
+
+        def make() -> tuple[BatchApiHook, Any]:
+            # The poller holds a lease of the triggers' hook: no connection lookup or client of its own.
+            lease.users += 1
+            return lease.hook, lambda: _release_lease(lease)
+
+        poller = get_poller(key, make, calls_per_minute(settings))
+        poller.join(self, self.batch_ids, self.poll_interval)
+        return poller
+
+    async def _leave_shared_polling(self) -> None:
+        poller, self._poller = self._poller, None
+        if poller is not None:
+            await poller.leave(self)
 
     # ---- the loop (its decisions live in airflow_batch_provider.waiting) -------------------
     async def run(self) -> AsyncIterator[TriggerEvent]:
@@ -252,6 +299,7 @@ class BatchTrigger(BaseTrigger):
         hook = self._lease.hook
         try:
             await asyncio.sleep(self.start_delay())
+            self._poller = await self._join_shared_polling(self._lease)
             event = await await_batches(
                 hook,
                 self.batch_ids,
@@ -266,10 +314,12 @@ class BatchTrigger(BaseTrigger):
             )
             yield TriggerEvent(event)
         finally:
+            await self._leave_shared_polling()
             await self._release_hook()
 
     async def cleanup(self) -> None:
         """Release the HTTP client when the trigger leaves this triggerer (never cancels work)."""
+        await self._leave_shared_polling()
         await self._release_hook()
 
     async def on_kill(self) -> None:

@@ -1,0 +1,504 @@
+"""Shared polling: the BatchTriggers of one connection in one triggerer read their batches together.
+
+One poll per batch per interval does not scale: 10,000 waiting batches at a 10 s interval are
+60,000 vendor calls a minute and more CPU than one core has. Here every trigger keeps its own
+:class:`~airflow_batch_provider.waiting.PollLoop` (interval, backoff, Retry-After, error budget,
+deadline, outcome: nothing about a trigger's decisions changes), but its *read* is served by one
+:class:`SharedPoller` per connection and event loop:
+
+* a trigger that wants its batches registers a future per batch id and waits;
+* the poller gathers the ids wanted within a short window, then reads them in one *cycle*: it
+  lists batches newest first (one call per page for up to a page of batches) until every wanted
+  id has been seen or the page budget is spent, then gets the ids the listing did not show one
+  by one (a few at a time);
+* every vendor call of the poller (pages, gets, the hook's own retries) passes one
+  :class:`CallLimiter`: at most ``poll_calls_per_minute`` calls in any minute per connection;
+* an error reaches the triggers whose batches it concerns, and each trigger's own PollLoop judges
+  it as it judges its own poll's error today (so a Retry-After or a backoff is honoured by the
+  PollLoop's decisions, as before). A listing that fails for a transient reason other than a
+  rate limit falls back to gets; a rate limit ends the cycle without another call.
+
+The poller is keyed by the trigger class, the connection id, the dialect and a fingerprint of the
+resolved settings (a digest: a key never shows a secret), so a rotated key gets a poller of its
+own. The first trigger in starts it, the last one out (a finished, cancelled or reassigned
+trigger) stops it and releases its HTTP client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import orjson
+
+from airflow_batch_provider.exceptions import (
+    BatchApiBadRequestError,
+    BatchApiNotFoundError,
+    BatchApiRateLimitError,
+)
+from airflow_batch_provider.models import Batch
+from airflow_batch_provider.waiting import POLL_ERRORS, TRANSIENT_ERRORS
+
+if TYPE_CHECKING:
+    from airflow_batch_provider.hooks.batch import BatchApiHook, BatchApiSettings
+
+log = logging.getLogger(__name__)
+
+# The poller keeps its own clock: a test that fast-forwards a trigger's waits by patching
+# ``asyncio.sleep`` (to check the trigger's decisions) leaves the poller's pacing alone.
+_sleep = asyncio.sleep
+
+#: Default ceiling of vendor calls per minute per connection (``[batch_provider] poll_calls_per_minute``).
+DEFAULT_CALLS_PER_MINUTE = 600
+# Calls allowed back to back before the ceiling's pace applies (a small burst keeps a short cycle
+# quick); the pace is lowered by as much, so no minute ever holds more than the ceiling.
+MAX_BURST = 10
+# How long the poller waits at least for more triggers to ask before it reads: a fraction of the
+# shortest poll interval among its triggers, and not longer than this (see ``_gather_window``).
+MAX_GATHER = 0.5
+GATHER_FRACTION = 0.05
+# Pages a listing reads at least beyond what the registered batches fill, for other batches in between.
+SLACK_PAGES = 2
+# Triggers a listing wakes before it lets them run (each judges its batches and maybe logs).
+WAKE_CHUNK = 16
+# A read is answered from a state seen less than this fraction of the trigger's poll interval ago.
+FRESH_FRACTION = 0.5
+# Batches read by id at once when the listing did not show them.
+GET_CONCURRENCY = 8
+
+
+def _flag(value: Any) -> bool | None:
+    """A boolean from a connection extra (``true``, ``"false"``, ``0``...), or None when unset."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def shared_polling_enabled(settings: BatchApiSettings) -> bool:
+    """Whether triggers of this connection share their polling.
+
+    The connection extra ``shared_polling`` wins over ``[batch_provider] shared_polling``
+    (default True); False brings back one poll per trigger per interval.
+    """
+    own = _flag(settings.extra.get("shared_polling"))
+    if own is not None:
+        return own
+    from airflow.sdk.configuration import conf
+
+    try:
+        return bool(conf.getboolean("batch_provider", "shared_polling", fallback=True))
+    except Exception as exc:
+        # A typo in a tuning knob must not fail every trigger.
+        log.warning("[batch_provider] shared_polling is not a boolean (%s); sharing anyway", exc)
+        return True
+
+
+def calls_per_minute(settings: BatchApiSettings) -> int | None:
+    """The connection's ceiling of vendor calls per minute (None: no ceiling).
+
+    The connection extra ``poll_calls_per_minute`` wins over ``[batch_provider]
+    poll_calls_per_minute`` (default 600); 0 turns the ceiling off.
+    """
+    value: Any = settings.extra.get("poll_calls_per_minute")
+    if value in (None, ""):
+        from airflow.sdk.configuration import conf
+
+        value = conf.get("batch_provider", "poll_calls_per_minute", fallback=None)
+    if value in (None, ""):
+        return DEFAULT_CALLS_PER_MINUTE
+    try:
+        ceiling = int(float(value))
+    except (TypeError, ValueError):
+        log.warning("poll_calls_per_minute %r is not a number; using %d", value, DEFAULT_CALLS_PER_MINUTE)
+        return DEFAULT_CALLS_PER_MINUTE
+    return ceiling if ceiling > 0 else None
+
+
+def settings_fingerprint(settings: BatchApiSettings) -> str:
+    """A digest of what the vendor sees of a connection (URL, key, headers, extras): no secret in it."""
+    material = orjson.dumps(
+        [settings.base_url, settings.dialect.name, settings.api_key, dict(settings.headers), settings.extra],
+        option=orjson.OPT_SORT_KEYS,
+        default=str,
+    )
+    return hashlib.sha256(material).hexdigest()[:16]
+
+
+class CallLimiter:
+    """At most ``per_minute`` calls in any 60 s, in bursts of at most ``burst``.
+
+    A token bucket holding ``burst`` tokens, refilled at ``(per_minute - burst) / 60`` a second:
+    in any window of 60 s at most ``burst + (per_minute - burst) = per_minute`` calls start.
+
+    :param per_minute: the ceiling (None: no ceiling, calls are only counted).
+    :param clock: monotonic seconds (tests pass a fake clock).
+    :param sleep: how to wait (tests pass one that advances the fake clock).
+    """
+
+    def __init__(
+        self,
+        per_minute: int | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.per_minute = per_minute
+        self.clock = clock
+        self.sleep = sleep
+        self.calls = 0
+        self.burst = max(1, min(MAX_BURST, (per_minute or 0) // 10))
+        self.rate = max(((per_minute or 0) - self.burst) / 60.0, (per_minute or 0) / 600.0)
+        self._tokens = float(self.burst)
+        self._stamp = clock()
+        self._lock = asyncio.Lock()
+
+    async def acquire(self) -> None:
+        """Wait until a call may start, then count it."""
+        # One waiter at a time: calls start in the order they asked.
+        async with self._lock:
+            while True:
+                now = self.clock()
+                wait = 0.0
+                if self.per_minute is not None:
+                    self._tokens = min(float(self.burst), self._tokens + (now - self._stamp) * self.rate)
+                    self._stamp = now
+                    # (A hair under one token is one: float rounding must not make a wait of 0 s.)
+                    if self._tokens < 1.0 - 1e-9:
+                        wait = max(wait, (1.0 - self._tokens) / self.rate)
+                if wait <= 0:
+                    break
+                await self.sleep(wait)
+            if self.per_minute is not None:
+                self._tokens -= 1.0
+            self.calls += 1
+
+    async def on_request(self, request: httpx.Request) -> None:
+        """An httpx request event hook: every request of the client waits its turn."""
+        await self.acquire()
+
+
+@dataclass
+class _Member:
+    """A joined trigger: its batches, how old a state may be to answer it, when it was last answered."""
+
+    batch_ids: tuple[str, ...]
+    max_age: float
+    read_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class PollerKey:
+    """What a poller is shared by; its repr shows a digest of the settings, never a secret."""
+
+    trigger_class: type
+    conn_id: str
+    dialect: str | None
+    fingerprint: str
+
+
+class SharedPoller:
+    """Reads the batches of every registered trigger of one connection, in cycles.
+
+    A cycle lists batches newest first until it has seen every registered batch (or spent its
+    page budget), keeps the last state seen of each, and gets by id the wanted batches the
+    listing did not show. A trigger's read is answered at once from a state seen less than half
+    its poll interval ago (the cycle another trigger caused a moment before read it too), else
+    by the next cycle.
+
+    :param key: what the poller is shared by.
+    :param hook: the hook it reads with (a lease of the triggers' shared hook).
+    :param limiter: the connection's ceiling of calls.
+    :param release: called once when the poller stops (releases the hook's lease).
+    :param unregister: called once when the last trigger leaves (takes the poller out of the registry).
+    """
+
+    def __init__(
+        self,
+        key: PollerKey,
+        hook: BatchApiHook,
+        limiter: CallLimiter,
+        release: Callable[[], Awaitable[None]],
+        unregister: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.key = key
+        self.hook = hook
+        self.limiter = limiter
+        self._release = release
+        self._unregister = unregister
+        self._members: dict[object, _Member] = {}
+        self._registered: dict[str, int] = {}  # batch id -> triggers watching it
+        self._seen: dict[str, tuple[Batch, float]] = {}  # batch id -> (last state, when read)
+        self._waiting: dict[str, list[asyncio.Future[Batch]]] = {}
+        self._demand = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._can_list = True
+        self._installed = False
+        self.cycles = 0
+        self.list_pages = 0
+        self.gets = 0
+
+    # ---- membership ------------------------------------------------------------------------
+    def join(self, member: object, batch_ids: Sequence[str], poll_interval: float) -> None:
+        ids = tuple(batch_ids)
+        self._members[member] = _Member(ids, poll_interval * FRESH_FRACTION)
+        for batch_id in ids:
+            self._registered[batch_id] = self._registered.get(batch_id, 0) + 1
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"shared-poll {self.key}")
+
+    async def leave(self, member: object) -> bool:
+        """Unregister a trigger; the last one out stops the poller. Returns whether it stopped."""
+        entry = self._members.pop(member, None)
+        for batch_id in entry.batch_ids if entry else ():
+            left = self._registered.get(batch_id, 1) - 1
+            if left > 0:
+                self._registered[batch_id] = left
+            else:
+                self._registered.pop(batch_id, None)
+                self._seen.pop(batch_id, None)
+        if self._members:
+            return False
+        # Out of the registry before any await: a trigger joining meanwhile gets a new poller
+        # rather than this one, half stopped.
+        self._unregister()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._installed:
+            # The hook outlives this poller when triggers still hold it: take the ceiling off.
+            client = await self.hook.aget_conn()
+            hooks = client.event_hooks
+            with contextlib.suppress(ValueError):
+                hooks.get("request", []).remove(self.limiter.on_request)
+            client.event_hooks = hooks
+            self._installed = False
+        await self._release()
+        return True
+
+    @property
+    def members(self) -> int:
+        return len(self._members)
+
+    # ---- what a trigger calls ----------------------------------------------------------------
+    async def read(self, member: object) -> list[Batch]:
+        """A joined trigger's batches, read by the next cycle; the first error among them is raised.
+
+        States a cycle read for other triggers less than half this trigger's poll interval ago, and
+        after the states it was last given, answer at once.
+        """
+        entry = self._members[member]
+        batch_ids = entry.batch_ids
+        seen = [self._seen.get(b) for b in batch_ids]
+        oldest = max(time.monotonic() - entry.max_age, entry.read_at)
+        if all(s is not None and s[1] > oldest for s in seen):
+            entry.read_at = max(s[1] for s in seen if s is not None)
+            return [s[0] for s in seen if s is not None]
+        loop = asyncio.get_running_loop()
+        futures = []
+        for batch_id in batch_ids:
+            future: asyncio.Future[Batch] = loop.create_future()
+            self._waiting.setdefault(batch_id, []).append(future)
+            futures.append(future)
+        self._demand.set()
+        try:
+            batches = [await futures[0]] if len(futures) == 1 else list(await asyncio.gather(*futures))
+            # What it was given now is not news to it at its next read.
+            entry.read_at = time.monotonic()
+            return batches
+        finally:
+            # Cancelled (a trigger leaving, a poll budget spent) or failed on one id: the others
+            # are no longer wanted by this trigger.
+            for batch_id, future in zip(batch_ids, futures, strict=True):
+                if future.cancel() or future.cancelled():
+                    self._drop(batch_id, future)
+
+    def _drop(self, batch_id: str, future: asyncio.Future[Batch]) -> None:
+        waiters = self._waiting.get(batch_id)
+        if waiters is None:
+            return
+        with contextlib.suppress(ValueError):
+            waiters.remove(future)
+        if not waiters:
+            del self._waiting[batch_id]
+
+    # ---- settling the futures ---------------------------------------------------------------
+    def _settle(self, batch_id: str, batch: Batch | None = None, error: BaseException | None = None) -> int:
+        """Answer the triggers waiting for ``batch_id``; returns how many were woken."""
+        if batch is not None and batch_id in self._registered:
+            self._seen[batch_id] = (batch, time.monotonic())
+        waiters = self._waiting.pop(batch_id, None)
+        if not waiters:
+            return 0
+        for future in waiters:
+            if future.done():
+                continue
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(batch)  # type: ignore[arg-type]
+        return len(waiters)
+
+    # ---- the cycles -----------------------------------------------------------------------------
+    def _gather_window(self) -> float:
+        """How long to let more triggers ask before a cycle: a little of the shortest interval."""
+        shortest = min((m.max_age / FRESH_FRACTION for m in self._members.values()), default=MAX_GATHER)
+        return min(MAX_GATHER, shortest * GATHER_FRACTION)
+
+    async def _run(self) -> None:
+        while True:
+            await self._demand.wait()
+            # Let the triggers asking about now join this cycle (they wake on the same clock).
+            await _sleep(self._gather_window())
+            try:
+                await self._cycle()
+            except Exception as exc:
+                # A bug must not strand the waiting triggers: each gets the error (and fails as
+                # its own poll would have).
+                log.exception("Shared polling of %s failed", self.key)
+                for batch_id in list(self._waiting):
+                    self._settle(batch_id, error=exc)
+            if not self._waiting:
+                self._demand.clear()
+
+    async def _install_limiter(self) -> None:
+        if not self._installed:
+            client = await self.hook.aget_conn()
+            hooks = client.event_hooks
+            hooks.setdefault("request", []).append(self.limiter.on_request)
+            client.event_hooks = hooks
+            self._installed = True
+
+    def page_budget(self, page_size: int) -> int:
+        """Pages a cycle may list to refresh every registered batch: as many as they fill, plus a
+        little for other batches in between (see ``_list`` for when it goes on past that)."""
+        return math.ceil(len(self._registered) / page_size) + SLACK_PAGES
+
+    async def _cycle(self) -> None:
+        await self._install_limiter()
+        self.cycles += 1
+        wanted = set(self._waiting)
+        dialect = (await self.hook.aget_settings()).dialect
+        if self._can_list and dialect.lists_batches and len(self._registered.keys() | wanted) > 1:
+            try:
+                await self._list(wanted, dialect.list_page_size)
+            except BatchApiRateLimitError as exc:
+                # Listing again, or a get per batch, is what the vendor asked us not to do now.
+                self._fail(wanted, exc)
+                return
+            except (BatchApiNotFoundError, BatchApiBadRequestError) as exc:
+                log.warning("Listing batches is refused (%s); reading them one by one from now on", exc)
+                self._can_list = False
+            except TRANSIENT_ERRORS as exc:
+                log.info("Listing batches failed (%s); reading the rest one by one", exc)
+            except POLL_ERRORS as exc:
+                # Auth, quota, a broken connection: a get per batch would fail the same way.
+                self._fail(wanted, exc)
+                return
+        await self._get_each(wanted)
+
+    async def _list(self, wanted: set[str], page_size: int) -> None:
+        """List newest first until every registered and wanted id has been seen or the budget is spent.
+
+        ``wanted`` is left holding the wanted ids the listing did not show.
+        """
+        unseen = set(self._registered) | wanted
+        budget = self.page_budget(page_size)
+        read = woken = pages = 0
+        listing = self.hook.alist_batches(page_size=page_size)
+        async with contextlib.aclosing(listing):  # type: ignore[type-var]
+            async for batch in listing:
+                if read % page_size == 0:
+                    pages += 1
+                    self.list_pages += 1
+                if batch.id in unseen:
+                    unseen.discard(batch.id)
+                    wanted.discard(batch.id)
+                # A trigger that asked after the cycle began is answered too when its batch shows up.
+                woken += self._settle(batch.id, batch)
+                read += 1
+                if not unseen:
+                    return
+                # At a page's end: past the pages the registered batches fill, go on only while a
+                # get for each wanted batch still missing would cost more calls than the paging so
+                # far (a listing never costs more than twice the gets it replaces).
+                if read % page_size == 0 and pages >= budget and pages >= len(wanted):
+                    return
+                if woken >= WAKE_CHUNK:
+                    # The woken triggers run before the listing goes on: the loop is never held
+                    # by all of them waking at once.
+                    woken = 0
+                    await _sleep(0)
+
+    async def _get_each(self, wanted: set[str]) -> None:
+        """Read by id the wanted batches the listing did not show, a few at a time."""
+        todo = [b for b in wanted if b in self._waiting]
+        limit = asyncio.Semaphore(GET_CONCURRENCY)
+        stop: list[BaseException] = []
+
+        async def one(batch_id: str) -> None:
+            async with limit:
+                if stop:
+                    self._settle(batch_id, error=stop[0])
+                    return
+                self.gets += 1
+                try:
+                    batch = await self.hook.aget_batch(batch_id)
+                except POLL_ERRORS as exc:
+                    if isinstance(exc, BatchApiRateLimitError):
+                        # The rest would be refused too: they get the same answer, no call.
+                        stop.append(exc)
+                    self._settle(batch_id, error=exc)
+                else:
+                    self._settle(batch_id, batch)
+
+        await asyncio.gather(*(one(b) for b in todo))
+
+    def _fail(self, wanted: set[str], exc: BaseException) -> None:
+        for batch_id in wanted:
+            self._settle(batch_id, error=exc)
+
+
+# ---- the registry: one poller per key and event loop -----------------------------------------
+_POLLERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[PollerKey, SharedPoller]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def pollers() -> Mapping[PollerKey, SharedPoller]:
+    """The running loop's pollers (for tests and benchmarks)."""
+    return _POLLERS.get(asyncio.get_running_loop(), {})
+
+
+def get_poller(
+    key: PollerKey,
+    make: Callable[[], tuple[BatchApiHook, Callable[[], Awaitable[None]]]],
+    per_minute: int | None,
+) -> SharedPoller:
+    """The loop's poller for ``key``; ``make`` gives a hook and its release when one must start."""
+    loop = asyncio.get_running_loop()
+    registry = _POLLERS.setdefault(loop, {})
+    poller = registry.get(key)
+    if poller is None:
+        hook, release = make()
+
+        def unregister() -> None:
+            if registry.get(key) is poller:
+                del registry[key]
+            if not registry:
+                _POLLERS.pop(loop, None)
+
+        poller = registry[key] = SharedPoller(key, hook, CallLimiter(per_minute), release, unregister)
+    return poller
