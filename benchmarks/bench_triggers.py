@@ -62,8 +62,8 @@ sys.path.insert(0, str(ROOT))
 import airflow.jobs.triggerer_job_runner  # noqa: E402, F401
 from airflow.providers.standard.triggers.temporal import DateTimeTrigger  # noqa: E402
 
-from airflow_batch_provider.hooks._http import shared_transport  # noqa: E402
 from airflow_batch_provider.hooks.batch import BatchApiHook  # noqa: E402
+from airflow_batch_provider.hooks.transport import shared_transport  # noqa: E402
 from airflow_batch_provider.models import Batch  # noqa: E402
 from airflow_batch_provider.triggers.batch import BatchTrigger  # noqa: E402
 from airflow_batch_provider.triggers.shared_poll import pollers  # noqa: E402
