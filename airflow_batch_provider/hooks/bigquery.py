@@ -75,12 +75,11 @@ class BigQuerySqlHook(DbApiHook):
         if credentials is not None:
             options["credentials"] = credentials
             project = project or getattr(credentials, "project_id", None)
-        dataset = conn.schema or None
-        if dataset:
-            ref = dataset if "." in dataset else f"{project}.{dataset}" if project else None
-            if ref:
-                options["default_query_job_config"] = bigquery.QueryJobConfig(default_dataset=ref)
-        return bigquery.Client(project=project, location=extra.get("location") or None, **options)
+        client = bigquery.Client(project=project, location=extra.get("location") or None, **options)
+        if conn.schema:
+            dataset = conn.schema if "." in conn.schema else f"{client.project}.{conn.schema}"
+            client.default_query_job_config = bigquery.QueryJobConfig(default_dataset=dataset)
+        return client
 
     @staticmethod
     def _credentials(key_json: str | None, anonymous: bool) -> Any:
@@ -113,7 +112,7 @@ class BigQuerySqlHook(DbApiHook):
         # No SQLAlchemy URI: DbApiHook's would need a host; nothing here uses SQLAlchemy.
         return "bigquery://"
 
-    def test_connection(self) -> tuple[bool, str]:
+    def test_connection(self) -> tuple[bool, str]:  # type: ignore[override]  # as every hook's
         try:
             client = self.get_client()
             client.query("SELECT 1", api_method="INSERT").result()
@@ -169,9 +168,14 @@ def _job_cursor_class() -> type:
         ``jobs.query``, which the stock cursor uses, is not where every server applies the
         default dataset (bqemulator does not)."""
 
-        def execute(self, operation: str, parameters: Any = None, **_: Any) -> None:
-            super().execute(
-                operation, parameters, job_id=f"abp_{uuid.uuid4().hex}", job_config=QueryJobConfig()
+        def execute(
+            self, operation: Any, parameters: Any = None, job_id: Any = None, job_config: Any = None
+        ) -> Any:
+            return super().execute(
+                operation,
+                parameters,
+                job_id=job_id or f"abp_{uuid.uuid4().hex}",
+                job_config=job_config or QueryJobConfig(),
             )
 
     return JobCursor
