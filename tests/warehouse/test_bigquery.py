@@ -12,7 +12,7 @@ from airflow_batch_provider.exceptions import ConfigurationError
 from airflow_batch_provider.warehouse.read import stream_rows
 from airflow_batch_provider.warehouse.rows import Column, ResultMapper
 from airflow_batch_provider.warehouse.write import ResultsWriter
-from tests.warehouse.test_write import chat_line, keys_for, with_batch
+from tests.warehouse.test_write import chat_line, embedding_line, keys_for, with_batch
 
 
 def test_a_read_fetches_the_result_page_by_page(bigquery_warehouse: Any) -> None:
@@ -88,3 +88,28 @@ def test_awkward_valid_names_land(bigquery_warehouse: Any) -> None:
         (1, "hi", "15"),
         (2, "yo", "15"),
     ]
+
+
+def test_embeddings_land_as_float_arrays_in_an_array_column(bigquery_warehouse: Any) -> None:
+    wh = bigquery_warehouse
+    q = wh.quote
+    keys = keys_for([("e1", 1), ("e2", 2)])
+    ResultsWriter(wh.hook, "emb", key_columns=[Column("id", "integer")]).merge(
+        with_batch([embedding_line("e1", [0.5])]), keys=keys
+    )
+    # A results table of the user's own, with the embedding as ARRAY<FLOAT64>.
+    wh.run(
+        f"CREATE TABLE {q('vec')} AS "
+        f"SELECT * REPLACE (ARRAY<FLOAT64>[] AS embedding) FROM {q('emb')} WHERE FALSE"
+    )
+    writer = ResultsWriter(wh.hook, "vec", key_columns=[Column("id", "integer")])
+    for vector in ([0.25, -1.5, 3.0], [1.0, 2.0]):  # inserted, then updated
+        report = writer.merge(with_batch([embedding_line("e1", vector)]), keys=keys)
+        assert (report.counts["succeeded"], report.counts["missing"]) == (1, 1)
+        assert wh.rows(f"SELECT id, status, embedding FROM {q('vec')} ORDER BY id") == [
+            (1, "succeeded", vector),
+            (2, "missing", []),  # BigQuery stores no NULL array
+        ]
+    # bqemulator (DuckDB) would cast the JSON array by itself; BigQuery does not, so the MERGE does.
+    merge = writer.dialect.upsert(writer.qtable, ["id", "embedding"], ["id"], "SELECT 1, NULL")
+    assert "UNNEST(JSON_QUERY_ARRAY(abp_s.`embedding`))" in merge

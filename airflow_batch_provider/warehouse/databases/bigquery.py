@@ -5,7 +5,8 @@ the ``bigquery`` extra). Every statement is a query job and there is no transact
 so the merge's writes are ``MERGE`` statements, each atomic on its own: staging tables (real
 tables in the connection's default dataset, expiring after a day should a merge die before
 dropping them) are filled by load jobs, then one ``MERGE`` writes every key of the manifest
-(and one more the build's rejects). BigQuery enforces no primary key, so tables are keyless
+(and one more the build's rejects). Embeddings land as a JSON array, or as ``ARRAY<FLOAT64>``
+in a table that declares that column so. BigQuery enforces no primary key, so tables are keyless
 (``keyless_tables``): keys.jsonl is checked for repeated keys before writing, and an existing
 table is merged into by its key columns whatever constraints it declares.
 """
@@ -52,15 +53,8 @@ class BigQuerySqlDialect(SqlDialect):
         "CREATE TABLE {} ({}) "
         "OPTIONS(expiration_timestamp = TIMESTAMP_ADD(CURRENT_TIMESTAMP(), INTERVAL 1 DAY))"
     )
-    types = {
-        "integer": "INT64",
-        "float": "FLOAT64",
-        "text": "STRING",
-        "boolean": "BOOL",
-        "date": "DATE",
-        "timestamp": "TIMESTAMP",
-        "json": "JSON",
-    }
+    # The load jobs' types, but JSON is JSON in the results table (it travels as text in staging).
+    types = {**bigquery_load.LOAD_TYPES, "json": "JSON"}
     merged_at_type = "TIMESTAMP"
 
     # ---- identifiers -----------------------------------------------------------------------
@@ -97,14 +91,34 @@ class BigQuerySqlDialect(SqlDialect):
         return super().cast(expression, portable)
 
     # ---- statements --------------------------------------------------------------------------
+    def __init__(self, hook: Any) -> None:
+        super().__init__(hook)
+        #: Per quoted table, its ``ARRAY<FLOAT64>`` columns (seen by ``probe_columns``).
+        self._vector_columns: dict[str, set[str]] = {}
+
     def upsert(self, table: str, columns: Sequence[str], keys: Sequence[str], select: str) -> str:
-        """One ``MERGE`` of ``select``'s rows into ``table`` by ``keys`` (update, else insert)."""
+        """One ``MERGE`` of ``select``'s rows into ``table`` by ``keys`` (update, else insert).
+
+        A JSON array (an embedding) meant for an ``ARRAY<FLOAT64>`` column of an existing table
+        becomes that array (a NULL becomes an empty array: BigQuery stores no NULL array).
+        """
         q = self.quote
+        vectors = self._vector_columns.get(table, set())
+
+        def value(column: str) -> str:
+            source = f"abp_s.{q(column)}"
+            if column not in vectors:
+                return source
+            return (
+                f"ARRAY(SELECT FLOAT64(abp_x) FROM UNNEST(JSON_QUERY_ARRAY({source})) AS abp_x "
+                "WITH OFFSET abp_o ORDER BY abp_o)"
+            )
+
         source = _named(select, [q(c) for c in columns])
         match = " AND ".join(f"abp_t.{q(k)} = abp_s.{q(k)}" for k in keys)
-        sets = ", ".join(f"{q(c)} = abp_s.{q(c)}" for c in columns if c not in keys)
+        sets = ", ".join(f"{q(c)} = {value(c)}" for c in columns if c not in keys)
         cols = ", ".join(q(c) for c in columns)
-        values = ", ".join(f"abp_s.{q(c)}" for c in columns)
+        values = ", ".join(value(c) for c in columns)
         return (
             f"MERGE INTO {table} abp_t USING ({source}) abp_s ON {match} "
             + (f"WHEN MATCHED THEN UPDATE SET {sets} " if sets else "")
@@ -125,6 +139,9 @@ class BigQuerySqlDialect(SqlDialect):
             found = conn.client.get_table(self._ref(conn, table, schema))
         except NotFound:
             return None
+        self._vector_columns[self.table(table, schema)] = {
+            f.name for f in found.schema if f.mode == "REPEATED" and f.field_type in ("FLOAT", "FLOAT64")
+        }
         return [field.name for field in found.schema]
 
     def _ref(self, conn: Any, table: str, schema: str | None = None) -> str:
