@@ -124,8 +124,9 @@ class BigQuerySqlHook(DbApiHook):
 class BigQueryDbApiConnection:
     """A DB-API 2 connection over a BigQuery client, as much of one as the provider uses.
 
-    Statements run as query jobs; there is no transaction across them (``commit`` and
-    ``rollback`` do nothing): the merge's write is one ``MERGE`` statement, atomic on its own.
+    Statements run as query jobs; there is no transaction across them: the merge's write is
+    one ``MERGE`` statement, atomic on its own. ``rollback`` drops the tables listed in
+    ``staging_tables`` (a merge's staging tables, which a transaction would have taken with it).
 
     :param client: a ``google.cloud.bigquery.Client``.
     :param dataset: the default dataset, or None.
@@ -138,6 +139,7 @@ class BigQueryDbApiConnection:
 
         self.client = client
         self.dataset = dataset
+        self.staging_tables: list[str] = []
         with warnings.catch_warnings():
             # Without google-cloud-bigquery-storage, results are read in REST pages: say nothing.
             warnings.filterwarnings("ignore", message="Cannot create BigQuery Storage client")
@@ -150,9 +152,15 @@ class BigQueryDbApiConnection:
 
     def commit(self) -> None:
         """Nothing to commit: every job commits on its own."""
+        self.staging_tables.clear()
 
     def rollback(self) -> None:
-        """Nothing to roll back (see the class docstring)."""
+        """Drop the staging tables (see the class docstring); a table already gone is fine."""
+        dataset = (
+            self.dataset if self.dataset and "." in self.dataset else f"{self.client.project}.{self.dataset}"
+        )
+        while self.staging_tables:
+            self.client.delete_table(f"{dataset}.{self.staging_tables.pop()}", not_found_ok=True)
 
     def close(self) -> None:
         self._dbapi.close()

@@ -113,3 +113,20 @@ def test_embeddings_land_as_float_arrays_in_an_array_column(bigquery_warehouse: 
     # bqemulator (DuckDB) would cast the JSON array by itself; BigQuery does not, so the MERGE does.
     merge = writer.dialect.upsert(writer.qtable, ["id", "embedding"], ["id"], "SELECT 1, NULL")
     assert "UNNEST(JSON_QUERY_ARRAY(abp_s.`embedding`))" in merge
+
+
+def test_a_failed_merge_leaves_the_table_as_it_was_and_no_staging_tables(bigquery_warehouse: Any) -> None:
+    wh = bigquery_warehouse
+    writer = ResultsWriter(wh.hook, "results", key_columns=[Column("id", "integer")])
+    keys = keys_for([(f"c{i}", i) for i in range(5)])
+    writer.merge(with_batch([chat_line(f"c{i}", "v1") for i in range(5)]), keys=keys)
+
+    def exploding() -> Any:
+        yield chat_line("c1", "v2"), "b2"
+        raise RuntimeError("connection to the API dropped mid-stream")
+
+    with pytest.raises(RuntimeError, match="dropped"):
+        writer.merge(exploding(), keys=keys)
+    assert wh.rows(f"SELECT content, COUNT(*) FROM {wh.quote('results')} GROUP BY content") == [("v1", 5)]
+    client = wh.hook.get_client()
+    assert [t.table_id for t in client.list_tables(wh.schema)] == ["results"]

@@ -95,6 +95,16 @@ class BigQuerySqlDialect(SqlDialect):
         super().__init__(hook)
         #: Per quoted table, its ``ARRAY<FLOAT64>`` columns (seen by ``probe_columns``).
         self._vector_columns: dict[str, set[str]] = {}
+        #: The staging tables of the merge under way (the connection drops them on rollback).
+        self._staging: list[str] = []
+
+    def begin(self, conn: Any) -> None:
+        # No transaction: what a rollback undoes is the staging tables this merge creates.
+        self._staging = conn.staging_tables
+
+    def create_temp_table(self, name: str, columns: Sequence[tuple[str, str]]) -> str:
+        self._staging.append(name)
+        return super().create_temp_table(name, columns)
 
     def upsert(self, table: str, columns: Sequence[str], keys: Sequence[str], select: str) -> str:
         """One ``MERGE`` of ``select``'s rows into ``table`` by ``keys`` (update, else insert).
