@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from airflow_batch_provider.exceptions import ConfigurationError
+from airflow_batch_provider.exceptions import ConfigurationError, WarehouseSchemaError
 from airflow_batch_provider.warehouse.read import stream_rows
 from airflow_batch_provider.warehouse.rows import Column, ResultMapper
 from airflow_batch_provider.warehouse.write import ResultsWriter
@@ -130,3 +130,15 @@ def test_a_failed_merge_leaves_the_table_as_it_was_and_no_staging_tables(bigquer
     assert wh.rows(f"SELECT content, COUNT(*) FROM {wh.quote('results')} GROUP BY content") == [("v1", 5)]
     client = wh.hook.get_client()
     assert [t.table_id for t in client.list_tables(wh.schema)] == ["results"]
+
+
+def test_two_custom_ids_with_one_key_are_named_before_writing(bigquery_warehouse: Any) -> None:
+    """Nothing in BigQuery refuses two rows with one key, so the merge looks before it writes."""
+    wh = bigquery_warehouse
+    writer = ResultsWriter(wh.hook, "twice", key_columns=[Column("id", "integer")])
+    with pytest.raises(WarehouseSchemaError, match="keys.jsonl lines 2 and 3 have the same key"):
+        writer.merge(
+            with_batch([chat_line("c1", "a"), chat_line("c2", "b")]),
+            keys=keys_for([("c0", 0), ("c1", 1), ("c2", 1)]),
+        )
+    assert wh.rows(f"SELECT COUNT(*) FROM {wh.quote('twice')}") == [(0,)]
