@@ -8,16 +8,14 @@ once, with the tickets without a body as ``rejected`` rows, and the second run a
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
+from tests.e2e.dags_test_runner import run_in_subprocess
 from tests.fixtures.server import FAST_TIME_SCALE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,22 +40,9 @@ def _seed_tickets(client: Any, dataset: str) -> None:
 
 def _run_example(work: Path, env: dict[str, str]) -> dict[str, Any]:
     plan = [{"dag_id": "bigquery_ticket_triage", "dag_file": str(DAG_FILE), "conf": {}, "env": {}}]
-    plan_file, result_file = work / "plan.json", work / "results.json"
-    plan_file.write_text(json.dumps(plan))
-    result_file.unlink(missing_ok=True)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.dags_test_runner", str(plan_file), str(result_file)],
-        env=env,
-        cwd=work,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        check=False,
-    )
-    results = json.loads(result_file.read_text()) if result_file.exists() else {}
+    results, log = run_in_subprocess(plan, work, env, RUN_TIMEOUT)
     run: dict[str, Any] | None = results.get("bigquery_ticket_triage")
-    assert run is not None and run["ok"], (run or {}).get("error") or proc.stdout[-8000:]
+    assert run is not None and run["ok"], (run or {}).get("error") or log[-8000:]
     assert set(run["tasks"].values()) == {"success"}, run["tasks"]
     return run
 
