@@ -26,6 +26,10 @@ def get_provider_info() -> dict[str, Any]:
         ],
         "hooks": [
             {"integration-name": "LLM Batch API", "python-modules": ["airflow_batch_provider.hooks.batch"]},
+            {
+                "integration-name": "LLM Batch API",
+                "python-modules": ["airflow_batch_provider.hooks.bigquery"],
+            },
         ],
         "operators": [
             {
@@ -122,6 +126,12 @@ def get_provider_info() -> dict[str, Any]:
                 "hook-name": "LLM Batch API",
                 "conn-fields": CONN_FIELDS,
                 "ui-field-behaviour": UI_FIELD_BEHAVIOUR,
-            }
+            },
+            # A warehouse: results tables and build sources on BigQuery (the bigquery extra).
+            {
+                "hook-class-name": "airflow_batch_provider.hooks.bigquery.BigQuerySqlHook",
+                "connection-type": "bigquery",
+                "hook-name": "BigQuery (LLM Batch warehouse)",
+            },
         ],
     }

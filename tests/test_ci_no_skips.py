@@ -95,21 +95,42 @@ def test_missing_redis_fails_under_ci(tmp_path: Path, ci: str | None) -> None:
         assert proc.returncode == 0 and "1 skipped" in out, out[-3000:]
 
 
+EMULATORS = {
+    # name: (probe, fixture module, virtualenv variable, install failure, CI failure)
+    "s3": (
+        "def test_s3(s3_staging):\n    pass\n",
+        "tests.fixtures.s3",
+        "BATCH_TEST_MOTO_VENV",
+        "cannot install moto[server]",
+        "under CI=true a missing S3 server is a failure",
+    ),
+    "bigquery": (
+        "def test_bq(bigquery_warehouse):\n    pass\n",
+        "tests.fixtures.bigquery",
+        "BATCH_TEST_BQEMULATOR_VENV",
+        "cannot install bqemulator",
+        "under CI=true a missing database is a failure",
+    ),
+}
+
+
+@pytest.mark.parametrize("emulator", sorted(EMULATORS))
 @pytest.mark.parametrize("ci", ["true", None], ids=["ci", "developer"])
-def test_an_s3_server_that_cannot_start_fails_under_ci(tmp_path: Path, ci: str | None) -> None:
-    """The moto S3 fixture follows the same rule: a failure under CI, a skip elsewhere."""
-    # A virtualenv path under a regular file: moto can be neither found nor installed there.
+def test_an_emulator_that_cannot_start_fails_under_ci(tmp_path: Path, ci: str | None, emulator: str) -> None:
+    """The moto S3 and bqemulator fixtures follow the same rule: a failure under CI, a skip elsewhere."""
+    probe, plugin, venv_variable, cannot_install, ci_failure = EMULATORS[emulator]
+    # A virtualenv path under a regular file: the emulator can be neither found nor installed there.
     (tmp_path / "not-a-dir").write_text("")
     proc = _child_pytest(
         tmp_path,
         ci,
-        probe="def test_s3(s3_staging):\n    pass\n",
-        plugins=("tests.fixtures.s3",),
-        env_extra={"BATCH_TEST_MOTO_VENV": str(tmp_path / "not-a-dir" / "venv")},
+        probe=probe,
+        plugins=(plugin,),
+        env_extra={venv_variable: str(tmp_path / "not-a-dir" / "venv")},
     )
-    assert "cannot install moto[server]" in proc.stdout, proc.stdout[-3000:]
+    assert cannot_install in proc.stdout, proc.stdout[-3000:]
     if ci:
         assert proc.returncode == 1 and "1 error" in proc.stdout, proc.stdout[-3000:]
-        assert "under CI=true a missing S3 server is a failure" in proc.stdout
+        assert ci_failure in proc.stdout
     else:
         assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-3000:]

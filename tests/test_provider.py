@@ -45,7 +45,8 @@ def test_provider_info_modules_import() -> None:
     ]
     for module in modules:
         importlib.import_module(module)
-    (conn,) = info["connection-types"]
+    # The Batch API connection (the other one is the BigQuery warehouse's).
+    (conn,) = [c for c in info["connection-types"] if c["connection-type"] != "bigquery"]
     hook_module, _, hook_class = conn["hook-class-name"].rpartition(".")
     hook = getattr(importlib.import_module(hook_module), hook_class)
     assert hook.conn_type == conn["connection-type"] == "batch_api"

@@ -457,7 +457,8 @@ class ResultsWriter:
             sql = d.insert(self.qtable, target, select)
         elif plan.mode is WriteMode.UPDATE_INSERT:
             update, sql = d.update_then_insert(self.qtable, target, self.target_keys, select)
-            self._execute(conn, update, params)
+            if update is not None:
+                self._execute(conn, update, params)
         else:
             sql = d.upsert(self.qtable, target, self.target_keys, select)
         if not d.capabilities.returning_counts:

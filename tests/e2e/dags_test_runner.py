@@ -96,6 +96,34 @@ def run_plan(plan: list[dict[str, Any]], result_file: Path) -> None:
         print(f"[dags_test_runner] {dag_id}: {'ok' if error is None else 'FAILED'}", flush=True)
 
 
+def run_in_subprocess(
+    plan: list[dict[str, Any]], work: Path, env: dict[str, str], timeout: float
+) -> tuple[dict[str, Any], str]:
+    """Run ``plan`` in a child process (``env``, in ``work``): its results and what it printed."""
+    import subprocess
+
+    plan_file, result_file = work / "plan.json", work / "results.json"
+    plan_file.write_text(json.dumps(plan))
+    result_file.unlink(missing_ok=True)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.e2e.dags_test_runner", str(plan_file), str(result_file)],
+            env=env,
+            cwd=work,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        log = proc.stdout
+    except subprocess.TimeoutExpired as exc:
+        log = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        log += f"\n(the runs did not finish within {timeout}s)"
+    (work / "runner.log").write_text(log)
+    return (json.loads(result_file.read_text()) if result_file.exists() else {}), log
+
+
 def main(argv: list[str]) -> int:
     plan_file, result_file = Path(argv[0]), Path(argv[1])
     run_plan(json.loads(plan_file.read_text()), result_file)

@@ -15,13 +15,15 @@ PCT_KEY = "Key %s id"
 PCT_EXTRA = "cost %(x)s"
 
 
-@pytest.fixture(params=["postgres", "duckdb", "sqlite", "mysql"])
+@pytest.fixture(params=["postgres", "duckdb", "sqlite", "mysql", "bigquery"])
 def warehouse(request: pytest.FixtureRequest) -> Any:
     kind = request.param
     return request.getfixturevalue(f"{'pg' if kind == 'postgres' else kind}_warehouse")
 
 
 def test_merge_with_percent_in_table_key_and_extra_column_names(warehouse: Any) -> None:
+    if warehouse.kind == "bigquery":
+        pytest.skip("BigQuery refuses quotes in names, before any work (tests/warehouse/test_bigquery.py)")
     mapper = ResultMapper(extra_columns={PCT_EXTRA: "$.usage.total_tokens"})
     writer = ResultsWriter(warehouse.hook, PCT_TABLE, key_columns=[Column(PCT_KEY, "integer")], mapper=mapper)
     keys = keys_for([("c1", 1), ("c2", 2)])

@@ -17,7 +17,7 @@ from airflow_batch_provider.warehouse.write import MergeReport, ResultsWriter, S
 OPENAI = get_dialect("openai")
 
 
-@pytest.fixture(params=["postgres", "postgres_rounds", "duckdb", "sqlite", "mysql"])
+@pytest.fixture(params=["postgres", "postgres_rounds", "duckdb", "sqlite", "mysql", "bigquery"])
 def warehouse(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Every results database; ``postgres_rounds`` writes each result line in a round of its own."""
     kind = request.param
@@ -214,6 +214,11 @@ def test_crash_mid_write_rolls_back(warehouse: Any) -> None:
         ("v1", 50)
     ]
 
+    if warehouse.kind == "bigquery":
+        # No transaction spans BigQuery's jobs: the MERGE, atomic on its own, has landed
+        # (a re-run upserts the same rows); see databases/bigquery.py.
+        return
+
     # A failure after the upsert statement ran (before commit) is rolled back too.
     def fail_in_retry(pairs: Iterator[tuple[int, str, list[Any]]]) -> None:
         raise RuntimeError("could not write the resubmission shard")
@@ -236,8 +241,8 @@ def test_crash_on_first_merge_leaves_no_table_rows(warehouse: Any) -> None:
 
     with pytest.raises(RuntimeError):
         writer.merge(exploding(), keys=keys_for([("c1", 1)]))
-    # MySQL's CREATE TABLE commits by itself, so the table may exist; it must be empty.
-    if warehouse.kind == "mysql":
+    # MySQL's (and BigQuery's) CREATE TABLE commits by itself, so the table may exist; it must be empty.
+    if warehouse.kind in ("mysql", "bigquery"):
         assert warehouse.rows("SELECT COUNT(*) FROM `fresh`") == [(0,)]
     else:
         assert (
@@ -249,6 +254,8 @@ def test_crash_on_first_merge_leaves_no_table_rows(warehouse: Any) -> None:
 
 
 def test_awkward_identifiers(warehouse: Any) -> None:
+    if warehouse.kind == "bigquery":
+        pytest.skip("BigQuery refuses quotes in names, before any work (tests/warehouse/test_bigquery.py)")
     table = 'my "results" table'
     key_cols = [Column("select", "text"), Column('we"ird col', "integer")]
     writer = ResultsWriter(warehouse.hook, table, key_columns=key_cols)
@@ -454,13 +461,13 @@ def test_existing_table_without_a_unique_key_is_refused(warehouse: Any) -> None:
     # The same columns plus one of its own, without a primary key: an upsert, which keeps that
     # column's values, could not find the row to update.
     q = warehouse.quote
-    text = "VARCHAR(255)" if warehouse.kind == "mysql" else "TEXT"
+    text = {"mysql": "VARCHAR(255)", "bigquery": "STRING"}.get(warehouse.kind, "TEXT")
     warehouse.run(f"CREATE TABLE {q('copy')} AS SELECT * FROM {q('results')}")
     warehouse.run(f"ALTER TABLE {q('copy')} ADD COLUMN {q('note')} {text}")
     writer = ResultsWriter(warehouse.hook, "copy", key_columns=[Column("id", "integer")])
-    if warehouse.kind == "duckdb":
-        # DuckDB tables need no key (see keyless_tables): rows are updated by key, the new
-        # keys inserted, and the table's own column keeps its values.
+    if warehouse.kind in ("duckdb", "bigquery"):
+        # DuckDB and BigQuery tables need no key (see keyless_tables): rows are updated by key,
+        # the new keys inserted, and the table's own column keeps its values.
         warehouse.run(f"UPDATE {q('copy')} SET {q('note')} = 'seen'")
         for answer in ("y", "z"):
             writer.merge(

@@ -187,10 +187,10 @@ class SqlDialect:
 
     def update_then_insert(
         self, table: str, columns: Sequence[str], keys: Sequence[str], select: str
-    ) -> tuple[str, str]:
+    ) -> tuple[str | None, str]:
         """An upsert as two statements that need no unique index: ``UPDATE ... FROM`` the rows
         of ``select`` whose keys exist, then ``INSERT`` the others (each binds ``select``'s
-        parameters once)."""
+        parameters once). No ``UPDATE`` (None) where the second statement does both (``MERGE``)."""
         source = f"({select}) AS abp_s({', '.join(self.quote(c) for c in columns)})"
         match = " AND ".join(f"{table}.{self.quote(k)} = abp_s.{self.quote(k)}" for k in keys)
         sets = ", ".join(f"{self.quote(c)} = abp_s.{self.quote(c)}" for c in columns if c not in keys)
