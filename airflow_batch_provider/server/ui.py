@@ -41,17 +41,6 @@ _HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
-_TIMESTAMPS = (
-    "created_at",
-    "in_progress_at",
-    "finalizing_at",
-    "completed_at",
-    "failed_at",
-    "expired_at",
-    "cancelling_at",
-    "cancelled_at",
-    "expires_at",
-)
 _FINISHED = ("completed_at", "failed_at", "expired_at", "cancelled_at")
 _STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:1.5em 2em;color:#1d2330}
@@ -227,10 +216,11 @@ def _batch_page(store: Store, rec: Mapping[str, Any]) -> str:
         f'<td class="n failed">{failed}</td><td class="n pending">{max(total - completed - failed, 0)}</td>'
         "</tr></table>"
     )
+    # Every lifecycle timestamp the record has (``*_at``), in the record's own order.
     times = "".join(
-        f"<tr><th>{_e(k.removesuffix('_at').replace('_', ' '))}</th><td>{_when(rec[k])}</td></tr>"
-        for k in _TIMESTAMPS
-        if rec.get(k)
+        f"<tr><th>{_e(k.removesuffix('_at').replace('_', ' '))}</th><td>{_when(v)}</td></tr>"
+        for k, v in rec.items()
+        if k.endswith("_at") and v
     )
     files = "".join(
         _file_row(store, label, rec.get(key))
