@@ -747,7 +747,7 @@ class BatchApiHook(BaseHook):
             try:
                 answer = self._json_object(self._request(call), call.action)
             except BatchApiError as exc:
-                ok, message = checks.report(target, checks.checks_for_error(exc))
+                ok, message = checks.report(target, checks.checks_for_error(exc), exc)
                 return ok, redact(message, settings.secrets)
             parse_error: Exception | None = None
             try:

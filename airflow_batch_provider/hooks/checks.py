@@ -19,6 +19,8 @@ from airflow_batch_provider.exceptions import (
 )
 
 CHECKS = ("reachable", "authenticated", "dialect")
+# Answers that refuse the listing call itself (wrong path, method or form).
+_REFUSED = frozenset({400, 404, 405, 415, 422})
 
 
 @dataclass
@@ -40,17 +42,26 @@ class Check:
 
 
 def checks_for_error(exc: BatchApiError) -> list[Check]:
-    """The checks an error of the listing call settles: transport, then auth, then the rest."""
-    text = f"{type(exc).__name__}: {exc}"
+    """The checks an error of the listing call settles: transport, then auth, then the dialect.
+
+    The error's own text leads the message (see :func:`report`), so the details stay short.
+    """
     if isinstance(exc, (BatchApiConnectionError, BatchApiRedirectError)) or exc.status_code is None:
-        return [Check("reachable", False, text), Check("authenticated", None, ""), Check("dialect", None, "")]
-    answered = Check("reachable", True, f"HTTP {exc.status_code}")
-    if isinstance(exc, BatchApiAuthError) or exc.status_code in (401, 403):
-        return [answered, Check("authenticated", False, text), Check("dialect", None, "")]
-    hint = (
-        " -- check that the base URL ends with the API version (e.g. /v1)" if exc.status_code == 404 else ""
-    )
-    return [answered, Check("authenticated", True, ""), Check("dialect", False, text + hint)]
+        return [Check("reachable", False, type(exc).__name__), Check("authenticated", None, ""), _unchecked()]
+    status = exc.status_code
+    answered = Check("reachable", True, f"HTTP {status}")
+    if isinstance(exc, BatchApiAuthError) or status in (401, 403):
+        return [answered, Check("authenticated", False, f"HTTP {status}"), _unchecked()]
+    if status in _REFUSED:
+        # The API answered but not at this path or not in this form: a URL or dialect problem.
+        hint = "; check that the base URL ends with the API version (e.g. /v1)" if status == 404 else ""
+        return [answered, Check("authenticated", True, ""), Check("dialect", False, f"HTTP {status}{hint}")]
+    # A rate limit, an empty quota or a server error says nothing about the dialect yet.
+    return [answered, Check("authenticated", True, ""), _unchecked()]
+
+
+def _unchecked() -> Check:
+    return Check("dialect", None, "")
 
 
 def dialect_check(dialect: Dialect, answer: Mapping[str, Any], parse_error: Exception | None) -> Check:
@@ -70,8 +81,13 @@ def dialect_check(dialect: Dialect, answer: Mapping[str, Any], parse_error: Exce
     return Check("dialect", False, f"the listing answer is not in {dialect.name}'s shape: {why}{hint}")
 
 
-def report(target: str, checks: list[Check]) -> tuple[bool, str]:
-    """``(every check passed, one line naming each check)``."""
-    ok = all(c.ok for c in checks)
-    head = f"Connected to {target}: listing batches works" if ok else f"Connection test of {target} failed"
+def report(target: str, checks: list[Check], error: Exception | None = None) -> tuple[bool, str]:
+    """``(every check passed, one line naming each check)``; a listing error's text leads the line."""
+    ok = error is None and all(c.ok for c in checks)
+    if error is not None:
+        head = f"{type(error).__name__}: {error}"
+    elif ok:
+        head = f"Connected to {target}: listing batches works"
+    else:
+        head = f"Connection test of {target} failed"
     return ok, head + " | " + " | ".join(str(c) for c in checks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 
+import httpx
 import pytest
 
 from airflow_batch_provider.hooks.batch import BatchApiHook
@@ -59,7 +60,8 @@ def test_a_wrong_key_fails_authenticated_and_skips_the_dialect(batch_server, mon
     ok, message = _hook(monkeypatch, server.connection_json(api_key=wrong)).test_connection()
     assert not ok
     assert "reachable: yes (HTTP 401)" in message
-    assert "authenticated: NO (BatchApiAuthError" in message and "dialect: not checked" in message
+    assert message.startswith("BatchApiAuthError: ")
+    assert "authenticated: NO (HTTP 401)" in message and "dialect: not checked" in message
     assert wrong not in message and KEY not in message
 
 
@@ -72,7 +74,8 @@ def test_an_unreachable_host_fails_reachable(monkeypatch) -> None:
     )
     ok, message = _hook(monkeypatch, connection).test_connection()
     assert not ok
-    assert "reachable: NO (BatchApiConnectionError" in message
+    assert message.startswith("BatchApiConnectionError: ")
+    assert "reachable: NO (BatchApiConnectionError)" in message
     assert "authenticated: not checked" in message and KEY not in message
 
 
@@ -81,4 +84,17 @@ def test_a_base_url_without_the_version_is_hinted(batch_server, monkeypatch) -> 
     connection = _with(server.connection_json(), host=server.root_url + "/api")
     ok, message = _hook(monkeypatch, connection).test_connection()
     assert not ok
-    assert "reachable: yes (HTTP 404)" in message and "ends with the API version" in message
+    assert "reachable: yes (HTTP 404)" in message
+    assert "dialect: NO (HTTP 404; check that the base URL ends with the API version" in message
+
+
+def test_a_server_error_leaves_the_dialect_unchecked(mock_hook, sleeps) -> None:
+    hook = mock_hook(lambda r: json_response(503, {"error": {"message": "overloaded"}}))
+    ok, message = hook.test_connection()
+    assert not ok
+    assert message.startswith("BatchApiServerError: ")
+    assert "reachable: yes (HTTP 503) | authenticated: yes | dialect: not checked" in message
+
+
+def json_response(status: int, data: object) -> httpx.Response:
+    return httpx.Response(status, json=data)
