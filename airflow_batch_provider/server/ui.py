@@ -88,17 +88,19 @@ async def _ui_guard(request: Request) -> None:
     presented = _presented_key(request.headers)
     # Constant-time, and the 401 never says how close a guess was.
     if presented is None or not hmac.compare_digest(presented.encode(), key.encode()):
-        raise _UiError(401, "This server needs its API key: give it as the password (any user name).")
+        raise UiError(401, "This server needs its API key: give it as the password (any user name).")
 
 
-class _UiError(Exception):
+class UiError(Exception):
+    """A page that cannot be shown: answered as an HTML error page with ``status``."""
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
 
 
-def ui_error_response(exc: _UiError) -> Response:
+def _error_page(exc: UiError) -> Response:
     """An HTML error page; a 401 asks the browser for the key."""
     headers = _page_headers()
     if exc.status == 401:
@@ -266,7 +268,7 @@ def ui_router() -> APIRouter:
         try:
             limit = max(1, min(int(q.get("limit") or PAGE_SIZE), MAX_PAGE_SIZE))
         except ValueError:
-            raise _UiError(400, "limit must be an integer.") from None
+            raise UiError(400, "limit must be an integer.") from None
         after = q.get("after") or None
         items, more = st.store.list_batches(after=after, limit=limit)
         # A live batch is fresher in memory than in its last checkpoint.
@@ -278,7 +280,7 @@ def ui_router() -> APIRouter:
         st = request.app.state.server
         rec = st.engine.get(batch_id)
         if rec is None:
-            raise _UiError(404, f"No batch {batch_id!r}.")
+            raise UiError(404, f"No batch {batch_id!r}.")
         return HTMLResponse(_batch_page(st.store, rec), headers=_page_headers())
 
     @r.get("/files/{file_id}")
@@ -288,7 +290,7 @@ def ui_router() -> APIRouter:
         rec = st.store.get_file(file_id)
         path = st.store.file_path(file_id) if rec is not None else None
         if path is None or not path.exists():
-            raise _UiError(404, f"No file {file_id!r}.")
+            raise UiError(404, f"No file {file_id!r}.")
 
         async def body() -> AsyncIterator[bytes]:
             # Local-disk reads of 64 KiB are cheaper than a thread hop per chunk.
@@ -307,6 +309,6 @@ def install(app: Any) -> None:
     """Add the ``/ui`` pages and their HTML error answers to ``app``."""
     app.include_router(ui_router())
 
-    @app.exception_handler(_UiError)
-    async def _ui_error(request: Request, exc: _UiError) -> Response:
-        return ui_error_response(exc)
+    @app.exception_handler(UiError)
+    async def _ui_error(request: Request, exc: UiError) -> Response:
+        return _error_page(exc)
