@@ -117,6 +117,9 @@ class Dialect:
     # ---- paths ----------------------------------------------------------------------
     files_path: ClassVar[str] = "files"
     batches_path: ClassVar[str] = "batches"
+    # Top-level keys every answer of the batch listing carries: how a connection test tells
+    # which vendor's shape a server answers in, even when it lists no batch yet.
+    list_keys: ClassVar[frozenset[str]] = frozenset({"data", "has_more"})
 
     def file_path(self, file_id: str) -> str:
         return f"files/{file_id}"

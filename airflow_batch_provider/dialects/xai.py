@@ -38,6 +38,7 @@ class XAIDialect(Dialect):
     name = "xai"
     label = "xAI"
     default_base_url = "https://api.x.ai/v1"
+    list_keys = frozenset({"batches"})
     endpoints = frozenset(
         {
             "/v1/responses",

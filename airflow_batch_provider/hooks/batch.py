@@ -36,7 +36,7 @@ from airflow_batch_provider.exceptions import (
     BatchApiError,
     BatchApiResponseError,
 )
-from airflow_batch_provider.hooks import calls
+from airflow_batch_provider.hooks import calls, checks
 from airflow_batch_provider.hooks.attempts import AmbiguousCreate, Restarts, Retries, SendOnce
 from airflow_batch_provider.hooks.calls import Call
 from airflow_batch_provider.hooks.connection_form import (
@@ -731,17 +731,39 @@ class BatchApiHook(BaseHook):
 
     # ---- connection test -------------------------------------------------------------------
     def test_connection(self) -> tuple[bool, str]:
-        """List one batch to prove the URL, the key and the dialect work; never raises."""
+        """List one batch and report each check: reachable (the API answered), authenticated (no
+        401/403) and dialect (the answer is in the configured vendor's shape, else which one it
+        looks like). One message, secrets redacted; never raises."""
         try:
             settings = self.get_settings()
-            dialect = settings.dialect
-            params = dialect.list_params(1)
-            call = calls.list_batches(dialect, params)
-            dialect.parse_list_page(self._json_object(self._request(call), call.action), params)
         except Exception as exc:
             secret = self._settings.secrets if self._settings else None
-            return False, redact(f"{type(exc).__name__}: {exc}", secret)
-        return True, f"Connected to {settings.base_url} as {dialect.label}: listing batches works"
+            return False, redact(f"The connection is not usable: {type(exc).__name__}: {exc}", secret)
+        dialect = settings.dialect
+        target = f"{settings.base_url} as {dialect.label}"
+        try:
+            params = dialect.list_params(1)
+            call = calls.list_batches(dialect, params)
+            try:
+                answer = self._json_object(self._request(call), call.action)
+            except BatchApiError as exc:
+                ok, message = checks.report(target, checks.checks_for_error(exc), exc)
+                return ok, redact(message, settings.secrets)
+            parse_error: Exception | None = None
+            try:
+                dialect.parse_list_page(answer, params)
+            except Exception as exc:
+                parse_error = exc
+            keyed = "the key was accepted" if settings.api_key else "no key is set and none was asked for"
+            found = [
+                checks.Check("reachable", True, "HTTP 200"),
+                checks.Check("authenticated", True, keyed),
+                checks.dialect_check(dialect, answer, parse_error),
+            ]
+            ok, message = checks.report(target, found)
+        except Exception as exc:
+            ok, message = False, f"Connection test of {target} failed: {type(exc).__name__}: {exc}"
+        return ok, redact(message, settings.secrets)
 
 
 def _tagged(dialect: Dialect, metadata: Mapping[str, str], batches: Iterable[Batch]) -> list[Batch]:

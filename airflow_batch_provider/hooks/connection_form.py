@@ -13,13 +13,29 @@ from airflow_batch_provider.dialects import DIALECTS
 # The dialect registry does not load Airflow, so the form reads it while providers are discovered.
 DIALECT_NAMES = tuple(sorted(DIALECTS))
 
+
+def _dialect_hint(name: str) -> str:
+    """One dialect's line of the form's hints: its label, base URL and required extras."""
+    cls = DIALECTS[name]
+    needs = f", needs {', '.join(repr(e) for e in cls.required_extras)}" if cls.required_extras else ""
+    return f"{name} = {cls.label} ({cls.default_base_url}{needs})"
+
+
+# Shown under the fields: the form cannot change with the chosen dialect (no script), so each
+# hint names every dialect's base URL and what it requires.
+DIALECT_HINTS = "; ".join(_dialect_hint(name) for name in DIALECT_NAMES)
+PROJECT_DIALECTS = tuple(n for n in DIALECT_NAMES if "project" in DIALECTS[n].required_extras)
+
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_RETRIES = 3
 
 CONN_FIELDS: dict[str, dict[str, Any]] = {
     "dialect": {
         "label": "Dialect",
-        "description": "Which vendor's wire format the API speaks.",
+        "description": (
+            "Which vendor's wire format the API speaks (the connection test says which one a server "
+            f"answers in): {DIALECT_HINTS}. A local server: http://127.0.0.1:8000/v1 in its --dialect."
+        ),
         "schema": {"type": ["string", "null"], "enum": list(DIALECT_NAMES), "default": "openai"},
     },
     "organization": {
@@ -29,7 +45,10 @@ CONN_FIELDS: dict[str, dict[str, Any]] = {
     },
     "project": {
         "label": "Project",
-        "description": "Optional project id sent with every request.",
+        "description": (
+            f"Project id sent with every request; required for {', '.join(PROJECT_DIALECTS) or 'no dialect'} "
+            "(sent as x-project-id), optional elsewhere (OpenAI-Project)."
+        ),
         "schema": {"type": ["string", "null"]},
     },
     "headers": {
@@ -49,7 +68,11 @@ CONN_FIELDS: dict[str, dict[str, Any]] = {
 UI_FIELD_BEHAVIOUR: dict[str, Any] = {
     "hidden-fields": ["port", "login", "schema"],
     "relabeling": {"host": "Base URL", "password": "API key"},
-    "placeholders": {"host": "https://api.openai.com/v1", "password": "sk-..."},
+    "placeholders": {
+        "host": f"{DIALECTS['openai'].default_base_url} (other vendors: see Dialect below)",
+        "password": "sk-...",
+        "project": "required for " + ", ".join(PROJECT_DIALECTS),
+    },
 }
 
 

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 from starlette.exceptions import HTTPException
 
+from airflow_batch_provider.server import ui
 from airflow_batch_provider.server.backends import make_backend
 from airflow_batch_provider.server.config import BATCH_FAULTS, REQUEST_FAULTS, ServerConfig
 from airflow_batch_provider.server.engine import TERMINAL, Engine, new_batch_record, validate_file
@@ -129,6 +130,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     _inference_routes(v1)
     app.include_router(v1)
     app.include_router(_admin_router())
+    ui.install(app)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -1,0 +1,100 @@
+"""``test_connection`` reports each check (reachable, authenticated, dialect) against live servers."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+
+from airflow_batch_provider.hooks.batch import BatchApiHook
+from tests.fixtures.hook import FAST
+
+DIALECTS = ["openai", "doubleword", "zerogpu", "xai"]
+KEY = "sk-checks-secret-4242"
+
+
+def _hook(monkeypatch: pytest.MonkeyPatch, connection: str) -> BatchApiHook:
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_CHECK", connection)
+    return BatchApiHook("batch_check", retry_policy=FAST)
+
+
+def _with(connection: str, **changes: object) -> str:
+    conn = json.loads(connection)
+    extra = conn["extra"]
+    extra.update(changes.pop("extra", {}))  # type: ignore[call-overload]
+    conn.update(changes)
+    return json.dumps(conn)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_every_check_passes_in_the_servers_own_dialect(batch_server, monkeypatch, dialect: str) -> None:
+    server = batch_server(dialect=dialect, api_key=KEY)
+    ok, message = _hook(monkeypatch, server.connection_json()).test_connection()
+    assert ok, message
+    assert "reachable: yes (HTTP 200)" in message
+    assert "authenticated: yes (the key was accepted)" in message
+    assert f"dialect: yes ({dialect}: the batch listing parses)" in message
+    assert KEY not in message
+
+
+@pytest.mark.parametrize(
+    ("configured", "spoken", "hint"), [("openai", "xai", "'xai'"), ("xai", "openai", "'openai'")]
+)
+def test_another_vendors_shape_is_reported_with_a_hint(
+    batch_server, monkeypatch, configured: str, spoken: str, hint: str
+) -> None:
+    server = batch_server(dialect=spoken)  # no key: the listing answers in any dialect's auth
+    connection = _with(server.connection_json(), extra={"dialect": configured})
+    ok, message = _hook(monkeypatch, connection).test_connection()
+    assert not ok
+    assert "reachable: yes (HTTP 200)" in message and "authenticated: yes" in message
+    assert f"dialect: NO (the listing answer is not in {configured}'s shape" in message
+    assert hint in message and "set extra 'dialect'" in message
+
+
+def test_a_wrong_key_fails_authenticated_and_skips_the_dialect(batch_server, monkeypatch) -> None:
+    server = batch_server(api_key=KEY)
+    wrong = "sk-wrong-77777"
+    ok, message = _hook(monkeypatch, server.connection_json(api_key=wrong)).test_connection()
+    assert not ok
+    assert "reachable: yes (HTTP 401)" in message
+    assert message.startswith("BatchApiAuthError: ")
+    assert "authenticated: NO (HTTP 401)" in message and "dialect: not checked" in message
+    assert wrong not in message and KEY not in message
+
+
+def test_an_unreachable_host_fails_reachable(monkeypatch) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    connection = json.dumps(
+        {"conn_type": "batch_api", "host": f"http://127.0.0.1:{port}/v1", "password": KEY, "extra": {}}
+    )
+    ok, message = _hook(monkeypatch, connection).test_connection()
+    assert not ok
+    assert message.startswith("BatchApiConnectionError: ")
+    assert "reachable: NO (BatchApiConnectionError)" in message
+    assert "authenticated: not checked" in message and KEY not in message
+
+
+def test_a_base_url_without_the_version_is_hinted(batch_server, monkeypatch) -> None:
+    server = batch_server()
+    connection = _with(server.connection_json(), host=server.root_url + "/api")
+    ok, message = _hook(monkeypatch, connection).test_connection()
+    assert not ok
+    assert "reachable: yes (HTTP 404)" in message
+    assert "dialect: NO (HTTP 404; check that the base URL ends with the API version" in message
+
+
+def test_a_server_error_leaves_the_dialect_unchecked(mock_hook, sleeps) -> None:
+    hook = mock_hook(lambda r: json_response(503, {"error": {"message": "overloaded"}}))
+    ok, message = hook.test_connection()
+    assert not ok
+    assert message.startswith("BatchApiServerError: ")
+    assert "reachable: yes (HTTP 503) | authenticated: yes | dialect: not checked" in message
+
+
+def json_response(status: int, data: object) -> httpx.Response:
+    return httpx.Response(status, json=data)
