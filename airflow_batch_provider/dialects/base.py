@@ -94,6 +94,9 @@ class Dialect:
     results_modes: ClassVar[tuple[ResultsMode, ...]] = ("files",)
     list_page_size: ClassVar[int] = 100
     results_page_size: ClassVar[int] = 1000
+    # The vendor's web page of one batch (``{batch_id}`` filled in), for the tasks' extra links;
+    # None where the vendor documents none. Used only when the connection is the vendor's own host.
+    console_url_template: ClassVar[str | None] = None
 
     def __init__(self) -> None:
         bind_models(globals(), "Batch", "BatchState", "LineError", "ResultLine")
