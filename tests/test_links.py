@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 import pytest
+from airflow.sdk.exceptions import TaskDeferred
 
 from airflow_batch_provider import links
 from airflow_batch_provider.dialects import get_dialect
@@ -22,6 +24,7 @@ from airflow_batch_provider.links import (
 )
 from airflow_batch_provider.operators.submit import SubmitBatchOperator
 from airflow_batch_provider.sensors.batch import BatchSensor
+from tests.fixtures.airflow import write_batch_jsonl
 
 IDS = ["batch_a", "batch_b"]
 
@@ -138,8 +141,18 @@ def test_links_are_declared_and_registered() -> None:
     assert "console_url_template" in CONN_FIELDS and "local_server" in CONN_FIELDS
 
 
-def test_submit_and_sensor_push_their_batch_ids_before_any_wait(task_context: Any) -> None:
-    context = task_context()
-    links.push_batch_ids(context, ["b1", "b2"])
-    assert context["ti"].xcom[BATCH_IDS_XCOM_KEY] == ["b1", "b2"]
+def test_submit_and_sensor_push_their_batch_ids_before_any_wait(
+    batch_server: Any, monkeypatch: pytest.MonkeyPatch, task_context: Any, tmp_path: Path
+) -> None:
+    server = batch_server(time_scale=1.0, validate_seconds=60)  # the batch stays unfinished
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
+    source = write_batch_jsonl(tmp_path / "in.jsonl", lines=3)
+    submit_context = task_context()
+    submitted = SubmitBatchOperator(task_id="submit", source=str(source)).execute(submit_context)
+    assert submit_context["ti"].xcom[BATCH_IDS_XCOM_KEY] == submitted["batch_ids"]
+    # The sensor records its ids before it defers, so the links show while the batch runs.
+    sensor_context = task_context(task_id="wait")
+    with pytest.raises(TaskDeferred):
+        BatchSensor(task_id="wait", batch_ids=submitted).execute(sensor_context)
+    assert sensor_context["ti"].xcom[BATCH_IDS_XCOM_KEY] == submitted["batch_ids"]
     links.push_batch_ids({}, ["b1"])  # a context without a task instance: nothing to record
