@@ -50,6 +50,13 @@ def get_provider_info() -> dict[str, Any]:
                 "python-modules": ["airflow_batch_provider.triggers.batch"],
             },
         ],
+        # Listed by name: importing links.py loads the Task SDK, which discovery must not need.
+        "extra-links": [
+            "airflow_batch_provider.links.BatchPageLink",
+            "airflow_batch_provider.links.BatchPageLink2",
+            "airflow_batch_provider.links.BatchPageLink3",
+            "airflow_batch_provider.links.BatchPageLink4",
+        ],
         "config": {
             "batch_provider": {
                 "description": "Settings of the LLM batch provider.",

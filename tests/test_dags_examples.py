@@ -33,6 +33,8 @@ EXAMPLES = {
     "jsonl_batch_roundtrip": DAGS / "jsonl_batch_roundtrip.py",
     "triage_with_retries": DAGS / "triage_with_retries.py",
     "bigquery_ticket_triage": DAGS / "bigquery_ticket_triage.py",
+    "ticket_urgency_producer": DAGS / "ticket_urgency_asset.py",
+    "ticket_urgency_report": DAGS / "ticket_urgency_asset.py",
 }
 # Examples for one warehouse of their own, run by their own tests (tests/e2e/test_bigquery_pipeline.py).
 OWN_WAREHOUSE = {"bigquery_ticket_triage"}
@@ -267,3 +269,15 @@ def test_triage_with_retries(example_runs: ExampleRuns) -> None:
     assert final.get("failed", 0) < first["counts"]["failed"]
     assert final["succeeded"] > first["counts"]["succeeded"]
     assert run["xcom"]["summary"] == final
+
+
+def test_ticket_urgency_asset(example_runs: ExampleRuns) -> None:
+    """The producer merges with its asset outlet; a manual run of the consumer sees no event.
+
+    The scheduled path (event -> consumer run reading the extra) needs a scheduler: see
+    tests/e2e/test_assets_and_links.py.
+    """
+    merged = example_runs.run("ticket_urgency_producer")["xcom"]["merge"]
+    assert merged["rows_written"] == TICKETS
+    assert merged["counts"]["succeeded"] == TICKETS - EMPTY_BODIES
+    assert example_runs.run("ticket_urgency_report")["xcom"]["summarise"] == {"events": 0, "merges": []}

@@ -97,6 +97,9 @@ class Dialect:
     # triggers of one connection then read their batches a page at a time instead of one by one.
     lists_batches: ClassVar[bool] = True
     results_page_size: ClassVar[int] = 1000
+    # The vendor's web page of one batch (``{batch_id}`` filled in), for the tasks' extra links;
+    # None where the vendor documents none. Used only when the connection is the vendor's own host.
+    console_url_template: ClassVar[str | None] = None
 
     def __init__(self) -> None:
         bind_models(globals(), "Batch", "BatchState", "LineError", "ResultLine")

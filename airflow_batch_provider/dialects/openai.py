@@ -10,3 +10,4 @@ class OpenAIDialect(Dialect):
 
     name = "openai"
     label = "OpenAI (and compatible)"
+    console_url_template = "https://platform.openai.com/batches/{batch_id}"

@@ -56,6 +56,22 @@ CONN_FIELDS: dict[str, dict[str, Any]] = {
         "description": "Optional JSON object of extra HTTP headers.",
         "schema": {"type": ["object", "null"], "format": "json"},
     },
+    "console_url_template": {
+        "label": "Batch page URL template",
+        "description": (
+            "The web page of one batch, for the tasks' extra links: {batch_id} and {origin} are filled "
+            "in; 'none' turns the links off. Default: the vendor's console, or the local server's page."
+        ),
+        "schema": {"type": ["string", "null"]},
+    },
+    "local_server": {
+        "label": "Local batch server",
+        "description": (
+            "The base URL is an 'airflow-batch serve' server: link its /ui/batches pages. "
+            "Unset: asked from the server's /health."
+        ),
+        "schema": {"type": ["boolean", "null"]},
+    },
     "timeout": {
         "label": "Timeout (seconds)",
         "schema": {"type": ["number", "null"], "default": DEFAULT_TIMEOUT, "minimum": 0},
@@ -96,4 +112,5 @@ def legacy_form_widgets() -> dict[str, Any]:
         "project": StringField("Project", widget=BS3TextFieldWidget()),
         "timeout": IntegerField("Timeout (seconds)", widget=BS3TextFieldWidget()),
         "max_retries": IntegerField("Max retries", widget=BS3TextFieldWidget()),
+        "console_url_template": StringField("Batch page URL template", widget=BS3TextFieldWidget()),
     }

@@ -10,6 +10,7 @@ from airflow.sdk import BaseHook, BaseOperator
 
 from airflow_batch_provider import keys as keymod
 from airflow_batch_provider import staging
+from airflow_batch_provider.assets import attach_outlet_extra, build_event_extra
 from airflow_batch_provider.dialects import get_dialect
 from airflow_batch_provider.exceptions import (
     ConfigurationError,
@@ -84,6 +85,8 @@ class SqlToBatchJsonlOperator(BaseOperator):
     :param fetch_batch_size: rows per fetch from the database.
     :param session_sql: statements run on the source connection before the query, e.g.
         ``["SET memory_limit = '512MB'"]`` to bound DuckDB's cache of scanned table blocks.
+    :param outlets: (a BaseOperator argument) every ``Asset`` among them gets the build's figures
+        as its event extra: shard count, rows read / written / rejected, the staging URI.
     """
 
     template_fields: Sequence[str] = (
@@ -324,7 +327,9 @@ class SqlToBatchJsonlOperator(BaseOperator):
             manifest.rows_read,
             written,
         )
-        return manifest_xcom(manifest, directory)
+        xcom = manifest_xcom(manifest, directory)
+        attach_outlet_extra(context, self.outlets, build_event_extra(xcom))
+        return xcom
 
     def _check_outcome(self, build: BuildResult, directory: ObjectStoragePath) -> None:
         summary = ", ".join(f"{code}: {n}" for code, n in build.reject_codes.most_common())

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from airflow.sdk import BaseHook, BaseOperator
 
+from airflow_batch_provider.assets import attach_outlet_extra, merge_event_extra
 from airflow_batch_provider.constants import DEFAULT_CONN_ID, SHARD_TAG
 from airflow_batch_provider.exceptions import BatchProviderError, ConfigurationError
 from airflow_batch_provider.jsonl import iter_objects
@@ -150,6 +151,9 @@ class MergeBatchResultsOperator(BaseOperator):
     :param results_mode: force ``files`` or ``results_endpoint`` when reading results.
     :param session_settings: settings for the merge's own database session, e.g.
         ``{"memory_limit": "256MB"}`` on DuckDB (which runs inside the worker process).
+    :param outlets: (a BaseOperator argument) every ``Asset`` among them gets the merge's figures as
+        its event extra: rows per status, tokens, cost, batch ids (see
+        :func:`airflow_batch_provider.assets.results_table_asset` for the table's URI).
     :param on_bad_result_line: a line of a result file that is not JSON, not an object or has
         no custom_id: ``fail`` the merge naming it (default), or ``record`` it as
         ``invalid_output`` with the reason (file and line) and go on; one whose custom_id is
@@ -319,7 +323,9 @@ class MergeBatchResultsOperator(BaseOperator):
             shards=shards,
             on_retry=on_retry if self.resubmit_failed and key_columns else None,
         )
-        return self._summarise(report, list(batches), resubmission, manifest)
+        summary = self._summarise(report, list(batches), resubmission, manifest)
+        attach_outlet_extra(context, self.outlets, merge_event_extra(summary, self.target_schema))
+        return summary
 
     # ---- resubmission -----------------------------------------------------------------------
     def _resubmit(

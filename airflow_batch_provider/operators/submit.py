@@ -31,6 +31,7 @@ from airflow_batch_provider.exceptions import (
     StaleSubmissionStateError,
 )
 from airflow_batch_provider.jsonl import LineValidator, Problem, dumps_line, iter_raw_lines
+from airflow_batch_provider.links import batch_page_links, push_batch_ids
 from airflow_batch_provider.models import Batch, BatchState, Manifest, to_utc
 from airflow_batch_provider.staging import (
     manifest_path,
@@ -138,6 +139,8 @@ class SubmitBatchOperator(BaseOperator):
     )
     template_fields_renderers = {"metadata": "json"}
     ui_color = "#dbe9f6"
+    # "Batch 1".. "Batch 4": each batch's page at the vendor or on the local server (see links.py).
+    operator_extra_links = batch_page_links()
 
     def __init__(
         self,
@@ -236,6 +239,7 @@ class SubmitBatchOperator(BaseOperator):
             "manifest_path": str(manifest_file) if manifest_file is not None else None,
         }
         self.log.info("Submitted %d batch(es): %s", len(records), ", ".join(self._batch_ids))
+        push_batch_ids(context, self._batch_ids)
         if not self.wait_for_completion:
             return submission
         # The ids reach XCom before the wait, so a killed or deferred task never loses them.

@@ -16,6 +16,7 @@ from airflow.sdk.exceptions import AirflowSensorTimeout
 
 from airflow_batch_provider.constants import DEFAULT_CONN_ID
 from airflow_batch_provider.exceptions import BatchApiQuotaError
+from airflow_batch_provider.links import batch_page_links, push_batch_ids
 from airflow_batch_provider.models import to_utc
 from airflow_batch_provider.outcome import decide, progress_line
 from airflow_batch_provider.triggers.batch import BatchTrigger
@@ -59,6 +60,8 @@ class BatchSensor(BaseSensorOperator):
 
     template_fields: Sequence[str] = ("batch_ids", "batch_conn_id", "submitted_at")
     ui_color = "#e8f0fe"
+    # "Batch 1".. "Batch 4": each batch's page at the vendor or on the local server (see links.py).
+    operator_extra_links = batch_page_links()
 
     def __init__(
         self,
@@ -105,6 +108,7 @@ class BatchSensor(BaseSensorOperator):
 
     def execute(self, context: Context) -> Any:
         ids, started = self._resolve()
+        push_batch_ids(context, ids)
         if not self.deferrable:
             try:
                 return super().execute(context)
