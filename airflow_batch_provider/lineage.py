@@ -303,11 +303,13 @@ def _table_dataset(
     summary: Mapping[str, Any] | None,
 ) -> Dataset | None:
     """The target table as the SQL parser names tables (``database.schema.table``) in the hook's namespace."""
-    info = hook.get_openlineage_database_info(hook.get_connection(conn_id))
+    connection = hook.get_connection(conn_id)
+    info = hook.get_openlineage_database_info(connection)
     if info is None:
         log.debug("OpenLineage: %s gives no database info; the merge reports no target table", hook)
         return None
-    schema = schema or hook.get_openlineage_default_schema()
+    # MySQL has no schema below its databases: the connection's database stands in (``db.table``).
+    schema = schema or hook.get_openlineage_default_schema() or connection.schema
     name = ".".join(part for part in (info.database, schema, table) if part)
     facets: dict[str, Any] = {
         "schema": SchemaDatasetFacet(

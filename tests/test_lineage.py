@@ -237,3 +237,30 @@ def test_operators_load_no_lineage_code_until_asked() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_merge_target_on_mysql_is_named_database_dot_table(lineage: Any) -> None:
+    """MySQL has no schema below its databases: the target is ``database.table`` in ``mysql://host:port``."""
+    from airflow.providers.openlineage.sqlparser import DatabaseInfo
+
+    hook = SimpleNamespace(
+        get_connection=lambda conn_id: SimpleNamespace(schema="shop"),
+        get_openlineage_database_info=lambda conn: DatabaseInfo(scheme="mysql", authority="db.example:3306"),
+        get_openlineage_default_schema=lambda: None,
+    )
+    result = lineage.merge_lineage(
+        conn_id="wh",
+        warehouse_hook=lambda: hook,
+        batch_hook=lambda: None,
+        table="answers",
+        schema=None,
+        columns=[("id", "integer"), ("status", "text")],
+        summary=None,
+    )
+    (target,) = result.outputs
+    assert (target.namespace, target.name) == ("mysql://db.example:3306", "shop.answers")
+    assert [(f.name, f.type) for f in target.facets["schema"].fields] == [
+        ("id", "integer"),
+        ("status", "text"),
+    ]
+    assert result.inputs == [] and result.run_facets == {}
