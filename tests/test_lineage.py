@@ -97,6 +97,8 @@ def test_build_submit_merge_lineage_in_a_real_dags_test_run(
     # build: the table its SQL reads (named although the SQL has a placeholder), the SQL, the shards.
     build = events["build"]
     assert _ids(build["inputs"]) == [(warehouse_ns, f"{PG_DB}.{wh.schema}.tickets")]
+    read = build["inputs"][0]["facets"]["schema"]["fields"]
+    assert [(f["name"], f["type"]) for f in read] == [("ticket_id", "int4"), ("body", "text")]
     query = build["job"]["facets"]["sql"]["query"]
     assert "FROM tickets WHERE ticket_id >= %(first)s" in query
     shards = sorted((tmp_path / "staging").rglob("shard-*.jsonl"))
