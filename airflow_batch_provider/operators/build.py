@@ -195,6 +195,8 @@ class SqlToBatchJsonlOperator(BaseOperator):
         self.custom_id_prefix = custom_id_prefix
         self.fetch_batch_size = fetch_batch_size
         self.session_sql = [session_sql] if isinstance(session_sql, str) else list(session_sql or [])
+        # What this try wrote (its XCom), for lineage; None until the build succeeds.
+        self.built: dict[str, Any] | None = None
 
     # ---- configuration resolved at run time -------------------------------------------------
 
@@ -327,9 +329,15 @@ class SqlToBatchJsonlOperator(BaseOperator):
             manifest.rows_read,
             written,
         )
-        xcom = manifest_xcom(manifest, directory)
-        attach_outlet_extra(context, self.outlets, build_event_extra(xcom))
-        return xcom
+        self.built = manifest_xcom(manifest, directory)
+        attach_outlet_extra(context, self.outlets, build_event_extra(self.built))
+        return self.built
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """OpenLineage: tables read, SQL, shard files written (:mod:`airflow_batch_provider.lineage`)."""
+        from airflow_batch_provider.lineage import build_lineage
+
+        return build_lineage(conn_id=self.conn_id, hook=self._hook, query=self._query, output=self.built)
 
     def _check_outcome(self, build: BuildResult, directory: ObjectStoragePath) -> None:
         summary = ", ".join(f"{code}: {n}" for code, n in build.reject_codes.most_common())

@@ -221,6 +221,9 @@ class MergeBatchResultsOperator(BaseOperator):
                 f"not {on_bad_result_line!r}"
             )
         self.on_bad_result_line = on_bad_result_line
+        # For lineage: the columns this try writes and its summary (XCom); set as the merge runs.
+        self.merge_columns: list[tuple[str, str]] = []
+        self.merge_summary: dict[str, Any] | None = None
 
     # ---- inputs -----------------------------------------------------------------------------
     def _batch_input(self, context: Context) -> Any:
@@ -300,6 +303,7 @@ class MergeBatchResultsOperator(BaseOperator):
             create_table=self.create_table,
             session_settings=self.session_settings,
         )
+        self.merge_columns = [(c.name, c.type) for c in writer.target_columns]
         resubmission: dict[str, Any] = {}
 
         def on_retry(retryable: Iterator[tuple[int, str, list[Any]]]) -> None:
@@ -323,9 +327,23 @@ class MergeBatchResultsOperator(BaseOperator):
             shards=shards,
             on_retry=on_retry if self.resubmit_failed and key_columns else None,
         )
-        summary = self._summarise(report, list(batches), resubmission, manifest)
-        attach_outlet_extra(context, self.outlets, merge_event_extra(summary, self.target_schema))
-        return summary
+        self.merge_summary = self._summarise(report, list(batches), resubmission, manifest)
+        attach_outlet_extra(context, self.outlets, merge_event_extra(self.merge_summary, self.target_schema))
+        return self.merge_summary
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """OpenLineage: batches read, table written, figures (:mod:`airflow_batch_provider.lineage`)."""
+        from airflow_batch_provider.lineage import merge_lineage
+
+        return merge_lineage(
+            conn_id=self.conn_id,
+            warehouse_hook=self.get_warehouse_hook,
+            batch_hook=self.get_batch_hook,
+            table=self.target_table,
+            schema=self.target_schema,
+            columns=self.merge_columns,
+            summary=self.merge_summary,
+        )
 
     # ---- resubmission -----------------------------------------------------------------------
     def _resubmit(

@@ -200,6 +200,8 @@ class SubmitBatchOperator(BaseOperator):
         self.cancel_on_timeout = cancel_on_timeout
         self.cancel_on_kill = cancel_on_kill
         self._batch_ids: list[str] = []
+        # This try's XCom (with the outcome once waited), for lineage; None until it submitted.
+        self.submission: dict[str, Any] | None = None
 
     def hook(self) -> BatchApiHook:
         from airflow_batch_provider.hooks.batch import BatchApiHook
@@ -240,6 +242,7 @@ class SubmitBatchOperator(BaseOperator):
         }
         self.log.info("Submitted %d batch(es): %s", len(records), ", ".join(self._batch_ids))
         push_batch_ids(context, self._batch_ids)
+        self.submission = submission
         if not self.wait_for_completion:
             return submission
         # The ids reach XCom before the wait, so a killed or deferred task never loses them.
@@ -278,6 +281,8 @@ class SubmitBatchOperator(BaseOperator):
             pull = getattr(ti, "xcom_pull", None)
             pulled = pull(task_ids=ti.task_id, key="return_value", map_indexes=ti.map_index) if pull else None
             submission = pulled if isinstance(pulled, Mapping) else None
+        # Kept before the policy runs: a failed wait still reports the batches it waited for.
+        self.submission = dict(submission or {})
         outcome = apply_outcome_policy(
             event,
             on_partial_failure=self.on_partial_failure,
@@ -286,7 +291,13 @@ class SubmitBatchOperator(BaseOperator):
             log=self.log,
             context=context,
         )
-        return {**dict(submission or {}), "outcome": outcome}
+        return {**self.submission, "outcome": outcome}
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """OpenLineage: the shard files read and the batches made (:mod:`airflow_batch_provider.lineage`)."""
+        from airflow_batch_provider.lineage import submit_lineage
+
+        return submit_lineage(hook=self.hook, source=self.source, submission=self.submission)
 
     def on_kill(self) -> None:
         if self.cancel_on_kill and self._batch_ids:
