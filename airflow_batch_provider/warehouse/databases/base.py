@@ -24,6 +24,7 @@ from itertools import islice
 from typing import IO, Any, ClassVar
 
 from airflow_batch_provider.exceptions import ConfigurationError
+from airflow_batch_provider.warehouse.lines import JsonSql
 from airflow_batch_provider.warehouse.rows import Column
 
 _BATCH_ROWS = 5000
@@ -85,6 +86,9 @@ class SqlDialect:
     merged_at_type = "TIMESTAMP"
     #: A session setting (see ``set_setting``).
     set_format = "SET {} = {}"
+    #: The JSON primitives with which the database reads result lines itself (see
+    #: ``warehouse/lines.py``); None: Python reads them.
+    line_json: ClassVar[JsonSql | None] = None
 
     def __init__(self, hook: Any) -> None:
         self.hook = hook
@@ -338,6 +342,11 @@ class SqlDialect:
         finally:
             cur.close()
         return count
+
+    def load_raw_lines(self, conn: Any, table: str, records: Iterable[bytes]) -> int | None:
+        """Load staging records of raw result lines (see ``lines.raw_records``) into ``table``
+        (``seq, f, n, line, hex``); None, loading nothing, where this connection cannot."""
+        return None
 
     # ---- reading (the streaming row source) ---------------------------------------------------
     def stream_cursor(self, conn: Any, batch_size: int) -> Any:

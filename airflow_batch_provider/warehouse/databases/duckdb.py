@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from typing import IO, Any
 
 from airflow_batch_provider.warehouse.databases.base import Capabilities, SqlDialect
+from airflow_batch_provider.warehouse.lines import DuckDBJson
 from airflow_batch_provider.warehouse.loaders import duckdb_files
 from airflow_batch_provider.warehouse.rows import Column
 
@@ -35,6 +36,7 @@ class DuckDBSqlDialect(SqlDialect):
     types = {**SqlDialect.types, "json": "JSON", "float": "DOUBLE", "text": "VARCHAR"}
     merged_at_type = "TIMESTAMP WITH TIME ZONE"
     chunk_rows = 100_000
+    line_json = DuckDBJson()
 
     def __init__(self, hook: Any) -> None:
         super().__init__(hook)
@@ -129,10 +131,20 @@ class DuckDBSqlDialect(SqlDialect):
             for i, c in enumerate(columns)
         )
         sql = (
-            f"INSERT INTO {self.quote(table)} SELECT {extract} FROM read_json(?, format='newline_delimited', "
+            f"INSERT INTO {self.quote(table)} ({', '.join(self.quote(c.name) for c in columns)}) "
+            f"SELECT {extract} FROM read_json(?, format='newline_delimited', "
             "records=false, columns={'j': 'VARCHAR[]'}, maximum_object_size=?)"
         )
         return duckdb_files.load_chunks(conn, sql, rows, self.chunk_rows)
+
+    def load_raw_lines(self, conn: Any, table: str, records: Iterable[bytes]) -> int | None:
+        # The records' separator never travels raw (lines holding it go as hex); no quoting.
+        sql = (
+            f"INSERT INTO {self.quote(table)} SELECT * FROM read_csv(?, delim='\x01', quote='', "
+            "escape='', header=false, auto_detect=false, max_line_size=?, "
+            "columns={'seq': 'BIGINT', 'f': 'INTEGER', 'n': 'BIGINT', 'line': 'VARCHAR', 'hex': 'VARCHAR'})"
+        )
+        return duckdb_files.load_lines(conn, sql, records, self.chunk_rows)
 
     # ---- reading ------------------------------------------------------------------------------
     def read_settings(self, conn: Any, session_sql: Sequence[str]) -> list[str]:

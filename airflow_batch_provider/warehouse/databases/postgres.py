@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from typing import IO, Any
 
 from airflow_batch_provider.warehouse.databases.base import Capabilities, SqlDialect
+from airflow_batch_provider.warehouse.lines import PostgresJson
 from airflow_batch_provider.warehouse.loaders import pg_copy
 from airflow_batch_provider.warehouse.rows import Column
 
@@ -46,6 +47,7 @@ class PostgresSqlDialect(SqlDialect):
     max_identifier_bytes = 63
     describes_after_fetch = True  # psycopg 3 declares a named cursor's portal lazily
     temp_table = "CREATE TEMP TABLE {} ({}) ON COMMIT DROP"
+    line_json = PostgresJson()
     types = {**SqlDialect.types, "json": "JSONB"}
     merged_at_type = "TIMESTAMP WITH TIME ZONE"
     # Only for this transaction: the connection may come back from a pool.
@@ -156,6 +158,14 @@ class PostgresSqlDialect(SqlDialect):
         self, conn: Any, table: str, columns: Sequence[Column], rows: Iterable[Sequence[Any]]
     ) -> int:
         return pg_copy.copy_rows(conn, self._copy_sql(table, columns), rows)
+
+    def load_raw_lines(self, conn: Any, table: str, records: Iterable[bytes]) -> int | None:
+        # CSV whose delimiter and quote bytes never travel raw (lines holding them go as hex).
+        copy = (
+            f"COPY {self.quote(table)} (seq, f, n, line, hex) FROM STDIN "
+            f"WITH (FORMAT csv, DELIMITER E'\\x01', QUOTE E'\\x02')"
+        )
+        return pg_copy.copy_records(conn, copy, records)
 
     # ---- reading ------------------------------------------------------------------------------
     def server_cursor(self, conn: Any) -> Any:

@@ -23,15 +23,21 @@ import orjson
 def load_chunks(conn: Any, sql: str, rows: Iterable[Sequence[Any]], chunk_rows: int) -> int:
     """Load ``rows`` through ``sql`` (parameters: a chunk file's path, then its
     ``maximum_object_size``), ``chunk_rows`` rows per file; the rows loaded."""
+    dumps = orjson.dumps
+    return load_lines(conn, sql, (dumps(row) for row in rows), chunk_rows)
+
+
+def load_lines(conn: Any, sql: str, lines: Iterable[bytes], chunk_rows: int) -> int:
+    """Load ready ``lines`` (bytes without their line end) through ``sql`` as :func:`load_chunks`
+    loads rows."""
     paths = []
     for _ in range(2):
         fd, path = tempfile.mkstemp(prefix="abp-merge-", suffix=".jsonl")
         os.close(fd)
         paths.append(path)
     count = 0
-    iterator = iter(rows)
+    iterator = iter(lines)
     pending: Future[Any] | None = None
-    dumps = orjson.dumps
     try:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="abp-duckdb-load") as loader:
             for turn in itertools.count():
@@ -39,8 +45,7 @@ def load_chunks(conn: Any, sql: str, rows: Iterable[Sequence[Any]], chunk_rows: 
                 written = longest = 0
                 with open(path, "wb", buffering=1 << 20) as fh:
                     write = fh.write
-                    for row in islice(iterator, chunk_rows):
-                        line = dumps(row)
+                    for line in islice(iterator, chunk_rows):
                         if len(line) > longest:
                             longest = len(line)
                         write(line)

@@ -333,6 +333,32 @@ def copy_file(conn: Any, handle: IO[bytes], *, before: str, copy_sql: str, after
     return True
 
 
+def copy_records(conn: Any, copy_sql: str, records: Iterable[bytes]) -> int | None:
+    """Stream ready COPY records (bytes, one line each, without its end) into ``copy_sql``, about
+    1 MB per write; the records loaded, or None, doing nothing, on a psycopg2 connection."""
+    cur = conn.cursor()
+    count = 0
+    try:
+        if not hasattr(cur, "copy") or not _utf8(conn):
+            return None
+        with cur.copy(copy_sql) as copy:
+            chunk: list[bytes] = []
+            size = 0
+            for record in records:
+                chunk.append(record)
+                size += len(record)
+                count += 1
+                if size >= 1 << 20:
+                    copy.write(b"\n".join(chunk) + b"\n")
+                    chunk.clear()
+                    size = 0
+            if chunk:
+                copy.write(b"\n".join(chunk) + b"\n")
+    finally:
+        cur.close()
+    return count
+
+
 def can_load_in_rounds(conn: Any) -> bool:
     """Whether :func:`load_in_rounds` works on ``conn``: psycopg 3 only (psycopg2 has no COPY
     formatter to spool with), and UTF-8 only (the spool is formatted before the connection

@@ -1,0 +1,441 @@
+"""Result lines read by the warehouse: raw lines staged as text, their rows computed in SQL.
+
+The worker only numbers the raw lines of the result files and streams them into a staging
+table; one ``INSERT ... SELECT`` renders the vendor dialect's :class:`LineShape` as SQL (the
+SQL dialect provides the JSON primitives) and computes the very columns
+:class:`~airflow_batch_provider.warehouse.rows.ResultMapper` computes in Python. A line whose
+row SQL would not give exactly (not JSON, no custom_id, an answer that is JSON text, odd
+token counts or error fields...) is flagged and read by Python, the same code as the Python
+path, so both paths write the same rows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from airflow_batch_provider.warehouse.rows import MAX_TOKEN_COUNT
+
+if TYPE_CHECKING:
+    from airflow_batch_provider.dialects.base import LineShape
+    from airflow_batch_provider.models import ResultLine
+
+#: Bytes that cannot travel in the staging format (field separator, quote, record ends, NUL):
+#: a line holding one travels hex-encoded and is read by Python.
+_UNSAFE = re.compile(rb"[\x00-\x02\r]")
+
+
+@dataclass(frozen=True)
+class ResultFile:
+    """One result file: its id (for messages), its source and the batch it belongs to."""
+
+    file_id: str
+    source: str
+    batch_id: str | None
+
+
+@dataclass
+class RawResults:
+    """The raw lines of a merge's result files, for the warehouse to parse.
+
+    :param files: the result files, in reading order.
+    :param lines: ``(file index, line number, bytes)`` of every non-blank line, in order.
+    :param shape: the vendor dialect's line shape (None: Python reads every line).
+    :param parse: reads one line in Python exactly as the hook does, ``(file index, line
+        number, bytes) -> ResultLine`` (raising, or recording, an unreadable line).
+    """
+
+    files: Sequence[ResultFile]
+    lines: Iterable[tuple[int, int, bytes]]
+    shape: LineShape | None
+    parse: Callable[[int, int, bytes], ResultLine]
+
+    def parsed(self) -> Iterator[tuple[ResultLine, str | None]]:
+        """Every line read by Python: the Python path's ``(result line, batch id)`` pairs."""
+        for f, number, data in self.lines:
+            yield self.parse(f, number, data), self.files[f].batch_id
+
+
+def raw_records(lines: Iterable[tuple[int, int, bytes]]) -> Iterator[bytes]:
+    """Staging records ``seq \\x01 file \\x01 line number \\x01 line \\x01 hex`` (the line, or
+    for a line that cannot travel as text, its bytes in hex), one per line, without line end."""
+    unsafe = _UNSAFE.search
+    seq = 0
+    for f, number, data in lines:
+        seq += 1
+        if data.isascii():
+            safe = unsafe(data) is None
+        else:
+            try:
+                data.decode()
+                safe = unsafe(data) is None
+            except UnicodeDecodeError:
+                safe = False
+        if safe:
+            yield b"%d\x01%d\x01%d\x01%s\x01" % (seq, f, number, data)
+        else:
+            yield b"%d\x01%d\x01%d\x01\x01%s" % (seq, f, number, data.hex().encode())
+
+
+class JsonSql:
+    """The JSON primitives one database offers to :func:`result_row_sql` (PostgreSQL jsonb,
+    DuckDB json...). Kinds are ``object, array, string, integer, number, boolean, null``,
+    NULL for a path that is absent."""
+
+    def digits(self, text: str) -> str:
+        """Whether a text expression is a non-negative integer written in digits."""
+        raise NotImplementedError
+
+    def leaves(self, raw: str, paths: Sequence[tuple[str | int, ...]]) -> str:
+        """A FROM item over the staging table ``raw`` giving ``seq, f, n`` and, for each path
+        ``i``, ``l{i}`` (its JSON value or NULL) and ``k{i}`` (its kind)."""
+        raise NotImplementedError
+
+    def text(self, leaf: str) -> str:
+        """The value of a string leaf."""
+        raise NotImplementedError
+
+    def number(self, leaf: str) -> str:
+        """The value of a number leaf (for its truth)."""
+        raise NotImplementedError
+
+    def integer(self, leaf: str) -> str:
+        """The exact value of an integer leaf, or of a text expression of digits."""
+        raise NotImplementedError
+
+    def length(self, leaf: str) -> str:
+        """The length of an array leaf."""
+        raise NotImplementedError
+
+    def json_text(self, leaf: str) -> str:
+        """A leaf as JSON text."""
+        raise NotImplementedError
+
+    def int_text(self, expression: str) -> str:
+        """An exact integer as decimal text."""
+        return f"CAST({expression} AS VARCHAR)"
+
+
+class PostgresJson(JsonSql):
+    """jsonb: each line is parsed once (``OFFSET 0`` keeps the planner from inlining the cast
+    into every leaf), then read with ``#>`` paths."""
+
+    def leaves(self, raw: str, paths: Sequence[tuple[str | int, ...]]) -> str:
+        values = ", ".join(
+            (f"j #> ARRAY[{', '.join(_literal(str(p)) for p in path)}]::text[]" if path else "j") + f" AS l{i}"
+            for i, path in enumerate(paths)
+        )
+        kinds = ", ".join(
+            f"CASE jsonb_typeof(l{i}) WHEN 'number' THEN CASE WHEN CAST(l{i} AS text) ~ '^-?[0-9]+$' "
+            f"THEN 'integer' ELSE 'number' END ELSE jsonb_typeof(l{i}) END AS k{i}"
+            for i in range(len(paths))
+        )
+        parsed = f"SELECT seq, f, CAST(line AS jsonb) AS j FROM {raw} OFFSET 0"
+        return f"(SELECT b.*, {kinds} FROM (SELECT seq, f, {values} FROM ({parsed}) a OFFSET 0) b OFFSET 0)"
+
+    def digits(self, text: str) -> str:
+        return f"({text} ~ '^[0-9]+$')"
+
+    def text(self, leaf: str) -> str:
+        return f"({leaf} #>> '{{}}')"
+
+    def number(self, leaf: str) -> str:
+        return f"CAST(CAST({leaf} AS text) AS numeric)"
+
+    def integer(self, leaf: str) -> str:
+        return self.number(leaf)
+
+    def length(self, leaf: str) -> str:
+        return f"jsonb_array_length({leaf})"
+
+    def json_text(self, leaf: str) -> str:
+        return f"CAST({leaf} AS text)"
+
+    def int_text(self, expression: str) -> str:
+        return f"CAST({expression} AS text)"
+
+
+class DuckDBJson(JsonSql):
+    """DuckDB json: every leaf of a line is extracted in one ``json_extract`` (one parse)."""
+
+    _KINDS = (
+        "CASE json_type({0}) WHEN 'OBJECT' THEN 'object' WHEN 'ARRAY' THEN 'array' WHEN 'VARCHAR' "
+        "THEN 'string' WHEN 'BIGINT' THEN 'integer' WHEN 'UBIGINT' THEN 'integer' WHEN 'DOUBLE' "
+        "THEN 'number' WHEN 'BOOLEAN' THEN 'boolean' WHEN 'NULL' THEN 'null' END"
+    )
+
+    def leaves(self, raw: str, paths: Sequence[tuple[str | int, ...]]) -> str:
+        def json_path(path: tuple[str | int, ...]) -> str:
+            return "$" + "".join(f"[{p}]" if isinstance(p, int) else f'."{p}"' for p in path)
+
+        extract = ", ".join(_literal(json_path(p)) for p in paths)
+        values = ", ".join(f"v[{i + 1}] AS l{i}" for i in range(len(paths)))
+        kinds = ", ".join(self._KINDS.format(f"l{i}") + f" AS k{i}" for i in range(len(paths)))
+        parsed = (
+            f"SELECT seq, f, CASE WHEN json_valid(line) THEN json_extract(line, [{extract}]) END AS v "
+            f"FROM {raw}"
+        )
+        return f"(SELECT b.*, {kinds} FROM (SELECT seq, f, {values} FROM ({parsed}) a) b)"
+
+    def digits(self, text: str) -> str:
+        return f"regexp_full_match({text}, '[0-9]+')"
+
+    def text(self, leaf: str) -> str:
+        return f"({leaf} ->> '$')"
+
+    def number(self, leaf: str) -> str:
+        return f"TRY_CAST(CAST({leaf} AS VARCHAR) AS DOUBLE)"
+
+    def integer(self, leaf: str) -> str:
+        return f"TRY_CAST(CAST({leaf} AS VARCHAR) AS HUGEINT)"
+
+    def length(self, leaf: str) -> str:
+        return f"json_array_length({leaf})"
+
+    def json_text(self, leaf: str) -> str:
+        return f"CAST({leaf} AS VARCHAR)"
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+class _Leaves:
+    """Names the JSON paths a row needs and gives the SQL of each leaf, its kind and tests."""
+
+    def __init__(self, json: JsonSql) -> None:
+        self.json = json
+        self.paths: list[tuple[str | int, ...]] = []
+        self._index: dict[tuple[str | int, ...], int] = {}
+
+    def __call__(self, path: tuple[str | int, ...]) -> int:
+        if path not in self._index:
+            self._index[path] = len(self.paths)
+            self.paths.append(path)
+        return self._index[path]
+
+    def k(self, i: int) -> str:
+        return f"k{i}"
+
+    def is_(self, i: int, *kinds: str) -> str:
+        return f"COALESCE(k{i} IN ({', '.join(_literal(k) for k in kinds)}), FALSE)"
+
+    def nullish(self, i: int) -> str:
+        return f"(k{i} IS NULL OR k{i} = 'null')"
+
+    def text(self, i: int) -> str:
+        return self.json.text(f"l{i}")
+
+    def str_or_null(self, i: int) -> str:
+        return f"CASE WHEN k{i} = 'string' THEN {self.text(i)} END"
+
+    def strish(self, i: int) -> str:
+        """Null, absent or a string: what ``str_or_none`` turns into text without Python's ``str()``."""
+        return f"(k{i} IS NULL OR k{i} IN ('string', 'null'))"
+
+    def truthy(self, i: int) -> str:
+        """Python's truth of the JSON value."""
+        j = self.json
+        return (
+            f"COALESCE(CASE k{i} WHEN 'string' THEN {j.text(f'l{i}')} <> '' "
+            f"WHEN 'integer' THEN {j.number(f'l{i}')} <> 0 WHEN 'number' THEN {j.number(f'l{i}')} <> 0 "
+            f"WHEN 'boolean' THEN {j.json_text(f'l{i}')} = 'true' WHEN 'array' THEN {j.length(f'l{i}')} > 0 "
+            f"WHEN 'object' THEN {j.json_text(f'l{i}')} <> '{{}}' ELSE FALSE END, FALSE)"
+        )
+
+    def count(self, i: int) -> str:
+        """A token count as ``extract_usage`` believes it, else NULL."""
+        n = self.json.integer(f"l{i}")
+        return f"CASE WHEN k{i} = 'integer' AND {n} BETWEEN 0 AND {MAX_TOKEN_COUNT} THEN {n} END"
+
+
+#: The staged results columns :func:`result_row_sql` gives, in order, before ``py``.
+ROW_COLUMNS = (
+    "custom_id",
+    "seq",
+    "status",
+    "content",
+    "embedding",
+    "finish_reason",
+    "model",
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
+    "error_code",
+    "error_message",
+    "batch_id",
+)
+
+
+def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequence[str | None]) -> str:
+    """A SELECT over the staging table ``raw`` giving :data:`ROW_COLUMNS` and ``py``, the flag
+    of a line Python must read (its other columns are then not to be used).
+
+    It is ``Dialect.parse_result_line`` (the OpenAI rules) followed by ``ResultMapper.row``
+    without extra columns or output schema, clause by clause.
+    """
+    leaf = _Leaves(json)
+    line = leaf(())
+    cid = leaf(shape.custom_id)
+    resp = shape.response
+    sc = leaf((*resp, shape.status_code))
+    body_path = (*resp, shape.body)
+    body = leaf(body_path)
+    err = leaf(shape.error)
+    err_code, err_msg = leaf((*shape.error, "code")), leaf((*shape.error, "message"))
+    inner = leaf((*body_path, "error"))
+    inner_code, inner_msg = leaf((*body_path, "error", "code")), leaf((*body_path, "error", "message"))
+    model = leaf((*body_path, "model"))
+    choices, c0 = leaf((*body_path, "choices")), leaf((*body_path, "choices", 0))
+    msg_path = (*body_path, "choices", 0, "message")
+    msg = leaf(msg_path)
+    content, tools, refusal = (leaf((*msg_path, k)) for k in ("content", "tool_calls", "refusal"))
+    text, finish = leaf((*body_path, "choices", 0, "text")), leaf((*body_path, "choices", 0, "finish_reason"))
+    data, obj = leaf((*body_path, "data")), leaf((*body_path, "object"))
+    d0, emb = leaf((*body_path, "data", 0)), leaf((*body_path, "data", 0, "embedding"))
+    output, otext = leaf((*body_path, "output")), leaf((*body_path, "output_text"))
+    details = leaf((*body_path, "incomplete_details"))
+    reason, bstatus = leaf((*body_path, "incomplete_details", "reason")), leaf((*body_path, "status"))
+    usage = leaf((*body_path, "usage"))
+    tokens = {
+        k: leaf((*body_path, "usage", k))
+        for k in ("prompt_tokens", "input_tokens", "completion_tokens", "output_tokens", "total_tokens")
+    }
+    j = json
+    t = leaf.text
+    sc_int = (
+        f"CASE WHEN k{sc} = 'integer' THEN {j.integer(f'l{sc}')} "
+        f"WHEN k{sc} = 'string' AND {j.digits(t(sc))} THEN {j.integer(t(sc))} END"
+    )
+    ok2xx = f"COALESCE(({sc_int}) >= 200 AND ({sc_int}) < 300, FALSE)"
+    ekind = (
+        f"CASE WHEN {leaf.nullish(err)} AND {ok2xx} THEN 'none' WHEN k{err} = 'object' THEN 'obj' "
+        f"WHEN k{err} = 'string' AND {t(err)} <> '' THEN 'str' "
+        f"WHEN ({sc_int}) IS NOT NULL AND NOT {ok2xx} THEN 'http' WHEN {ok2xx} THEN 'none' ELSE 'unknown' END"
+    )
+    answer = (
+        f"CASE WHEN NOT {leaf.is_(body, 'object')} THEN 'none' "
+        f"WHEN k{choices} = 'array' AND k{c0} = 'object' THEN 'chat' "
+        f"WHEN k{data} = 'array' AND k{obj} = 'string' AND {t(obj)} = 'list' THEN 'emb' "
+        f"WHEN k{output} = 'array' OR k{otext} IS NOT NULL THEN 'resp' ELSE 'none' END"
+    )
+    # Level 1: the values every later clause reads more than once.
+    level1 = (
+        f"SELECT x.*, {ekind} AS e_kind, {sc_int} AS sc_int, {answer} AS a_kind FROM "
+        f"{j.leaves(raw, leaf.paths)} x"
+    )
+    http = j.int_text("sc_int")
+    code = (
+        f"CASE e_kind WHEN 'none' THEN NULL WHEN 'obj' THEN {leaf.str_or_null(err_code)} "
+        f"WHEN 'str' THEN 'error' WHEN 'http' THEN CASE WHEN k{inner} = 'object' AND k{inner_code} = 'string' "
+        f"AND {t(inner_code)} <> '' THEN {t(inner_code)} ELSE 'http_' || {http} END ELSE 'unknown_error' END"
+    )
+    message = (
+        f"CASE e_kind WHEN 'obj' THEN {leaf.str_or_null(err_msg)} WHEN 'str' THEN {t(err)} "
+        f"WHEN 'http' THEN CASE WHEN k{inner} = 'object' THEN {leaf.str_or_null(inner_msg)} "
+        f"WHEN k{inner} = 'string' AND {t(inner)} <> '' THEN {t(inner)} END "
+        f"WHEN 'unknown' THEN 'line failed with status None' END"
+    )
+    chat_content = (
+        f"CASE WHEN k{msg} = 'object' THEN CASE WHEN {leaf.nullish(content)} THEN "
+        f"CASE WHEN k{refusal} = 'string' AND {t(refusal)} <> '' AND NOT {leaf.truthy(tools)} "
+        f"THEN {t(refusal)} END "
+        f"WHEN k{content} = 'string' THEN {t(content)} END "
+        f"ELSE {leaf.str_or_null(text)} END"
+    )
+    content_sql = (
+        f"CASE a_kind WHEN 'chat' THEN {chat_content} WHEN 'resp' THEN {leaf.str_or_null(otext)} END"
+    )
+    resp_reason = (
+        f"CASE WHEN k{details} = 'object' AND {leaf.truthy(reason)} THEN {leaf.str_or_null(reason)} "
+        f"ELSE {leaf.str_or_null(bstatus)} END"
+    )
+    finish_sql = (
+        f"CASE a_kind WHEN 'chat' THEN {leaf.str_or_null(finish)} WHEN 'resp' THEN {resp_reason} END"
+    )
+    single_vector = f"(a_kind = 'emb' AND {j.length(f'l{data}')} = 1 AND k{d0} = 'object' AND NOT {leaf.nullish(emb)})"
+    embedding_sql = f"CASE WHEN {single_vector} THEN {j.json_text(f'l{emb}')} END"
+    pt, it, ct, ot, tt = tokens.values()
+    prompt = f"CASE WHEN k{usage} = 'object' THEN CASE WHEN {leaf.nullish(pt)} THEN {leaf.count(it)} ELSE {leaf.count(pt)} END END"
+    completion = (
+        f"CASE WHEN k{usage} = 'object' THEN CASE WHEN {leaf.nullish(ct)} THEN {leaf.count(ot)} "
+        f"ELSE {leaf.count(ct)} END END"
+    )
+    total = (
+        f"CASE WHEN k{usage} = 'object' THEN CASE WHEN NOT {leaf.nullish(tt)} THEN {leaf.count(tt)} "
+        f"WHEN ({prompt}) IS NOT NULL OR ({completion}) IS NOT NULL "
+        f"THEN COALESCE({prompt}, 0) + COALESCE({completion}, 0) END END"
+    )
+    bad_tokens = " OR ".join(f"(NOT {leaf.nullish(i)} AND ({leaf.count(i)}) IS NULL)" for i in tokens.values())
+    # What only Python reads exactly: each clause names a case of parse_result_line or row().
+    python = " OR ".join(
+        (
+            f"NOT {leaf.is_(line, 'object')}",
+            f"NOT {leaf.is_(cid, 'string')}",
+            f"{t(cid)} = ''",
+            f"(e_kind = 'obj' AND NOT ({leaf.strish(err_code)} AND {leaf.strish(err_msg)}))",
+            f"(e_kind = 'http' AND k{inner} = 'object' AND NOT ({leaf.strish(inner_code)} "
+            f"AND {leaf.strish(inner_msg)}))",
+            f"(e_kind = 'http' AND NOT {leaf.strish(inner)} AND k{inner} <> 'object')",
+            # Lines counted as unreadable are counted by the mapper.
+            f"COALESCE(({code}) = 'invalid_result_line', FALSE)",
+            # Answers that are JSON text or joined parts.
+            f"(a_kind = 'chat' AND k{msg} = 'object' AND {leaf.nullish(content)} AND {leaf.truthy(tools)})",
+            f"(a_kind = 'chat' AND k{msg} = 'object' AND k{content} = 'array')",
+            f"(a_kind = 'emb' AND NOT {single_vector})",
+            f"(a_kind = 'resp' AND k{otext} IS DISTINCT FROM 'string' AND k{output} = 'array' "
+            f"AND {j.length(f'l{output}')} > 0)",
+            f"(e_kind = 'none' AND a_kind <> 'emb' AND {leaf.is_(body, 'object')} AND ({content_sql}) IS NULL)",
+            f"(k{usage} = 'object' AND ({bad_tokens}))",
+        )
+    )
+    status = (
+        f"CASE WHEN e_kind = 'none' AND NOT {leaf.is_(body, 'object')} THEN 'invalid_output' "
+        f"WHEN e_kind = 'none' THEN 'succeeded' ELSE CASE {code} WHEN 'batch_expired' THEN 'expired' "
+        f"WHEN 'batch_cancelled' THEN 'cancelled' ELSE 'failed' END END"
+    )
+    empty = f"e_kind = 'none' AND NOT {leaf.is_(body, 'object')}"
+    batch = (
+        "CASE f "
+        + " ".join(f"WHEN {i} THEN {'NULL' if b is None else _literal(b)}" for i, b in enumerate(batch_ids))
+        + " END"
+        if batch_ids
+        else "NULL"
+    )
+    columns = (
+        f"CASE WHEN k{cid} = 'string' THEN {t(cid)} END",
+        "seq",
+        status,
+        content_sql,
+        embedding_sql,
+        finish_sql,
+        f"{leaf.str_or_null(model)}",
+        prompt,
+        completion,
+        total,
+        f"CASE WHEN {empty} THEN 'empty_response' ELSE {code} END",
+        f"CASE WHEN {empty} THEN 'the response has no JSON object body to read an answer from' "
+        f"ELSE {message} END",
+        batch,
+        f"COALESCE({python}, TRUE)",
+    )
+    return f"SELECT {', '.join(columns)} FROM ({level1}) y"
+
+
+def file_line_reader(dialect: Any, files: Sequence[ResultFile], on_bad_line: str = "fail") -> Callable[[int, int, bytes], ResultLine]:
+    """The ``parse`` of :class:`RawResults`: one line read as the hook reads a result file line
+    (``on_bad_line``: ``fail`` raises naming file and line, ``record`` gives a failed line)."""
+    from airflow_batch_provider.hooks.lines import line_object
+    from airflow_batch_provider.hooks.results import result_line, result_line_or_bad
+
+    lenient = on_bad_line == "record"
+    read = result_line_or_bad if lenient else result_line
+
+    def parse(f: int, number: int, data: bytes) -> ResultLine:
+        file = files[f]
+        obj = line_object(data, number, f"file {file.file_id!r}", (), lenient)
+        return read(dialect, obj, file.source, file.file_id, number)
+
+    return parse
