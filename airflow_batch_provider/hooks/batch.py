@@ -459,9 +459,16 @@ class BatchApiHook(BaseHook):
         for _, obj in self._iter_jsonl(file_id):
             yield obj
 
-    def _iter_jsonl(self, file_id: str, *, lenient: bool = False) -> Iterator[tuple[int, Any]]:
+    def iter_raw_lines(self, file_id: str) -> Iterator[tuple[int, bytes]]:
+        """``(line number, bytes)`` of a JSONL file's non-blank lines, unparsed (keys redacted),
+        for a warehouse that parses them itself; resumes like ``iter_file_lines``."""
+        return self._iter_jsonl(file_id, raw=True)
+
+    def _iter_jsonl(
+        self, file_id: str, *, lenient: bool = False, raw: bool = False
+    ) -> Iterator[tuple[int, Any]]:
         """``(line number, object)``; with ``lenient`` a bad line gives its error instead of raising."""
-        lines = ResumableLines(self.get_settings(), file_id, self.log, lenient=lenient)
+        lines = ResumableLines(self.get_settings(), file_id, self.log, lenient=lenient, raw=raw)
         while True:
             try:
                 lines.attempt()

@@ -62,9 +62,7 @@ def raw_records(lines: Iterable[tuple[int, int, bytes]]) -> Iterator[bytes]:
     """Staging records ``seq \\x01 file \\x01 line number \\x01 line \\x01 hex`` (the line, or
     for a line that cannot travel as text, its bytes in hex), one per line, without line end."""
     unsafe = _UNSAFE.search
-    seq = 0
-    for f, number, data in lines:
-        seq += 1
+    for seq, (f, number, data) in enumerate(lines, start=1):
         if data.isascii():
             safe = unsafe(data) is None
         else:
@@ -124,7 +122,8 @@ class PostgresJson(JsonSql):
 
     def leaves(self, raw: str, paths: Sequence[tuple[str | int, ...]]) -> str:
         values = ", ".join(
-            (f"j #> ARRAY[{', '.join(_literal(str(p)) for p in path)}]::text[]" if path else "j") + f" AS l{i}"
+            (f"j #> ARRAY[{', '.join(_literal(str(p)) for p in path)}]::text[]" if path else "j")
+            + f" AS l{i}"
             for i, path in enumerate(paths)
         )
         kinds = ", ".join(
@@ -289,7 +288,7 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
     inner_code, inner_msg = leaf((*body_path, "error", "code")), leaf((*body_path, "error", "message"))
     model = leaf((*body_path, "model"))
     choices, c0 = leaf((*body_path, "choices")), leaf((*body_path, "choices", 0))
-    msg_path = (*body_path, "choices", 0, "message")
+    msg_path: tuple[str | int, ...] = (*body_path, "choices", 0, "message")
     msg = leaf(msg_path)
     content, tools, refusal = (leaf((*msg_path, k)) for k in ("content", "tool_calls", "refusal"))
     text, finish = leaf((*body_path, "choices", 0, "text")), leaf((*body_path, "choices", 0, "finish_reason"))
@@ -329,8 +328,9 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
     http = j.int_text("sc_int")
     code = (
         f"CASE e_kind WHEN 'none' THEN NULL WHEN 'obj' THEN {leaf.str_or_null(err_code)} "
-        f"WHEN 'str' THEN 'error' WHEN 'http' THEN CASE WHEN k{inner} = 'object' AND k{inner_code} = 'string' "
-        f"AND {t(inner_code)} <> '' THEN {t(inner_code)} ELSE 'http_' || {http} END ELSE 'unknown_error' END"
+        f"WHEN 'str' THEN 'error' WHEN 'http' THEN CASE WHEN k{inner} = 'object' "
+        f"AND k{inner_code} = 'string' AND {t(inner_code)} <> '' THEN {t(inner_code)} "
+        f"ELSE 'http_' || {http} END ELSE 'unknown_error' END"
     )
     message = (
         f"CASE e_kind WHEN 'obj' THEN {leaf.str_or_null(err_msg)} WHEN 'str' THEN {t(err)} "
@@ -352,13 +352,16 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
         f"CASE WHEN k{details} = 'object' AND {leaf.truthy(reason)} THEN {leaf.str_or_null(reason)} "
         f"ELSE {leaf.str_or_null(bstatus)} END"
     )
-    finish_sql = (
-        f"CASE a_kind WHEN 'chat' THEN {leaf.str_or_null(finish)} WHEN 'resp' THEN {resp_reason} END"
+    finish_sql = f"CASE a_kind WHEN 'chat' THEN {leaf.str_or_null(finish)} WHEN 'resp' THEN {resp_reason} END"
+    single_vector = (
+        f"(a_kind = 'emb' AND {j.length(f'l{data}')} = 1 AND k{d0} = 'object' AND NOT {leaf.nullish(emb)})"
     )
-    single_vector = f"(a_kind = 'emb' AND {j.length(f'l{data}')} = 1 AND k{d0} = 'object' AND NOT {leaf.nullish(emb)})"
     embedding_sql = f"CASE WHEN {single_vector} THEN {j.json_text(f'l{emb}')} END"
     pt, it, ct, ot, tt = tokens.values()
-    prompt = f"CASE WHEN k{usage} = 'object' THEN CASE WHEN {leaf.nullish(pt)} THEN {leaf.count(it)} ELSE {leaf.count(pt)} END END"
+    prompt = (
+        f"CASE WHEN k{usage} = 'object' THEN CASE WHEN {leaf.nullish(pt)} THEN {leaf.count(it)} "
+        f"ELSE {leaf.count(pt)} END END"
+    )
     completion = (
         f"CASE WHEN k{usage} = 'object' THEN CASE WHEN {leaf.nullish(ct)} THEN {leaf.count(ot)} "
         f"ELSE {leaf.count(ct)} END END"
@@ -368,10 +371,13 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
         f"WHEN ({prompt}) IS NOT NULL OR ({completion}) IS NOT NULL "
         f"THEN COALESCE({prompt}, 0) + COALESCE({completion}, 0) END END"
     )
-    bad_tokens = " OR ".join(f"(NOT {leaf.nullish(i)} AND ({leaf.count(i)}) IS NULL)" for i in tokens.values())
+    bad_tokens = " OR ".join(
+        f"(NOT {leaf.nullish(i)} AND ({leaf.count(i)}) IS NULL)" for i in tokens.values()
+    )
     # What only Python reads exactly: each clause names a case of parse_result_line or row().
     python = " OR ".join(
-        (
+        f"COALESCE({clause}, FALSE)"
+        for clause in (
             f"NOT {leaf.is_(line, 'object')}",
             f"NOT {leaf.is_(cid, 'string')}",
             f"{t(cid)} = ''",
@@ -387,7 +393,9 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
             f"(a_kind = 'emb' AND NOT {single_vector})",
             f"(a_kind = 'resp' AND k{otext} IS DISTINCT FROM 'string' AND k{output} = 'array' "
             f"AND {j.length(f'l{output}')} > 0)",
-            f"(e_kind = 'none' AND a_kind <> 'emb' AND {leaf.is_(body, 'object')} AND ({content_sql}) IS NULL)",
+            # No answer this mapper knows: the whole body is the answer, as JSON text.
+            f"(e_kind = 'none' AND a_kind <> 'emb' AND {leaf.is_(body, 'object')} "
+            f"AND ({content_sql}) IS NULL)",
             f"(k{usage} = 'object' AND ({bad_tokens}))",
         )
     )
@@ -424,7 +432,9 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
     return f"SELECT {', '.join(columns)} FROM ({level1}) y"
 
 
-def file_line_reader(dialect: Any, files: Sequence[ResultFile], on_bad_line: str = "fail") -> Callable[[int, int, bytes], ResultLine]:
+def file_line_reader(
+    dialect: Any, files: Sequence[ResultFile], on_bad_line: str = "fail"
+) -> Callable[[int, int, bytes], ResultLine]:
     """The ``parse`` of :class:`RawResults`: one line read as the hook reads a result file line
     (``on_bad_line``: ``fail`` raises naming file and line, ``record`` gives a failed line)."""
     from airflow_batch_provider.hooks.lines import line_object

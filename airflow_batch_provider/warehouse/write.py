@@ -133,7 +133,9 @@ class ResultsWriter:
         parse_in: str = "auto",
     ) -> None:
         if parse_in not in PARSE_IN_CHOICES:
-            raise WarehouseSchemaError(f"parse_in must be one of {', '.join(PARSE_IN_CHOICES)}, not {parse_in!r}")
+            raise WarehouseSchemaError(
+                f"parse_in must be one of {', '.join(PARSE_IN_CHOICES)}, not {parse_in!r}"
+            )
         self.parse_in = parse_in
         self.hook = hook
         self.dialect: SqlDialect = get_sql_dialect(hook)
@@ -305,7 +307,9 @@ class ResultsWriter:
                 sql_sums = self._stage_raw(conn, raw, t_results, res_cols, created, report)
                 if sql_sums is None:
                     if self.parse_in == "database":
-                        raise WarehouseSchemaError("parse_in='database': this connection cannot stream raw lines")
+                        raise WarehouseSchemaError(
+                            "parse_in='database': this connection cannot stream raw lines"
+                        )
                     results, raw = raw.parsed(), None
             if raw is None:
                 self._create_temp(conn, t_results, res_cols, created)
