@@ -230,14 +230,18 @@ class ResultsWriter:
 
         It cannot without a line shape (a vendor whose lines only Python reads), without JSON
         primitives in its SQL dialect, or when the rows need Python: extra columns (JSON text of
-        any value) and structured output (a pydantic or JSON-schema validation).
+        any value) and structured output (a pydantic or JSON-schema validation). ``auto`` also
+        leaves the lines to Python where the database reads them slower (DuckDB).
         """
         if self.parse_in == "python":
             return "parse_in='python'"
         if shape is None:
             return "the vendor dialect declares no line shape"
-        if self.dialect.line_json is None:
+        json = self.dialect.line_json
+        if json is None:
             return f"{self.dialect.name} has no JSON line parsing"
+        if self.parse_in == "auto" and json.not_auto:
+            return json.not_auto
         if self.mapper.extra_paths:
             return "extra_columns are read in Python"
         if self.mapper.output_schema is not None:
@@ -393,7 +397,8 @@ class ResultsWriter:
         where this connection cannot stream raw lines (the caller then parses in Python)."""
         d = self.dialect
         q = d.quote
-        assert raw.shape is not None and d.line_json is not None
+        shape, json = raw.shape, d.line_json
+        assert shape is not None and json is not None
         t_raw = f"{t_results}_raw"
         self._create_temp(
             conn,
@@ -401,26 +406,47 @@ class ResultsWriter:
             self._staging_columns(["seq", "f", "n", "line", "hex"], ["integer"] * 3 + ["text"] * 2),
             created,
         )
-        loaded = d.load_raw_lines(conn, t_raw, raw_records(raw.lines))
-        if loaded is None:
-            self._execute(conn, d.drop_temp_table(t_raw) or f"DELETE FROM {q(t_raw)}")
-            created.remove(t_raw)
-            return None
-        report.result_lines = loaded
         spec = [(c.name, d.sql_type(c.type, key=c.name == "custom_id")) for c in res_cols]
         self._execute(conn, d.create_temp_table(t_results, [*spec, ("py", d.sql_type("boolean"))]))
         created.append(t_results)
         columns = ", ".join(q(c) for c in (*ROW_COLUMNS, "py"))
-        select = result_row_sql(d.line_json, raw.shape, q(t_raw), [f.batch_id for f in raw.files])
-        insert = f"INSERT INTO {q(t_results)} ({columns}) {select}"
-        if d.capabilities.savepoints:
-            ok, _ = self._attempt(conn, "abp_lines", lambda: self._execute(conn, insert), lambda exc: True)
+
+        def insert(source: str) -> str:
+            select = result_row_sql(json, shape, source, [f.batch_id for f in raw.files])
+            return f"INSERT INTO {q(t_results)} ({columns}) {select}"
+
+        def per_chunk(source: str) -> list[str]:
+            # The chunk's rows, then the chunk's lines that Python must read.
+            keep = (
+                f"INSERT INTO {q(t_raw)} SELECT c.* FROM {source} c "
+                f"WHERE c.seq IN (SELECT seq FROM {q(t_results)} WHERE py)"
+            )
+            return [insert(source), keep]
+
+        for statement in json.before:
+            self._execute(conn, statement)
+        records = raw_records(raw.lines)
+        loaded = d.load_raw_lines(conn, t_raw, records, per_chunk if json.while_loading else None)
+        if loaded is None:
+            for name in (t_raw, t_results):
+                self._execute(conn, d.drop_temp_table(name) or f"DELETE FROM {q(name)}")
+                created.remove(name)
+            return None
+        report.result_lines = loaded
+        if json.while_loading:
+            pass  # computed chunk by chunk while loading
+        elif d.capabilities.savepoints:
+            ok, _ = self._attempt(
+                conn, "abp_lines", lambda: self._execute(conn, insert(q(t_raw))), lambda exc: True
+            )
             if not ok:
                 # A line the database cannot parse (not JSON): Python reads every line.
                 log.info("A result line is not JSON to %s; the lines are read in Python", d.name)
                 self._execute(conn, f"INSERT INTO {q(t_results)} (seq, py) SELECT seq, TRUE FROM {q(t_raw)}")
         else:
-            self._execute(conn, insert)
+            self._execute(conn, insert(q(t_raw)))
+        for statement in json.after:
+            self._execute(conn, statement)
         sums = self._fetchall(
             conn,
             f"SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0), "

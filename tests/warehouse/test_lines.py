@@ -281,3 +281,13 @@ def test_options_only_python_reads_fall_back_and_database_refuses(pg_warehouse: 
                 raw_results(get_dialect("openai"), corpus_lines(CORPUS[:1]))
             )
     assert get_dialect("xai").line_shape is None
+
+
+def test_auto_parses_in_postgres_and_leaves_duckdb_to_python(
+    pg_warehouse: Any, duckdb_warehouse: Any
+) -> None:
+    shape = get_dialect("openai").line_shape
+    assert ResultsWriter(pg_warehouse.hook, "t").parses_lines(shape) is None
+    assert "slower" in str(ResultsWriter(duckdb_warehouse.hook, "t").parses_lines(shape))
+    assert ResultsWriter(duckdb_warehouse.hook, "t", parse_in="database").parses_lines(shape) is None
+    assert ResultsWriter(pg_warehouse.hook, "t", parse_in="python").parses_lines(shape) == "parse_in='python'"

@@ -54,6 +54,10 @@ def lines_parsed_by_the_database(monkeypatch: pytest.MonkeyPatch) -> None:
                 yield index[batch_id], number, orjson.dumps(obj)
 
         raw = RawResults(files, lines(), OPENAI.line_shape, file_line_reader(OPENAI, files))
+        # The database parses every merge it can (not structured output or extra columns).
+        self.parse_in = "database"
+        if self.parses_lines(OPENAI.line_shape) is not None:
+            self.parse_in = "auto"
         return merge(self, raw, **kwargs)
 
     monkeypatch.setattr(ResultsWriter, "merge", raw_merge)

@@ -343,9 +343,21 @@ class SqlDialect:
             cur.close()
         return count
 
-    def load_raw_lines(self, conn: Any, table: str, records: Iterable[bytes]) -> int | None:
+    def load_raw_lines(
+        self,
+        conn: Any,
+        table: str,
+        records: Iterable[bytes],
+        parse: Callable[[str], Sequence[str]] | None = None,
+    ) -> int | None:
         """Load staging records of raw result lines (see ``lines.raw_records``) into ``table``
-        (``seq, f, n, line, hex``); None, loading nothing, where this connection cannot."""
+        (``seq, f, n, line, hex``); the records loaded, or None, loading nothing, where this
+        connection cannot.
+
+        Where ``line_json.while_loading``, the records are not kept: ``parse`` is given the FROM
+        item of each loaded chunk and returns the statements that read it (they put the lines
+        Python must read into ``table``).
+        """
         return None
 
     # ---- reading (the streaming row source) ---------------------------------------------------

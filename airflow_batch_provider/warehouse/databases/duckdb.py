@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import IO, Any
@@ -137,13 +137,26 @@ class DuckDBSqlDialect(SqlDialect):
         )
         return duckdb_files.load_chunks(conn, sql, rows, self.chunk_rows)
 
-    def load_raw_lines(self, conn: Any, table: str, records: Iterable[bytes]) -> int | None:
+    def load_raw_lines(
+        self,
+        conn: Any,
+        table: str,
+        records: Iterable[bytes],
+        parse: Callable[[str], Sequence[str]] | None = None,
+    ) -> int | None:
         # The records' separator never travels raw (lines holding it go as hex); no quoting.
-        sql = (
-            f"INSERT INTO {self.quote(table)} SELECT * FROM read_csv(?, delim='\x01', quote='', "
-            "escape='', header=false, auto_detect=false, max_line_size=?, "
-            "columns={'seq': 'BIGINT', 'f': 'INTEGER', 'n': 'BIGINT', 'line': 'VARCHAR', 'hex': 'VARCHAR'})"
+        source = (
+            "read_csv(?, delim='\x01', quote='', escape='', header=false, auto_detect=false, "
+            "max_line_size=?, columns={'seq': 'BIGINT', 'f': 'INTEGER', 'n': 'BIGINT', 'line': 'VARCHAR', "
+            "'hex': 'VARCHAR'})"
         )
+        if parse is None:
+            sql: Any = f"INSERT INTO {self.quote(table)} SELECT * FROM {source}"
+        else:
+
+            def sql() -> Sequence[str]:
+                return parse(source)
+
         return duckdb_files.load_lines(conn, sql, records, self.chunk_rows)
 
     # ---- reading ------------------------------------------------------------------------------

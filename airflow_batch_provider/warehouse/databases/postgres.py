@@ -159,7 +159,13 @@ class PostgresSqlDialect(SqlDialect):
     ) -> int:
         return pg_copy.copy_rows(conn, self._copy_sql(table, columns), rows)
 
-    def load_raw_lines(self, conn: Any, table: str, records: Iterable[bytes]) -> int | None:
+    def load_raw_lines(
+        self,
+        conn: Any,
+        table: str,
+        records: Iterable[bytes],
+        parse: Callable[[str], Sequence[str]] | None = None,
+    ) -> int | None:
         # CSV whose delimiter and quote bytes never travel raw (lines holding them go as hex).
         copy = (
             f"COPY {self.quote(table)} (seq, f, n, line, hex) FROM STDIN "

@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import os
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
 from typing import IO, Any
@@ -27,9 +27,12 @@ def load_chunks(conn: Any, sql: str, rows: Iterable[Sequence[Any]], chunk_rows: 
     return load_lines(conn, sql, (dumps(row) for row in rows), chunk_rows)
 
 
-def load_lines(conn: Any, sql: str, lines: Iterable[bytes], chunk_rows: int) -> int:
+def load_lines(
+    conn: Any, sql: str | Callable[[], Sequence[str]], lines: Iterable[bytes], chunk_rows: int
+) -> int:
     """Load ready ``lines`` (bytes without their line end) through ``sql`` as :func:`load_chunks`
-    loads rows."""
+    loads rows; ``sql`` may be a callable giving, once a chunk is written, the statements to run
+    over it (each with the same two parameters)."""
     paths = []
     for _ in range(2):
         fd, path = tempfile.mkstemp(prefix="abp-merge-", suffix=".jsonl")
@@ -56,7 +59,8 @@ def load_lines(conn: Any, sql: str, lines: Iterable[bytes], chunk_rows: int) -> 
                     pending = None
                 if not written:
                     break
-                pending = loader.submit(conn.execute, sql, [path, json_buffer(longest)])
+                statements = [sql] if isinstance(sql, str) else list(sql())
+                pending = loader.submit(_run, conn, statements, [path, json_buffer(longest)])
                 count += written
             if pending is not None:
                 pending.result()
@@ -65,6 +69,11 @@ def load_lines(conn: Any, sql: str, lines: Iterable[bytes], chunk_rows: int) -> 
             with contextlib.suppress(OSError):
                 os.unlink(path)
     return count
+
+
+def _run(conn: Any, statements: Sequence[str], params: Sequence[Any]) -> None:
+    for statement in statements:
+        conn.execute(statement, params)
 
 
 def json_buffer(longest: int) -> int:
