@@ -11,7 +11,6 @@ path, so both paths write the same rows.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,9 +21,6 @@ if TYPE_CHECKING:
     from airflow_batch_provider.dialects.base import LineShape
     from airflow_batch_provider.models import ResultLine
 
-#: Bytes that cannot travel in the staging format (field separator, quote, record ends, NUL):
-#: a line holding one travels hex-encoded and is read by Python.
-_UNSAFE = re.compile(rb"[\x00-\x02\r]")
 
 
 @dataclass(frozen=True)
@@ -61,14 +57,12 @@ class RawResults:
 def raw_records(lines: Iterable[tuple[int, int, bytes]]) -> Iterator[bytes]:
     """Staging records ``seq \\x01 file \\x01 line number \\x01 line \\x01 hex`` (the line, or
     for a line that cannot travel as text, its bytes in hex), one per line, without line end."""
-    unsafe = _UNSAFE.search
     for seq, (f, number, data) in enumerate(lines, start=1):
-        if data.isascii():
-            safe = unsafe(data) is None
-        else:
+        # ``in`` is a memchr-speed scan; a regular expression class took ~25 us a line.
+        safe = not (b"\x01" in data or b"\x02" in data or b"\r" in data or b"\x00" in data)
+        if safe and not data.isascii():
             try:
                 data.decode()
-                safe = unsafe(data) is None
             except UnicodeDecodeError:
                 safe = False
         if safe:
