@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from airflow_batch_provider.models import ResultLine
 
 
-
 @dataclass(frozen=True)
 class ResultFile:
     """One result file: its id (for messages), its source and the batch it belongs to."""

@@ -452,22 +452,38 @@ class ResultsWriter:
             f"SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0), "
             f"COALESCE(SUM(total_tokens), 0) FROM {q(t_results)} WHERE NOT py",
         )[0]
-        self._python_rows(conn, raw, t_results, t_raw, res_cols)
+        if self._fetchall(conn, f"SELECT COUNT(*) FROM {q(t_results)} WHERE py")[0][0]:
+            flagged = t_raw
+            if not json.while_loading:
+                # Only the flagged lines, so that paging through them does not scan every line.
+                flagged = f"{t_raw}_py"
+                self._create_temp(
+                    conn,
+                    flagged,
+                    self._staging_columns(["seq", "f", "n", "line", "hex"], ["integer"] * 3 + ["text"] * 2),
+                    created,
+                )
+                self._execute(
+                    conn,
+                    f"INSERT INTO {q(flagged)} SELECT w.* FROM {q(t_raw)} w "
+                    f"WHERE w.seq IN (SELECT seq FROM {q(t_results)} WHERE py)",
+                )
+            self._python_rows(conn, raw, t_results, flagged, res_cols)
         self.mapper.lines = loaded
         return int(sums[0]), int(sums[1]), int(sums[2])
 
     def _python_rows(
-        self, conn: Any, raw: RawResults, t_results: str, t_raw: str, res_cols: Sequence[Column]
+        self, conn: Any, raw: RawResults, t_results: str, flagged: str, res_cols: Sequence[Column]
     ) -> None:
-        """Replace the rows of the lines the SQL flagged by the rows Python reads from them, in
-        line order (so the mapper's samples are the Python path's)."""
+        """Replace the rows of the lines the SQL flagged (staged in ``flagged``) by the rows Python
+        reads from them, in line order (so the mapper's samples are the Python path's)."""
         q = self.dialect.quote
         last = 0
         while True:
             page = self._fetchall(
                 conn,
-                f"SELECT t.seq, w.f, w.n, w.line, w.hex FROM {q(t_results)} t JOIN {q(t_raw)} w "
-                f"ON w.seq = t.seq WHERE t.py AND t.seq > {last} ORDER BY t.seq LIMIT {_FETCH}",
+                f"SELECT seq, f, n, line, hex FROM {q(flagged)} WHERE seq > {last} "
+                f"ORDER BY seq LIMIT {_FETCH}",
             )
             if not page:
                 break
