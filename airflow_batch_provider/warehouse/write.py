@@ -400,12 +400,9 @@ class ResultsWriter:
         shape, json = raw.shape, d.line_json
         assert shape is not None and json is not None
         t_raw = f"{t_results}_raw"
-        self._create_temp(
-            conn,
-            t_raw,
-            self._staging_columns(["seq", "f", "n", "line", "hex"], ["integer"] * 3 + ["text"] * 2),
-            created,
-        )
+        # The staged raw lines (see lines.raw_records).
+        raw_cols = self._staging_columns(["seq", "f", "n", "line", "hex"], ["integer"] * 3 + ["text"] * 2)
+        self._create_temp(conn, t_raw, raw_cols, created)
         spec = [(c.name, d.sql_type(c.type, key=c.name == "custom_id")) for c in res_cols]
         self._execute(conn, d.create_temp_table(t_results, [*spec, ("py", d.sql_type("boolean"))]))
         created.append(t_results)
@@ -457,12 +454,7 @@ class ResultsWriter:
             if not json.while_loading:
                 # Only the flagged lines, so that paging through them does not scan every line.
                 flagged = f"{t_raw}_py"
-                self._create_temp(
-                    conn,
-                    flagged,
-                    self._staging_columns(["seq", "f", "n", "line", "hex"], ["integer"] * 3 + ["text"] * 2),
-                    created,
-                )
+                self._create_temp(conn, flagged, raw_cols, created)
                 self._execute(
                     conn,
                     f"INSERT INTO {q(flagged)} SELECT w.* FROM {q(t_raw)} w "
