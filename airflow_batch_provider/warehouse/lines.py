@@ -35,7 +35,8 @@ class ResultFile:
 class RawResults:
     """The raw lines of a merge's result files, for the warehouse to parse.
 
-    :param files: the result files, in reading order.
+    :param files: the result files, in reading order (it may grow while ``lines`` is read; the
+        rows' batch ids are rendered once the lines are loaded).
     :param lines: ``(file index, line number, bytes)`` of every non-blank line, in order.
     :param shape: the vendor dialect's line shape (None: Python reads every line).
     :param parse: reads one line in Python exactly as the hook does, ``(file index, line
@@ -120,104 +121,8 @@ class JsonSql:
         return f"CAST({expression} AS VARCHAR)"
 
 
-class PostgresJson(JsonSql):
-    """jsonb: each line is parsed once (``OFFSET 0`` keeps the planner from inlining the cast
-    into every leaf), then read with ``#>`` paths."""
-
-    fence = " OFFSET 0"
-    # The statement's cost estimate is high enough for JIT, whose compiling of this many
-    # expressions took longer than running them (17 s against 4 s for 100k lines).
-    before = ("SET LOCAL jit = off",)
-    after = ("RESET jit",)
-
-    def leaves(self, raw: str, paths: Sequence[tuple[str | int, ...]]) -> str:
-        values = ", ".join(
-            (f"j #> ARRAY[{', '.join(_literal(str(p)) for p in path)}]::text[]" if path else "j")
-            + f" AS l{i}"
-            for i, path in enumerate(paths)
-        )
-        kinds = ", ".join(
-            f"CASE jsonb_typeof(l{i}) WHEN 'number' THEN CASE WHEN CAST(l{i} AS text) ~ '^-?[0-9]+$' "
-            f"THEN 'integer' ELSE 'number' END ELSE jsonb_typeof(l{i}) END AS k{i}"
-            for i in range(len(paths))
-        )
-        parsed = f"SELECT seq, f, CAST(line AS jsonb) AS j FROM {raw} OFFSET 0"
-        return f"(SELECT b.*, {kinds} FROM (SELECT seq, f, {values} FROM ({parsed}) a OFFSET 0) b OFFSET 0)"
-
-    def digits(self, text: str) -> str:
-        return f"({text} ~ '^[0-9]+$')"
-
-    def text(self, leaf: str) -> str:
-        return f"({leaf} #>> '{{}}')"
-
-    def number(self, leaf: str) -> str:
-        return f"CAST(CAST({leaf} AS text) AS numeric)"
-
-    def integer(self, leaf: str) -> str:
-        return self.number(leaf)
-
-    def length(self, leaf: str) -> str:
-        return f"jsonb_array_length({leaf})"
-
-    def json_text(self, leaf: str) -> str:
-        return f"CAST({leaf} AS text)"
-
-    def int_text(self, expression: str) -> str:
-        return f"CAST({expression} AS text)"
-
-
-class DuckDBJson(JsonSql):
-    """DuckDB json: every leaf of a line is extracted in one ``json_extract`` (one parse)."""
-
-    # The staged rows carry their order (seq): keeping insertion order only costs memory.
-    before = ("SET preserve_insertion_order = false",)
-    after = ("RESET preserve_insertion_order",)
-    # Temp tables live in memory: every raw line kept until the end would hold the result files.
-    while_loading = True
-    # DuckDB inlines each shared clause into every use (no OFFSET 0 fence): measured on 100k
-    # chat lines, ~44 us a line on one thread and over 64 MB of memory_limit, against ~14 us a
-    # line of Python parsing in the same process (DuckDB runs in the worker: no CPU is saved).
-    not_auto = "DuckDB reads result lines slower than Python does, in the same process"
-
-    _KINDS = (
-        "CASE json_type({0}) WHEN 'OBJECT' THEN 'object' WHEN 'ARRAY' THEN 'array' WHEN 'VARCHAR' "
-        "THEN 'string' WHEN 'BIGINT' THEN 'integer' WHEN 'UBIGINT' THEN 'integer' WHEN 'DOUBLE' "
-        "THEN 'number' WHEN 'BOOLEAN' THEN 'boolean' WHEN 'NULL' THEN 'null' END"
-    )
-
-    def leaves(self, raw: str, paths: Sequence[tuple[str | int, ...]]) -> str:
-        def json_path(path: tuple[str | int, ...]) -> str:
-            return "$" + "".join(f"[{p}]" if isinstance(p, int) else f'."{p}"' for p in path)
-
-        extract = ", ".join(_literal(json_path(p)) for p in paths)
-        values = ", ".join(f"v[{i + 1}] AS l{i}" for i in range(len(paths)))
-        kinds = ", ".join(self._KINDS.format(f"l{i}") + f" AS k{i}" for i in range(len(paths)))
-        parsed = (
-            f"SELECT seq, f, CASE WHEN json_valid(line) THEN json_extract(line, [{extract}]) END AS v "
-            f"FROM {raw}"
-        )
-        return f"(SELECT b.*, {kinds} FROM (SELECT seq, f, {values} FROM ({parsed}) a) b)"
-
-    def digits(self, text: str) -> str:
-        return f"regexp_full_match({text}, '[0-9]+')"
-
-    def text(self, leaf: str) -> str:
-        return f"({leaf} ->> '$')"
-
-    def number(self, leaf: str) -> str:
-        return f"TRY_CAST(CAST({leaf} AS VARCHAR) AS DOUBLE)"
-
-    def integer(self, leaf: str) -> str:
-        return f"TRY_CAST(CAST({leaf} AS VARCHAR) AS HUGEINT)"
-
-    def length(self, leaf: str) -> str:
-        return f"json_array_length({leaf})"
-
-    def json_text(self, leaf: str) -> str:
-        return f"CAST({leaf} AS VARCHAR)"
-
-
-def _literal(text: str) -> str:
+def literal(text: str) -> str:
+    """``text`` as an SQL string literal."""
     return "'" + text.replace("'", "''") + "'"
 
 
@@ -235,11 +140,8 @@ class _Leaves:
             self.paths.append(path)
         return self._index[path]
 
-    def k(self, i: int) -> str:
-        return f"k{i}"
-
     def is_(self, i: int, *kinds: str) -> str:
-        return f"COALESCE(k{i} IN ({', '.join(_literal(k) for k in kinds)}), FALSE)"
+        return f"COALESCE(k{i} IN ({', '.join(literal(k) for k in kinds)}), FALSE)"
 
     def nullish(self, i: int) -> str:
         return f"(k{i} IS NULL OR k{i} = 'null')"
@@ -425,7 +327,7 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
     empty = f"e_kind = 'none' AND NOT {leaf.is_(body, 'object')}"
     batch = (
         "CASE f "
-        + " ".join(f"WHEN {i} THEN {'NULL' if b is None else _literal(b)}" for i, b in enumerate(batch_ids))
+        + " ".join(f"WHEN {i} THEN {'NULL' if b is None else literal(b)}" for i, b in enumerate(batch_ids))
         + " END"
         if batch_ids
         else "NULL"

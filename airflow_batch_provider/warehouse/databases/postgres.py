@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from typing import IO, Any
 
 from airflow_batch_provider.warehouse.databases.base import Capabilities, SqlDialect
-from airflow_batch_provider.warehouse.lines import PostgresJson
+from airflow_batch_provider.warehouse.lines import JsonSql, literal
 from airflow_batch_provider.warehouse.loaders import pg_copy
 from airflow_batch_provider.warehouse.rows import Column
 
@@ -35,6 +35,51 @@ _PG_OIDS: dict[int, str] = {
     114: "json",
     3802: "json",
 }
+
+
+class PostgresJson(JsonSql):
+    """jsonb: each line is parsed once (``OFFSET 0`` keeps the planner from inlining the cast
+    into every leaf), then read with ``#>`` paths."""
+
+    fence = " OFFSET 0"
+    # The statement's cost estimate is high enough for JIT, whose compiling of this many
+    # expressions took longer than running them (17 s against 4 s for 100k lines).
+    before = ("SET LOCAL jit = off",)
+    after = ("RESET jit",)
+
+    def leaves(self, raw: str, paths: Sequence[tuple[str | int, ...]]) -> str:
+        values = ", ".join(
+            (f"j #> ARRAY[{', '.join(literal(str(p)) for p in path)}]::text[]" if path else "j") + f" AS l{i}"
+            for i, path in enumerate(paths)
+        )
+        kinds = ", ".join(
+            f"CASE jsonb_typeof(l{i}) WHEN 'number' THEN CASE WHEN CAST(l{i} AS text) ~ '^-?[0-9]+$' "
+            f"THEN 'integer' ELSE 'number' END ELSE jsonb_typeof(l{i}) END AS k{i}"
+            for i in range(len(paths))
+        )
+        parsed = f"SELECT seq, f, CAST(line AS jsonb) AS j FROM {raw} OFFSET 0"
+        return f"(SELECT b.*, {kinds} FROM (SELECT seq, f, {values} FROM ({parsed}) a OFFSET 0) b OFFSET 0)"
+
+    def digits(self, text: str) -> str:
+        return f"({text} ~ '^[0-9]+$')"
+
+    def text(self, leaf: str) -> str:
+        return f"({leaf} #>> '{{}}')"
+
+    def number(self, leaf: str) -> str:
+        return f"CAST(CAST({leaf} AS text) AS numeric)"
+
+    def integer(self, leaf: str) -> str:
+        return self.number(leaf)
+
+    def length(self, leaf: str) -> str:
+        return f"jsonb_array_length({leaf})"
+
+    def json_text(self, leaf: str) -> str:
+        return f"CAST({leaf} AS text)"
+
+    def int_text(self, expression: str) -> str:
+        return f"CAST({expression} AS text)"
 
 
 class PostgresSqlDialect(SqlDialect):
