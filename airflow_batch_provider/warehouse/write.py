@@ -31,7 +31,7 @@ from airflow_batch_provider.jsonl import iter_objects
 from airflow_batch_provider.models import ResultLine
 from airflow_batch_provider.records import KeyRecord, RejectRecord
 from airflow_batch_provider.warehouse.databases import SqlDialect, get_sql_dialect
-from airflow_batch_provider.warehouse.lines import ROW_COLUMNS, RawResults, raw_records, result_row_sql
+from airflow_batch_provider.warehouse.lines import ROW_COLUMNS, LineNumbers, RawResults, result_row_sql
 from airflow_batch_provider.warehouse.plan import WriteMode, WritePlan, plan_write
 from airflow_batch_provider.warehouse.rows import RETRYABLE_STATUSES, STATUSES, Column, ResultMapper
 
@@ -422,8 +422,9 @@ class ResultsWriter:
 
         for statement in json.before:
             self._execute(conn, statement)
-        records = raw_records(raw.lines)
-        loaded = d.load_raw_lines(conn, t_raw, records, per_chunk if json.while_loading else None)
+        numbers = LineNumbers()
+        loaded = d.load_raw_lines(conn, t_raw, raw.lines, numbers, per_chunk if json.while_loading else None)
+        source = d.raw_source(q(t_raw), numbers)
         if loaded is None:
             for name in (t_raw, t_results):
                 self._execute(conn, d.drop_temp_table(name) or f"DELETE FROM {q(name)}")
@@ -434,14 +435,14 @@ class ResultsWriter:
             pass  # computed chunk by chunk while loading
         elif d.capabilities.savepoints:
             ok, _ = self._attempt(
-                conn, "abp_lines", lambda: self._execute(conn, insert(q(t_raw))), lambda exc: True
+                conn, "abp_lines", lambda: self._execute(conn, insert(source)), lambda exc: True
             )
             if not ok:
                 # A line the database cannot parse (not JSON): Python reads every line.
                 log.info("A result line is not JSON to %s; the lines are read in Python", d.name)
                 self._execute(conn, f"INSERT INTO {q(t_results)} (seq, py) SELECT seq, TRUE FROM {q(t_raw)}")
         else:
-            self._execute(conn, insert(q(t_raw)))
+            self._execute(conn, insert(source))
         for statement in json.after:
             self._execute(conn, statement)
         sums = self._fetchall(
@@ -457,15 +458,21 @@ class ResultsWriter:
                 self._create_temp(conn, flagged, raw_cols, created)
                 self._execute(
                     conn,
-                    f"INSERT INTO {q(flagged)} SELECT w.* FROM {q(t_raw)} w "
+                    f"INSERT INTO {q(flagged)} SELECT w.* FROM {source} w "
                     f"WHERE w.seq IN (SELECT seq FROM {q(t_results)} WHERE py)",
                 )
-            self._python_rows(conn, raw, t_results, flagged, res_cols)
+            self._python_rows(conn, raw, t_results, flagged, res_cols, numbers)
         self.mapper.lines = loaded
         return int(sums[0]), int(sums[1]), int(sums[2])
 
     def _python_rows(
-        self, conn: Any, raw: RawResults, t_results: str, flagged: str, res_cols: Sequence[Column]
+        self,
+        conn: Any,
+        raw: RawResults,
+        t_results: str,
+        flagged: str,
+        res_cols: Sequence[Column],
+        numbers: LineNumbers,
     ) -> None:
         """Replace the rows of the lines the SQL flagged (staged in ``flagged``) by the rows Python
         reads from them, in line order (so the mapper's samples are the Python path's)."""
@@ -482,6 +489,8 @@ class ResultsWriter:
             rows = []
             for seq, f, number, text, hexed in page:
                 data = text.encode() if text is not None else bytes.fromhex(hexed)
+                if number is None:
+                    f, number = numbers.locate(int(seq))
                 line = raw.parse(int(f), int(number), data)
                 row = self.mapper.row(line, raw.files[int(f)].batch_id)
                 rows.append((row[0], int(seq), *row[2:]))

@@ -291,3 +291,35 @@ def test_auto_parses_in_postgres_and_leaves_duckdb_to_python(
     assert "slower" in str(ResultsWriter(duckdb_warehouse.hook, "t").parses_lines(shape))
     assert ResultsWriter(duckdb_warehouse.hook, "t", parse_in="database").parses_lines(shape) is None
     assert ResultsWriter(pg_warehouse.hook, "t", parse_in="python").parses_lines(shape) == "parse_in='python'"
+
+
+def test_lines_after_a_blank_line_or_in_a_second_file_keep_their_file_and_number(
+    parsing_warehouse: Any,
+) -> None:
+    vendor = get_dialect("openai")
+    good = corpus_lines(CORPUS[:2])
+    files = [ResultFile("file-out", "output", "b1"), ResultFile("file-err", "error", "b2")]
+    # Line 2 of the output file was blank (the hook skips it); the bad line is line 2 of file-err.
+    numbered = [(0, 1, good[0]), (0, 3, good[1]), (1, 1, corpus_lines(CORPUS[30:31])[0]), (1, 2, b"[1]")]
+    raw = RawResults(files, iter(numbered), vendor.line_shape, file_line_reader(vendor, files, "record"))
+    report = ResultsWriter(parsing_warehouse.hook, "t", parse_in="database").merge(raw)
+    assert report.bad_result_samples == ["file 'file-err' line 2 is not a JSON object"]
+    rows = parsing_warehouse.rows("SELECT custom_id, batch_id FROM t ORDER BY custom_id")
+    assert dict(rows) == {"": "b2", "c0-chat": "b1", "c1-huge content": "b1", f"c0-{CORPUS[30][0]}": "b2"}
+
+
+def test_line_numbers_are_kept_as_runs() -> None:
+    from airflow_batch_provider.warehouse.lines import LineNumbers, bare_records
+
+    numbers = LineNumbers()
+    lines = [(0, 1, b"{}"), (0, 2, b"a\rb"), (0, 5, b"{}"), (1, 1, b"\xff"), (1, 2, b"{}")]
+    assert list(bare_records(lines, numbers)) == [
+        b"{}",
+        b"\x03" + b"a\rb".hex().encode(),
+        b"{}",
+        b"\x03ff",
+        b"{}",
+    ]
+    assert numbers.runs == [(1, 0, 1), (3, 0, 5), (4, 1, 1)]
+    assert [numbers.locate(s) for s in range(1, 6)] == [(0, 1), (0, 2), (0, 5), (1, 1), (1, 2)]
+    assert numbers.file_sql("seq") == "CASE WHEN seq >= 4 THEN 1 WHEN seq >= 1 THEN 0 END"

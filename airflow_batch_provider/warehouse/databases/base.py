@@ -24,7 +24,7 @@ from itertools import islice
 from typing import IO, Any, ClassVar
 
 from airflow_batch_provider.exceptions import ConfigurationError
-from airflow_batch_provider.warehouse.lines import JsonSql
+from airflow_batch_provider.warehouse.lines import JsonSql, LineNumbers
 from airflow_batch_provider.warehouse.rows import Column
 
 _BATCH_ROWS = 5000
@@ -347,18 +347,24 @@ class SqlDialect:
         self,
         conn: Any,
         table: str,
-        records: Iterable[bytes],
+        lines: Iterable[tuple[int, int, bytes]],
+        numbers: LineNumbers,
         parse: Callable[[str], Sequence[str]] | None = None,
     ) -> int | None:
-        """Load staging records of raw result lines (see ``lines.raw_records``) into ``table``
-        (``seq, f, n, line, hex``); the records loaded, or None, loading nothing, where this
-        connection cannot.
+        """Stage raw result lines ``(file index, line number, bytes)`` in ``table`` (``seq, f, n,
+        line, hex``, read through ``raw_source``); the lines loaded, or None, loading nothing,
+        where this connection cannot. A dialect that stages only the line text notes where each
+        line came from in ``numbers``.
 
-        Where ``line_json.while_loading``, the records are not kept: ``parse`` is given the FROM
+        Where ``line_json.while_loading``, the lines are not kept: ``parse`` is given the FROM
         item of each loaded chunk and returns the statements that read it (they put the lines
         Python must read into ``table``).
         """
         return None
+
+    def raw_source(self, table: str, numbers: LineNumbers) -> str:
+        """The staged raw lines of ``table`` as a FROM item with columns ``seq, f, n, line, hex``."""
+        return table
 
     # ---- reading (the streaming row source) ---------------------------------------------------
     def stream_cursor(self, conn: Any, batch_size: int) -> Any:

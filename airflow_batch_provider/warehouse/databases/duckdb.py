@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from typing import IO, Any
 
 from airflow_batch_provider.warehouse.databases.base import Capabilities, SqlDialect
-from airflow_batch_provider.warehouse.lines import JsonSql, literal
+from airflow_batch_provider.warehouse.lines import JsonSql, LineNumbers, literal, raw_records
 from airflow_batch_provider.warehouse.loaders import duckdb_files
 from airflow_batch_provider.warehouse.rows import Column
 
@@ -45,7 +45,7 @@ class DuckDBJson(JsonSql):
         kinds = ", ".join(self._KINDS.format(f"l{i}") + f" AS k{i}" for i in range(len(paths)))
         parsed = (
             f"SELECT seq, f, CASE WHEN json_valid(line) THEN json_extract(line, [{extract}]) END AS v "
-            f"FROM {raw}"
+            f"FROM {raw} r"
         )
         return f"(SELECT b.*, {kinds} FROM (SELECT seq, f, {values} FROM ({parsed}) a) b)"
 
@@ -192,7 +192,8 @@ class DuckDBSqlDialect(SqlDialect):
         self,
         conn: Any,
         table: str,
-        records: Iterable[bytes],
+        lines: Iterable[tuple[int, int, bytes]],
+        numbers: LineNumbers,
         parse: Callable[[str], Sequence[str]] | None = None,
     ) -> int | None:
         # The records' separator never travels raw (lines holding it go as hex); no quoting.
@@ -208,7 +209,7 @@ class DuckDBSqlDialect(SqlDialect):
             def sql() -> Sequence[str]:
                 return parse(source)
 
-        return duckdb_files.load_lines(conn, sql, records, self.chunk_rows)
+        return duckdb_files.load_lines(conn, sql, raw_records(lines), self.chunk_rows)
 
     # ---- reading ------------------------------------------------------------------------------
     def read_settings(self, conn: Any, session_sql: Sequence[str]) -> list[str]:

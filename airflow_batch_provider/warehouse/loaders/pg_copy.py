@@ -340,7 +340,7 @@ def copy_records(conn: Any, copy_sql: str, records: Iterable[bytes]) -> int | No
     cur = conn.cursor()
     count = 0
     try:
-        if not hasattr(cur, "copy") or not _utf8(conn):
+        if not can_copy_records(conn):
             return None
         iterator = iter(records)
         with cur.copy(copy_sql) as copy:
@@ -351,6 +351,12 @@ def copy_records(conn: Any, copy_sql: str, records: Iterable[bytes]) -> int | No
     finally:
         cur.close()
     return count
+
+
+def can_copy_records(conn: Any) -> bool:
+    """Whether :func:`copy_records` works on ``conn``: psycopg 3 (a streaming COPY writer) and
+    UTF-8 (the records are sent as they are)."""
+    return type(conn).__module__.split(".")[0] == "psycopg" and _utf8(conn)
 
 
 def can_load_in_rounds(conn: Any) -> bool:
