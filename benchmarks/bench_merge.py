@@ -374,24 +374,16 @@ def main() -> None:
         )
     for db in args.db.split(","):
         by = {r["mode"]: r for r in results if r["db"] == db}
-        if "merge" in by:
-            parts = [f"{db}: merge {by['merge']['rows_per_s']:,} rows/s"]
+        for mode in ("merge", "merge_sql"):
+            if mode not in by:
+                continue
+            rate = by[mode]["rows_per_s"]
+            parts = [f"{db}: {mode} {rate:,} rows/s"]
             if "insert_rows" in by:
-                parts.append(
-                    f"{by['merge']['rows_per_s'] / by['insert_rows']['rows_per_s']:.2f}x insert_rows"
-                )
+                parts.append(f"{rate / by['insert_rows']['rows_per_s']:.2f}x insert_rows")
             if "copy" in by:
-                parts.append(
-                    f"{by['merge']['rows_per_s'] / by['copy']['rows_per_s']:.2f}x of the COPY ceiling"
-                )
-            print("; ".join(parts))
-        if "merge_sql" in by:
-            parts = [f"{db}: merge_sql {by['merge_sql']['rows_per_s']:,} rows/s"]
-            if "copy" in by:
-                parts.append(
-                    f"{by['merge_sql']['rows_per_s'] / by['copy']['rows_per_s']:.2f}x of the COPY ceiling"
-                )
-            if "merge" in by:
+                parts.append(f"{rate / by['copy']['rows_per_s']:.2f}x of the COPY ceiling")
+            if mode == "merge_sql" and "merge" in by:
                 cpu = by["merge_sql"]["cpu_s_per_m"] / by["merge"]["cpu_s_per_m"]
                 parts.append(f"worker CPU {cpu:.2f}x the Python path's")
             print("; ".join(parts))
