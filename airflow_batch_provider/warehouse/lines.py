@@ -1,6 +1,6 @@
 """Result lines read by the warehouse: raw lines staged as text, their rows computed in SQL.
 
-The worker only numbers the raw lines of the result files and streams them into a staging
+The worker only streams the raw lines of the result files into a staging
 table; one ``INSERT ... SELECT`` renders the vendor dialect's :class:`LineShape` as SQL (the
 SQL dialect provides the JSON primitives) and computes the very columns
 :class:`~airflow_batch_provider.warehouse.rows.ResultMapper` computes in Python. A line whose
