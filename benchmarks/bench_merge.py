@@ -6,6 +6,8 @@ then, each in a fresh subprocess so peak memory is per measurement:
 * ``merge``: the provider's path (parse lines with the dialect, stage keys + results,
   upsert by key -- on PostgreSQL in rounds while later lines are still parsed -- commit):
   what MergeBatchResultsOperator does after download;
+* ``merge_sql``: the same merge with the raw lines handed to the database, which parses them
+  (``parse_in="database"``: the worker only numbers and streams the lines);
 * ``remerge``: the same merge again over the committed table (every row an update);
 * ``insert_rows``: the same parsed rows through common-sql ``DbApiHook.insert_rows``
   (on DuckDB, measured on ``--baseline-lines`` rows and reported as a rate);
@@ -104,6 +106,31 @@ def result_lines(directory: Path) -> Iterator[tuple[Any, str]]:
                 yield dialect.parse_result_line(orjson.loads(raw), source), "batch_bench"
 
 
+def raw_results(directory: Path) -> Any:
+    """The result files' raw lines, for the database to parse (``merge_sql``)."""
+    from airflow_batch_provider.dialects import get_dialect
+    from airflow_batch_provider.warehouse.lines import RawResults, ResultFile, file_line_reader
+
+    dialect = get_dialect("openai")
+    files = [
+        ResultFile("output.jsonl", "output", "batch_bench"),
+        ResultFile("errors.jsonl", "error", "batch_bench"),
+    ]
+
+    def lines() -> Iterator[tuple[int, int, bytes]]:
+        for index, file in enumerate(files):
+            with open(directory / file.file_id, "rb", buffering=1 << 20) as handle:
+                for number, raw in enumerate(handle, start=1):
+                    yield index, number, raw.rstrip(b"\n")
+
+    return RawResults(files, lines(), dialect.line_shape, file_line_reader(dialect, files))
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def hook_for(db: str, target: str) -> Any:
     if db == "postgres":
         from airflow.providers.postgres.hooks.postgres import PostgresHook
@@ -148,7 +175,13 @@ def child(mode: str, db: str, directory: Path, target: str, baseline_lines: int)
         if db == "duckdb"
         else {}
     )
-    writer = ResultsWriter(hook, table, key_columns=[Column("id", "integer")], session_settings=settings)
+    writer = ResultsWriter(
+        hook,
+        table,
+        key_columns=[Column("id", "integer")],
+        session_settings=settings,
+        parse_in="database" if mode == "merge_sql" else "python",
+    )
     cold_rss = rss_mb()
     # A one-line merge first, into a table of its own: the database client's start-up (DuckDB's
     # instance and JSON reader: ~27 MB, the same for one line or millions) is paid before the
@@ -159,9 +192,12 @@ def child(mode: str, db: str, directory: Path, target: str, baseline_lines: int)
     start_rss = rss_mb()
     rows = 0
     t0 = time.perf_counter()
+    cpu0 = cpu_seconds()
     if mode == "merge":
         report = writer.merge(result_lines(directory), keys=directory / "keys.jsonl")
         rows = report.rows_written
+    elif mode == "merge_sql":
+        rows = writer.merge(raw_results(directory), keys=directory / "keys.jsonl").rows_written
     elif mode == "remerge":
         # The same merge again over the committed table: every row is an upsert of an existing key.
         writer.merge(result_lines(directory), keys=directory / "keys.jsonl")
@@ -210,6 +246,7 @@ def child(mode: str, db: str, directory: Path, target: str, baseline_lines: int)
             conn.close()
             rows = len(parsed)
     elapsed = time.perf_counter() - t0
+    cpu = cpu_seconds() - cpu0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
         "mode": mode,
@@ -217,6 +254,8 @@ def child(mode: str, db: str, directory: Path, target: str, baseline_lines: int)
         "rows": rows,
         "seconds": round(elapsed, 2),
         "rows_per_s": round(rows / elapsed),
+        # Worker CPU per million rows (DuckDB's threads included: it runs in this process).
+        "cpu_s_per_m": round(cpu / max(rows, 1) * 1e6, 2),
         "peak_rss_mb": round(peak),
         "start_rss_mb": round(start_rss),
         "growth_mb": round(peak - start_rss),
@@ -245,7 +284,7 @@ def main() -> None:
     )
     parser.add_argument("--lines", type=int, default=1_000_000)
     parser.add_argument("--db", default="postgres,duckdb")
-    parser.add_argument("--modes", default="merge,remerge,insert_rows,copy")
+    parser.add_argument("--modes", default="merge,merge_sql,remerge,insert_rows,copy")
     parser.add_argument(
         "--baseline-lines", type=int, default=50_000, help="insert_rows rows on DuckDB (slow)"
     )
@@ -326,25 +365,27 @@ def main() -> None:
     print()
     print(
         f"{'db':9} {'mode':12} {'rows':>10} {'s':>7} {'rows/s':>9} {'peak MB':>8} {'growth MB':>9} "
-        f"{'incl. start-up':>14}"
+        f"{'incl. start-up':>14} {'CPU s/1M':>9}"
     )
     for r in results:
         print(
             f"{r['db']:9} {r['mode']:12} {r['rows']:>10,} {r['seconds']:>7} {r['rows_per_s']:>9,} "
-            f"{r['peak_rss_mb']:>8} {r['growth_mb']:>9} {r['cold_growth_mb']:>14}"
+            f"{r['peak_rss_mb']:>8} {r['growth_mb']:>9} {r['cold_growth_mb']:>14} {r['cpu_s_per_m']:>9}"
         )
     for db in args.db.split(","):
         by = {r["mode"]: r for r in results if r["db"] == db}
-        if "merge" in by:
-            parts = [f"{db}: merge {by['merge']['rows_per_s']:,} rows/s"]
+        for mode in ("merge", "merge_sql"):
+            if mode not in by:
+                continue
+            rate = by[mode]["rows_per_s"]
+            parts = [f"{db}: {mode} {rate:,} rows/s"]
             if "insert_rows" in by:
-                parts.append(
-                    f"{by['merge']['rows_per_s'] / by['insert_rows']['rows_per_s']:.2f}x insert_rows"
-                )
+                parts.append(f"{rate / by['insert_rows']['rows_per_s']:.2f}x insert_rows")
             if "copy" in by:
-                parts.append(
-                    f"{by['merge']['rows_per_s'] / by['copy']['rows_per_s']:.2f}x of the COPY ceiling"
-                )
+                parts.append(f"{rate / by['copy']['rows_per_s']:.2f}x of the COPY ceiling")
+            if mode == "merge_sql" and "merge" in by:
+                cpu = by["merge_sql"]["cpu_s_per_m"] / by["merge"]["cpu_s_per_m"]
+                parts.append(f"worker CPU {cpu:.2f}x the Python path's")
             print("; ".join(parts))
     for failure in failures:
         print(f"FAILED {failure}")

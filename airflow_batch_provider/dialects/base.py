@@ -51,6 +51,31 @@ class ResultsPage:
 
 
 @dataclass(frozen=True)
+class LineShape:
+    """Where each field of one result-file line sits, for a warehouse that reads the lines itself.
+
+    The rules are those of :meth:`Dialect.parse_result_line` (the OpenAI line shape): a line
+    is a success with no ``error`` and a 2xx status; an ``error`` object gives code and
+    message, a non-empty string is the message of code ``error``; a non-2xx response without
+    one takes the code and message of its body's ``error`` (else ``http_<status>``). A warehouse
+    SQL dialect renders this as SQL (``SqlDialect.result_line_sql``); a dialect whose lines
+    follow other rules declares no shape and its lines are parsed in Python.
+
+    :param custom_id: path of the custom_id.
+    :param response: path of the response object.
+    :param status_code: key of the HTTP status inside the response (an int or a digit string).
+    :param body: key of the response body inside the response.
+    :param error: path of the line's error (an object with ``code``/``message``, or text).
+    """
+
+    custom_id: tuple[str, ...] = ("custom_id",)
+    response: tuple[str, ...] = ("response",)
+    status_code: str = "status_code"
+    body: str = "body"
+    error: tuple[str, ...] = ("error",)
+
+
+@dataclass(frozen=True)
 class ListPage:
     """One page of a batch listing."""
 
@@ -100,6 +125,9 @@ class Dialect:
     # The vendor's web page of one batch (``{batch_id}`` filled in), for the tasks' extra links;
     # None where the vendor documents none. Used only when the connection is the vendor's own host.
     console_url_template: ClassVar[str | None] = None
+    #: Where the fields of a result-file line sit (see ``parse_result_line``); None when only
+    #: Python can read the lines.
+    line_shape: ClassVar[LineShape | None] = LineShape()
 
     def __init__(self) -> None:
         bind_models(globals(), "Batch", "BatchState", "LineError", "ResultLine")

@@ -59,6 +59,8 @@ class XAIDialect(Dialect):
     upload_purpose = None
     supports_metadata = False
     results_modes = ("results_endpoint",)
+    # Results come from the paged endpoint, in gRPC shape: no result file for a database to read.
+    line_shape = None
 
     def __init__(self) -> None:
         super().__init__()

@@ -459,9 +459,16 @@ class BatchApiHook(BaseHook):
         for _, obj in self._iter_jsonl(file_id):
             yield obj
 
-    def _iter_jsonl(self, file_id: str, *, lenient: bool = False) -> Iterator[tuple[int, Any]]:
+    def iter_raw_lines(self, file_id: str) -> Iterator[tuple[int, bytes]]:
+        """``(line number, bytes)`` of a JSONL file's non-blank lines, unparsed (keys redacted),
+        for a warehouse that parses them itself; resumes like ``iter_file_lines``."""
+        return self._iter_jsonl(file_id, raw=True)
+
+    def _iter_jsonl(
+        self, file_id: str, *, lenient: bool = False, raw: bool = False
+    ) -> Iterator[tuple[int, Any]]:
         """``(line number, object)``; with ``lenient`` a bad line gives its error instead of raising."""
-        lines = ResumableLines(self.get_settings(), file_id, self.log, lenient=lenient)
+        lines = ResumableLines(self.get_settings(), file_id, self.log, lenient=lenient, raw=raw)
         while True:
             try:
                 lines.attempt()
@@ -481,9 +488,16 @@ class BatchApiHook(BaseHook):
         async for _, obj in self._aiter_jsonl(file_id):
             yield obj
 
-    async def _aiter_jsonl(self, file_id: str, *, lenient: bool = False) -> AsyncIterator[tuple[int, Any]]:
+    async def aiter_raw_lines(self, file_id: str) -> AsyncIterator[tuple[int, bytes]]:
+        """Async twin of ``iter_raw_lines``."""
+        async for item in self._aiter_jsonl(file_id, raw=True):
+            yield item
+
+    async def _aiter_jsonl(
+        self, file_id: str, *, lenient: bool = False, raw: bool = False
+    ) -> AsyncIterator[tuple[int, Any]]:
         """Async twin of ``_iter_jsonl``."""
-        lines = ResumableLines(await self.aget_settings(), file_id, self.log, lenient=lenient)
+        lines = ResumableLines(await self.aget_settings(), file_id, self.log, lenient=lenient, raw=raw)
         while True:
             try:
                 lines.attempt()

@@ -56,6 +56,16 @@ def line_object(
     return obj
 
 
+def raw_line(data: bytes, hidden: tuple[bytes, ...] = ()) -> bytes | None:
+    """A line's bytes with any key redacted (None for a blank line), left for a warehouse to parse."""
+    if not data.strip():
+        return None
+    for secret in hidden:
+        if secret in data:
+            data = data.replace(secret, REDACTED.encode())
+    return data
+
+
 class ResumableLines:
     """The state of reading one JSONL file: the last line given, and the restarts left.
 
@@ -68,7 +78,9 @@ class ResumableLines:
     :param lenient: give a ``BadLine`` for a line that is not a JSON object instead of raising.
     """
 
-    def __init__(self, settings: BatchApiSettings, file_id: str, log: Any, *, lenient: bool = False) -> None:
+    def __init__(
+        self, settings: BatchApiSettings, file_id: str, log: Any, *, lenient: bool = False, raw: bool = False
+    ) -> None:
         self.where = f"file {file_id!r}"
         self.action = f"reading file {file_id}"
         self.call = calls.file_content(settings.dialect, file_id, self.action)
@@ -76,6 +88,8 @@ class ResumableLines:
         self._restarts = Restarts(settings, self.action, log)
         self._hidden = tuple(secret.encode() for secret in settings.secrets)
         self._lenient = lenient
+        # Give each non-blank line's bytes (keys redacted) unparsed, for a warehouse to parse.
+        self._raw = raw
         self._done = 0
         self._splitter = LineSplitter(MAX_RESULT_LINE_BYTES, self.where)
 
@@ -98,7 +112,11 @@ class ResumableLines:
     def _new(self, lines: Iterator[tuple[int, bytes]]) -> Iterator[tuple[int, Any]]:
         for number, data in lines:
             if number > self._done:
-                item = line_object(data, number, self.where, self._hidden, self._lenient)
+                item = (
+                    raw_line(data, self._hidden)
+                    if self._raw
+                    else line_object(data, number, self.where, self._hidden, self._lenient)
+                )
                 self._done = number
                 if item is not None:
                     yield number, item

@@ -16,8 +16,9 @@ from airflow_batch_provider.exceptions import BatchProviderError, ConfigurationE
 from airflow_batch_provider.jsonl import iter_objects
 from airflow_batch_provider.models import BatchState, Manifest, ResultLine
 from airflow_batch_provider.records import KeyRecord
+from airflow_batch_provider.warehouse.lines import RawResults, ResultFile, file_line_reader
 from airflow_batch_provider.warehouse.rows import STATUSES, Column, OutputSchema, ResultMapper
-from airflow_batch_provider.warehouse.write import MergeReport, ResultsWriter, ShardOutcome
+from airflow_batch_provider.warehouse.write import PARSE_IN_CHOICES, MergeReport, ResultsWriter, ShardOutcome
 
 if TYPE_CHECKING:
     from airflow.sdk import Context, ObjectStoragePath
@@ -158,6 +159,10 @@ class MergeBatchResultsOperator(BaseOperator):
         no custom_id: ``fail`` the merge naming it (default), or ``record`` it as
         ``invalid_output`` with the reason (file and line) and go on; one whose custom_id is
         not in the manifest is counted with the orphan results.
+    :param parse_in: where result-file lines are parsed: ``auto`` (by the warehouse where it can:
+        PostgreSQL with psycopg 3 and DuckDB, for a vendor whose lines have a ``line_shape``,
+        without ``extra_columns`` or ``output_schema``; else in Python), ``python``, or
+        ``database`` (fail where the warehouse cannot). Both write the same rows.
     """
 
     template_fields: Sequence[str] = (
@@ -192,6 +197,7 @@ class MergeBatchResultsOperator(BaseOperator):
         results_mode: str | None = None,
         session_settings: Mapping[str, str] | None = None,
         on_bad_result_line: str = "fail",
+        parse_in: str = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -224,6 +230,11 @@ class MergeBatchResultsOperator(BaseOperator):
         # For lineage: the columns this try writes and its summary (XCom); set as the merge runs.
         self.merge_columns: list[tuple[str, str]] = []
         self.merge_summary: dict[str, Any] | None = None
+        if parse_in not in PARSE_IN_CHOICES:
+            raise ConfigurationError(
+                f"parse_in must be one of {', '.join(PARSE_IN_CHOICES)}, not {parse_in!r}"
+            )
+        self.parse_in = parse_in
 
     # ---- inputs -----------------------------------------------------------------------------
     def _batch_input(self, context: Context) -> Any:
@@ -302,6 +313,7 @@ class MergeBatchResultsOperator(BaseOperator):
             mapper=mapper,
             create_table=self.create_table,
             session_settings=self.session_settings,
+            parse_in=self.parse_in,
         )
         self.merge_columns = [(c.name, c.type) for c in writer.target_columns]
         resubmission: dict[str, Any] = {}
@@ -321,7 +333,7 @@ class MergeBatchResultsOperator(BaseOperator):
                 self.log.info("Read %d result line(s) of batch %s", count, batch.id)
 
         report = writer.merge(
-            results(),
+            self._raw_results(hook, batches, writer) or results(),
             keys=keys_file,
             rejects=_records(rejects_file) if rejects_file is not None else None,
             shards=shards,
@@ -343,6 +355,33 @@ class MergeBatchResultsOperator(BaseOperator):
             schema=self.target_schema,
             columns=self.merge_columns,
             summary=self.merge_summary,
+        )
+
+    def _raw_results(
+        self, hook: BatchApiHook, batches: Mapping[str, Any], writer: ResultsWriter
+    ) -> RawResults | None:
+        """The result files' raw lines, when every batch's results are files and the warehouse
+        may parse them (else None: the hook parses each line)."""
+        from airflow_batch_provider.hooks.results import result_files, results_mode
+
+        dialect = hook.dialect
+        if writer.parses_lines(dialect.line_shape) is not None:
+            return None
+        if any(results_mode(dialect, b, self.results_mode) != "files" for b in batches.values()):
+            return None
+        files = [
+            ResultFile(file_id, source, batch.id)
+            for batch in batches.values()
+            for file_id, source in result_files(batch)
+        ]
+
+        def lines() -> Iterator[tuple[int, int, bytes]]:
+            for index, file in enumerate(files):
+                for number, data in hook.iter_raw_lines(file.file_id):
+                    yield index, number, data
+
+        return RawResults(
+            files, lines(), dialect.line_shape, file_line_reader(dialect, files, self.on_bad_result_line)
         )
 
     # ---- resubmission -----------------------------------------------------------------------

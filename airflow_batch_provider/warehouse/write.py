@@ -31,6 +31,7 @@ from airflow_batch_provider.jsonl import iter_objects
 from airflow_batch_provider.models import ResultLine
 from airflow_batch_provider.records import KeyRecord, RejectRecord
 from airflow_batch_provider.warehouse.databases import SqlDialect, get_sql_dialect
+from airflow_batch_provider.warehouse.lines import ROW_COLUMNS, LineNumbers, RawResults, result_row_sql
 from airflow_batch_provider.warehouse.plan import WriteMode, WritePlan, plan_write
 from airflow_batch_provider.warehouse.rows import RETRYABLE_STATUSES, STATUSES, Column, ResultMapper
 
@@ -39,6 +40,9 @@ _T = TypeVar("_T")
 
 _SAMPLES = 10
 _FETCH = 10_000
+#: Where result lines are parsed: ``auto`` (by the database where it can, see ``parses_lines``),
+#: ``python`` or ``database`` (refused where the database cannot).
+PARSE_IN_CHOICES = ("auto", "python", "database")
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,8 @@ class ResultsWriter:
     :param create_table: create the table when it does not exist (else it must exist).
     :param session_settings: database settings for the merge's own session only, e.g.
         ``{"memory_limit": "256MB"}`` (DuckDB) or ``{"maintenance_work_mem": "256MB"}`` (PostgreSQL).
+    :param parse_in: where raw result lines (:class:`~airflow_batch_provider.warehouse.lines.RawResults`)
+        are parsed: ``auto`` (the database where it can), ``python`` or ``database``.
     """
 
     def __init__(
@@ -124,7 +130,13 @@ class ResultsWriter:
         mapper: ResultMapper | None = None,
         create_table: bool = True,
         session_settings: Mapping[str, str] | None = None,
+        parse_in: str = "auto",
     ) -> None:
+        if parse_in not in PARSE_IN_CHOICES:
+            raise WarehouseSchemaError(
+                f"parse_in must be one of {', '.join(PARSE_IN_CHOICES)}, not {parse_in!r}"
+            )
+        self.parse_in = parse_in
         self.hook = hook
         self.dialect: SqlDialect = get_sql_dialect(hook)
         self.table_name = table
@@ -213,9 +225,32 @@ class ResultsWriter:
         return plan
 
     # ---- the merge --------------------------------------------------------------------------
+    def parses_lines(self, shape: Any) -> str | None:
+        """Why the database cannot parse raw result lines of ``shape`` for this merge, or None when it can.
+
+        It cannot without a line shape (a vendor whose lines only Python reads), without JSON
+        primitives in its SQL dialect, or when the rows need Python: extra columns (JSON text of
+        any value) and structured output (a pydantic or JSON-schema validation). ``auto`` also
+        leaves the lines to Python where the database reads them slower (DuckDB).
+        """
+        if self.parse_in == "python":
+            return "parse_in='python'"
+        if shape is None:
+            return "the vendor dialect declares no line shape"
+        json = self.dialect.line_json
+        if json is None:
+            return f"{self.dialect.name} has no JSON line parsing"
+        if self.parse_in == "auto" and json.not_auto:
+            return json.not_auto
+        if self.mapper.extra_paths:
+            return "extra_columns are read in Python"
+        if self.mapper.output_schema is not None:
+            return "output_schema is validated in Python"
+        return None
+
     def merge(
         self,
-        results: Iterable[tuple[ResultLine, str | None]],
+        results: Iterable[tuple[ResultLine, str | None]] | RawResults,
         *,
         keys: KeysSource | None = None,
         rejects: Iterable[RejectRecord | Mapping[str, Any]] | None = None,
@@ -225,7 +260,8 @@ class ResultsWriter:
     ) -> MergeReport:
         """Write one row per key in one transaction and return what happened.
 
-        :param results: ``(result line, batch id)`` pairs, streamed.
+        :param results: ``(result line, batch id)`` pairs, streamed; or the raw lines of the
+            result files, parsed by the database where it can (see ``parses_lines``), else in Python.
         :param keys: keys.jsonl (a path / ObjectStoragePath, loaded by the database where it
             can) or its records (:class:`~airflow_batch_provider.records.KeyRecord` or their
             dicts; manifest mode only).
@@ -240,6 +276,16 @@ class ResultsWriter:
             raise ValueError("key columns were given but no keys to merge")
         if on_retry is not None and not self.manifest_mode:
             raise ValueError("resubmission needs a manifest (the original shards and keys)")
+        raw: RawResults | None = None
+        if isinstance(results, RawResults):
+            why_not = self.parses_lines(results.shape)
+            if why_not is None:
+                raw = results
+            elif self.parse_in == "database":
+                raise WarehouseSchemaError(f"parse_in='database': {why_not}")
+            else:
+                log.info("Result lines are parsed in Python: %s", why_not)
+                results = results.parsed()
         self.mapper.reset()
         report = MergeReport()
         merged_at = merged_at or datetime.now(timezone.utc)
@@ -260,7 +306,17 @@ class ResultsWriter:
                 ["custom_id", "seq", *[c.name for c in self.mapper.columns]],
                 ["text", "integer", *[c.type for c in self.mapper.columns]],
             )
-            self._create_temp(conn, t_results, res_cols, created)
+            sql_sums = None
+            if raw is not None:
+                sql_sums = self._stage_raw(conn, raw, t_results, res_cols, created, report)
+                if sql_sums is None:
+                    if self.parse_in == "database":
+                        raise WarehouseSchemaError(
+                            "parse_in='database': this connection cannot stream raw lines"
+                        )
+                    results, raw = raw.parsed(), None
+            if raw is None:
+                self._create_temp(conn, t_results, res_cols, created)
             key_cols = self._key_staging_columns()
             load_keys = None
             keyed: _Keyed | None = None
@@ -284,20 +340,25 @@ class ResultsWriter:
                     _Rounds(),
                 )
 
-            rows = (self.mapper.row(line, batch_id) for line, batch_id in results)
-            # The keys are staged first; where the database parses them (PostgreSQL), that
-            # runs while Python is still reading the results, and so do rounds of the upsert.
-            report.result_lines = self.dialect.bulk_load(
-                conn,
-                t_results,
-                res_cols,
-                rows,
-                before=load_keys,
-                after_round=(lambda part: self._write_round(conn, keyed, part)) if keyed else None,
-            )
-            report.prompt_tokens = self.mapper.prompt_tokens
-            report.completion_tokens = self.mapper.completion_tokens
-            report.total_tokens = self.mapper.total_tokens
+            if sql_sums is not None:
+                if load_keys is not None:
+                    load_keys()
+            else:
+                rows = (self.mapper.row(line, batch_id) for line, batch_id in results)  # type: ignore[union-attr]
+                # The keys are staged first; where the database parses them (PostgreSQL), that
+                # runs while Python is still reading the results, and so do rounds of the upsert.
+                report.result_lines = self.dialect.bulk_load(
+                    conn,
+                    t_results,
+                    res_cols,
+                    rows,
+                    before=load_keys,
+                    after_round=(lambda part: self._write_round(conn, keyed, part)) if keyed else None,
+                )
+            sums = sql_sums or (0, 0, 0)
+            report.prompt_tokens = self.mapper.prompt_tokens + sums[0]
+            report.completion_tokens = self.mapper.completion_tokens + sums[1]
+            report.total_tokens = self.mapper.total_tokens + sums[2]
             report.bad_result_lines = self.mapper.bad_lines
             report.bad_result_samples = list(self.mapper.bad_line_samples)
             report.bad_token_counts = self.mapper.bad_token_lines
@@ -320,6 +381,122 @@ class ResultsWriter:
         finally:
             conn.close()
         return report
+
+    # ---- raw lines parsed by the database ----------------------------------------------------
+    def _stage_raw(
+        self,
+        conn: Any,
+        raw: RawResults,
+        t_results: str,
+        res_cols: Sequence[Column],
+        created: list[str],
+        report: MergeReport,
+    ) -> tuple[int, int, int] | None:
+        """Stage the raw lines, compute their rows in SQL into ``t_results`` and let Python read
+        the lines the SQL flags; the token sums of the SQL rows. None, having staged nothing,
+        where this connection cannot stream raw lines (the caller then parses in Python)."""
+        d = self.dialect
+        q = d.quote
+        shape, json = raw.shape, d.line_json
+        assert shape is not None and json is not None
+        t_raw = f"{t_results}_raw"
+        # The staged raw lines (see lines.raw_records).
+        raw_cols = self._staging_columns(["seq", "f", "n", "line", "hex"], ["integer"] * 3 + ["text"] * 2)
+        self._create_temp(conn, t_raw, raw_cols, created)
+        spec = [(c.name, d.sql_type(c.type, key=c.name == "custom_id")) for c in res_cols]
+        self._execute(conn, d.create_temp_table(t_results, [*spec, ("py", d.sql_type("boolean"))]))
+        created.append(t_results)
+        columns = ", ".join(q(c) for c in (*ROW_COLUMNS, "py"))
+
+        def insert(source: str) -> str:
+            select = result_row_sql(json, shape, source, [f.batch_id for f in raw.files])
+            return f"INSERT INTO {q(t_results)} ({columns}) {select}"
+
+        def per_chunk(source: str) -> list[str]:
+            # The chunk's rows, then the chunk's lines that Python must read.
+            keep = (
+                f"INSERT INTO {q(t_raw)} SELECT c.* FROM {source} c "
+                f"WHERE c.seq IN (SELECT seq FROM {q(t_results)} WHERE py)"
+            )
+            return [insert(source), keep]
+
+        for statement in json.before:
+            self._execute(conn, statement)
+        numbers = LineNumbers()
+        loaded = d.load_raw_lines(conn, t_raw, raw.lines, numbers, per_chunk if json.while_loading else None)
+        source = d.raw_source(q(t_raw), numbers)
+        if loaded is None:
+            for name in (t_raw, t_results):
+                self._execute(conn, d.drop_temp_table(name) or f"DELETE FROM {q(name)}")
+                created.remove(name)
+            return None
+        report.result_lines = loaded
+        if json.while_loading:
+            pass  # computed chunk by chunk while loading
+        elif d.capabilities.savepoints:
+            ok, _ = self._attempt(
+                conn, "abp_lines", lambda: self._execute(conn, insert(source)), lambda exc: True
+            )
+            if not ok:
+                # A line the database cannot parse (not JSON): Python reads every line.
+                log.info("A result line is not JSON to %s; the lines are read in Python", d.name)
+                self._execute(conn, f"INSERT INTO {q(t_results)} (seq, py) SELECT seq, TRUE FROM {q(t_raw)}")
+        else:
+            self._execute(conn, insert(source))
+        for statement in json.after:
+            self._execute(conn, statement)
+        sums = self._fetchall(
+            conn,
+            f"SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0), "
+            f"COALESCE(SUM(total_tokens), 0) FROM {q(t_results)} WHERE NOT py",
+        )[0]
+        if self._fetchall(conn, f"SELECT COUNT(*) FROM {q(t_results)} WHERE py")[0][0]:
+            flagged = t_raw
+            if not json.while_loading:
+                # Only the flagged lines, so that paging through them does not scan every line.
+                flagged = f"{t_raw}_py"
+                self._create_temp(conn, flagged, raw_cols, created)
+                self._execute(
+                    conn,
+                    f"INSERT INTO {q(flagged)} SELECT w.* FROM {source} w "
+                    f"WHERE w.seq IN (SELECT seq FROM {q(t_results)} WHERE py)",
+                )
+            self._python_rows(conn, raw, t_results, flagged, res_cols, numbers)
+        self.mapper.lines = loaded
+        return int(sums[0]), int(sums[1]), int(sums[2])
+
+    def _python_rows(
+        self,
+        conn: Any,
+        raw: RawResults,
+        t_results: str,
+        flagged: str,
+        res_cols: Sequence[Column],
+        numbers: LineNumbers,
+    ) -> None:
+        """Replace the rows of the lines the SQL flagged (staged in ``flagged``) by the rows Python
+        reads from them, in line order (so the mapper's samples are the Python path's)."""
+        q = self.dialect.quote
+        last = 0
+        while True:
+            page = self._fetchall(
+                conn,
+                f"SELECT seq, f, n, line, hex FROM {q(flagged)} WHERE seq > {last} "
+                f"ORDER BY seq LIMIT {_FETCH}",
+            )
+            if not page:
+                break
+            rows = []
+            for seq, f, number, text, hexed in page:
+                data = text.encode() if text is not None else bytes.fromhex(hexed)
+                if number is None:
+                    f, number = numbers.locate(int(seq))
+                line = raw.parse(int(f), int(number), data)
+                row = self.mapper.row(line, raw.files[int(f)].batch_id)
+                rows.append((row[0], int(seq), *row[2:]))
+            self.dialect.bulk_load(conn, t_results, res_cols, rows)
+            last = int(page[-1][0])
+        self._execute(conn, f"DELETE FROM {q(t_results)} WHERE py")
 
     # ---- manifest mode ----------------------------------------------------------------------
     def _stage_keyed(

@@ -608,6 +608,8 @@ ROWS: list[Row] = [
     Row("iter_file_lines[dropped after a MiB, resumed]", big_lines_sync, big_lines_async),
     Row("iter_file_lines[missing]", *twins("iter_file_lines", MISSING_FILE)),
     Row("iter_file_lines[quota]", *twins("iter_file_lines", readable, variant="quota")),
+    Row("iter_raw_lines", *twins("iter_raw_lines", readable)),
+    Row("iter_raw_lines[dropped mid-stream]", *twins("iter_raw_lines", readable), faults=DROP),
     # -- batches
     Row("create_batch", *twins("create_batch", **CREATE), scrub),
     Row(

@@ -491,3 +491,41 @@ def _chat(text: str) -> dict[str, Any]:
     return {
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]
     }
+
+
+@pytest.mark.parametrize("kind", ["pg_warehouse", "duckdb_warehouse"])
+def test_the_warehouse_parses_the_result_files_as_python_does(
+    server: Any, kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    warehouse = request.getfixturevalue(kind)
+    xcom = submit_and_wait(stage(tmp_path / "stage", [(i, f"text {i} ✓") for i in range(1, 7)]))
+    corrupt_output(server, xcom)
+    results, tables = [], []
+    for parse_in in ("python", "database"):
+        op = MergeBatchResultsOperator(
+            task_id="m",
+            target_table=f"by_{parse_in}",
+            conn_id=warehouse.conn_id,
+            batches=xcom,
+            on_bad_result_line="record",
+            parse_in=parse_in,
+        )
+        result = op.execute(context={})  # type: ignore[arg-type]
+        assert result.pop("table") == f"by_{parse_in}"
+        results.append(result)
+        tables.append(
+            warehouse.rows(
+                "SELECT ticket_id, custom_id, status, content, finish_reason, model, prompt_tokens, "
+                "completion_tokens, total_tokens, error_code, error_message, batch_id "
+                f"FROM {warehouse.quote(f'by_{parse_in}')} ORDER BY 1"
+            )
+        )
+    assert tables[0] == tables[1] and len(tables[0]) == 6
+    assert results[0] == results[1] and results[0]["bad_result_lines"] == 4
+
+
+def test_parse_in_is_checked() -> None:
+    from airflow_batch_provider.exceptions import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="parse_in must be one of auto, python, database"):
+        MergeBatchResultsOperator(task_id="m", target_table="t", conn_id="c", parse_in="warehouse")

@@ -17,14 +17,59 @@ from airflow_batch_provider.warehouse.write import MergeReport, ResultsWriter, S
 OPENAI = get_dialect("openai")
 
 
-@pytest.fixture(params=["postgres", "postgres_rounds", "duckdb", "sqlite", "mysql", "bigquery"])
+@pytest.fixture(
+    params=[
+        "postgres",
+        "postgres_rounds",
+        "postgres_sql",
+        "duckdb",
+        "duckdb_sql",
+        "sqlite",
+        "mysql",
+        "bigquery",
+    ]
+)
 def warehouse(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Every results database; ``postgres_rounds`` writes each result line in a round of its own."""
+    """Every results database; ``postgres_rounds`` writes each result line in a round of its own;
+    ``*_sql``: the result lines reach the writer raw and the database parses them."""
     kind = request.param
     if kind == "postgres_rounds":
         round_per_line(monkeypatch)
         kind = "postgres"
+    if kind.endswith("_sql"):
+        lines_parsed_by_the_database(monkeypatch)
+        kind = kind.removesuffix("_sql")
     return request.getfixturevalue(f"{'pg' if kind == 'postgres' else kind}_warehouse")
+
+
+def lines_parsed_by_the_database(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hand every merge its results as the raw lines of OpenAI result files (one per batch id)."""
+    from airflow_batch_provider.warehouse.lines import RawResults, ResultFile, file_line_reader
+
+    merge = ResultsWriter.merge
+
+    def raw_merge(self: ResultsWriter, results: Any, **kwargs: Any) -> MergeReport:
+        files: list[ResultFile] = []
+        index: dict[Any, int] = {}
+
+        def lines() -> Iterator[tuple[int, int, bytes]]:
+            for number, (line, batch_id) in enumerate(results, start=1):
+                if batch_id not in index:
+                    index[batch_id] = len(files)
+                    files.append(ResultFile(f"file-{len(files)}", line.source, batch_id))
+                error = line.error.model_dump(exclude_none=True) if line.error else None
+                response = {"status_code": line.status_code, "body": line.body}
+                obj = {"custom_id": line.custom_id, "response": response, "error": error}
+                yield index[batch_id], number, orjson.dumps(obj)
+
+        raw = RawResults(files, lines(), OPENAI.line_shape, file_line_reader(OPENAI, files))
+        # The database parses every merge it can (not structured output or extra columns).
+        self.parse_in = "database"
+        if self.parses_lines(OPENAI.line_shape) is not None:
+            self.parse_in = "auto"
+        return merge(self, raw, **kwargs)
+
+    monkeypatch.setattr(ResultsWriter, "merge", raw_merge)
 
 
 def round_per_line(monkeypatch: pytest.MonkeyPatch) -> None:

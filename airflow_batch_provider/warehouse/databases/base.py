@@ -24,6 +24,7 @@ from itertools import islice
 from typing import IO, Any, ClassVar
 
 from airflow_batch_provider.exceptions import ConfigurationError
+from airflow_batch_provider.warehouse.lines import JsonSql, LineNumbers
 from airflow_batch_provider.warehouse.rows import Column
 
 _BATCH_ROWS = 5000
@@ -85,6 +86,9 @@ class SqlDialect:
     merged_at_type = "TIMESTAMP"
     #: A session setting (see ``set_setting``).
     set_format = "SET {} = {}"
+    #: The JSON primitives with which the database reads result lines itself (see
+    #: ``warehouse/lines.py``); None: Python reads them.
+    line_json: ClassVar[JsonSql | None] = None
 
     def __init__(self, hook: Any) -> None:
         self.hook = hook
@@ -338,6 +342,29 @@ class SqlDialect:
         finally:
             cur.close()
         return count
+
+    def load_raw_lines(
+        self,
+        conn: Any,
+        table: str,
+        lines: Iterable[tuple[int, int, bytes]],
+        numbers: LineNumbers,
+        parse: Callable[[str], Sequence[str]] | None = None,
+    ) -> int | None:
+        """Stage raw result lines ``(file index, line number, bytes)`` in ``table`` (``seq, f, n,
+        line, hex``, read through ``raw_source``); the lines loaded, or None, loading nothing,
+        where this connection cannot. A dialect that stages only the line text notes where each
+        line came from in ``numbers``.
+
+        Where ``line_json.while_loading``, the lines are not kept: ``parse`` is given the FROM
+        item of each loaded chunk and returns the statements that read it (they put the lines
+        Python must read into ``table``).
+        """
+        return None
+
+    def raw_source(self, table: str, numbers: LineNumbers) -> str:
+        """The staged raw lines of ``table`` as a FROM item with columns ``seq, f, n, line, hex``."""
+        return table
 
     # ---- reading (the streaming row source) ---------------------------------------------------
     def stream_cursor(self, conn: Any, batch_size: int) -> Any:

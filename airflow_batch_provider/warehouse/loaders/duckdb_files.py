@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import os
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
 from typing import IO, Any
@@ -23,15 +23,24 @@ import orjson
 def load_chunks(conn: Any, sql: str, rows: Iterable[Sequence[Any]], chunk_rows: int) -> int:
     """Load ``rows`` through ``sql`` (parameters: a chunk file's path, then its
     ``maximum_object_size``), ``chunk_rows`` rows per file; the rows loaded."""
+    dumps = orjson.dumps
+    return load_lines(conn, sql, (dumps(row) for row in rows), chunk_rows)
+
+
+def load_lines(
+    conn: Any, sql: str | Callable[[], Sequence[str]], lines: Iterable[bytes], chunk_rows: int
+) -> int:
+    """Load ready ``lines`` (bytes without their line end) through ``sql`` as :func:`load_chunks`
+    loads rows; ``sql`` may be a callable giving, once a chunk is written, the statements to run
+    over it (each with the same two parameters)."""
     paths = []
     for _ in range(2):
         fd, path = tempfile.mkstemp(prefix="abp-merge-", suffix=".jsonl")
         os.close(fd)
         paths.append(path)
     count = 0
-    iterator = iter(rows)
+    iterator = iter(lines)
     pending: Future[Any] | None = None
-    dumps = orjson.dumps
     try:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="abp-duckdb-load") as loader:
             for turn in itertools.count():
@@ -39,8 +48,7 @@ def load_chunks(conn: Any, sql: str, rows: Iterable[Sequence[Any]], chunk_rows: 
                 written = longest = 0
                 with open(path, "wb", buffering=1 << 20) as fh:
                     write = fh.write
-                    for row in islice(iterator, chunk_rows):
-                        line = dumps(row)
+                    for line in islice(iterator, chunk_rows):
                         if len(line) > longest:
                             longest = len(line)
                         write(line)
@@ -51,7 +59,8 @@ def load_chunks(conn: Any, sql: str, rows: Iterable[Sequence[Any]], chunk_rows: 
                     pending = None
                 if not written:
                     break
-                pending = loader.submit(conn.execute, sql, [path, json_buffer(longest)])
+                statements = [sql] if isinstance(sql, str) else list(sql())
+                pending = loader.submit(_run, conn, statements, [path, json_buffer(longest)])
                 count += written
             if pending is not None:
                 pending.result()
@@ -60,6 +69,11 @@ def load_chunks(conn: Any, sql: str, rows: Iterable[Sequence[Any]], chunk_rows: 
             with contextlib.suppress(OSError):
                 os.unlink(path)
     return count
+
+
+def _run(conn: Any, statements: Sequence[str], params: Sequence[Any]) -> None:
+    for statement in statements:
+        conn.execute(statement, params)
 
 
 def json_buffer(longest: int) -> int:

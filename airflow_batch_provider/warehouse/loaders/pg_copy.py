@@ -10,6 +10,7 @@ dialect; nothing here decides what to write.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import tempfile
@@ -331,6 +332,31 @@ def copy_file(conn: Any, handle: IO[bytes], *, before: str, copy_sql: str, after
     finally:
         cur.close()
     return True
+
+
+def copy_records(conn: Any, copy_sql: str, records: Iterable[bytes]) -> int | None:
+    """Stream ready COPY records (bytes, one line each, without its end) into ``copy_sql``, a
+    few thousand per write; the records loaded, or None, doing nothing, on a psycopg2 connection."""
+    cur = conn.cursor()
+    count = 0
+    try:
+        if not can_copy_records(conn):
+            return None
+        iterator = iter(records)
+        with cur.copy(copy_sql) as copy:
+            # Joined in C: a Python step per record measured ~0.7 us a line.
+            while batch := list(itertools.islice(iterator, 2048)):
+                copy.write(b"\n".join(batch) + b"\n")
+                count += len(batch)
+    finally:
+        cur.close()
+    return count
+
+
+def can_copy_records(conn: Any) -> bool:
+    """Whether :func:`copy_records` works on ``conn``: psycopg 3 (a streaming COPY writer) and
+    UTF-8 (the records are sent as they are)."""
+    return type(conn).__module__.split(".")[0] == "psycopg" and _utf8(conn)
 
 
 def can_load_in_rounds(conn: Any) -> bool:

@@ -1,0 +1,419 @@
+"""Result lines read by the warehouse: raw lines staged as text, their rows computed in SQL.
+
+The worker only streams the raw lines of the result files into a staging
+table; one ``INSERT ... SELECT`` renders the vendor dialect's :class:`LineShape` as SQL (the
+SQL dialect provides the JSON primitives) and computes the very columns
+:class:`~airflow_batch_provider.warehouse.rows.ResultMapper` computes in Python. A line whose
+row SQL would not give exactly (not JSON, no custom_id, an answer that is JSON text, odd
+token counts or error fields...) is flagged and read by Python, the same code as the Python
+path, so both paths write the same rows.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from airflow_batch_provider.warehouse.rows import MAX_TOKEN_COUNT
+
+if TYPE_CHECKING:
+    from airflow_batch_provider.dialects.base import LineShape
+    from airflow_batch_provider.models import ResultLine
+
+
+@dataclass(frozen=True)
+class ResultFile:
+    """One result file: its id (for messages), its source and the batch it belongs to."""
+
+    file_id: str
+    source: str
+    batch_id: str | None
+
+
+@dataclass
+class RawResults:
+    """The raw lines of a merge's result files, for the warehouse to parse.
+
+    :param files: the result files, in reading order (it may grow while ``lines`` is read; the
+        rows' batch ids are rendered once the lines are loaded).
+    :param lines: ``(file index, line number, bytes)`` of every non-blank line, in order.
+    :param shape: the vendor dialect's line shape (None: Python reads every line).
+    :param parse: reads one line in Python exactly as the hook does, ``(file index, line
+        number, bytes) -> ResultLine`` (raising, or recording, an unreadable line).
+    """
+
+    files: Sequence[ResultFile]
+    lines: Iterable[tuple[int, int, bytes]]
+    shape: LineShape | None
+    parse: Callable[[int, int, bytes], ResultLine]
+
+    def parsed(self) -> Iterator[tuple[ResultLine, str | None]]:
+        """Every line read by Python: the Python path's ``(result line, batch id)`` pairs."""
+        for f, number, data in self.lines:
+            yield self.parse(f, number, data), self.files[f].batch_id
+
+
+def raw_records(lines: Iterable[tuple[int, int, bytes]]) -> Iterator[bytes]:
+    """Staging records ``seq \\x01 file \\x01 line number \\x01 line \\x01 hex`` (the line, or
+    for a line that cannot travel as text, its bytes in hex), one per line, without line end."""
+    for seq, (f, number, data) in enumerate(lines, start=1):
+        # ``in`` is a memchr-speed scan; a regular expression class took ~25 us a line.
+        safe = not (b"\x01" in data or b"\x02" in data or b"\r" in data or b"\x00" in data)
+        if safe and not data.isascii():
+            try:
+                data.decode()
+            except UnicodeDecodeError:
+                safe = False
+        if safe:
+            yield b"%d\x01%d\x01%d\x01%s\x01" % (seq, f, number, data)
+        else:
+            yield b"%d\x01%d\x01%d\x01\x01%s" % (seq, f, number, data.hex().encode())
+
+
+#: First byte of a staged line that travels as hex (a byte no line that travels as text holds).
+HEXED = b"\x03"
+
+
+@dataclass
+class LineNumbers:
+    """Where each staged line came from, kept as runs ``(first seq, file index, first line
+    number)``: a run ends where the file changes or a blank line was skipped."""
+
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def locate(self, seq: int) -> tuple[int, int]:
+        """``(file index, line number)`` of staged line ``seq``."""
+        start, f, number = self.runs[bisect.bisect_right(self.runs, (seq, 1 << 62, 0)) - 1]
+        return f, number + seq - start
+
+    def file_sql(self, seq: str) -> str:
+        """SQL giving the file index of the staged line whose number is the expression ``seq``."""
+        starts = [
+            (start, f) for i, (start, f, _) in enumerate(self.runs) if i == 0 or self.runs[i - 1][1] != f
+        ]
+        if not starts:
+            return "NULL"
+        return "CASE " + " ".join(f"WHEN {seq} >= {start} THEN {f}" for start, f in reversed(starts)) + " END"
+
+
+def bare_records(lines: Iterable[tuple[int, int, bytes]], numbers: LineNumbers) -> Iterator[bytes]:
+    """The lines as they are, for a one-column COPY that numbers them itself (their files and
+    line numbers go to ``numbers``); a line that cannot travel as text goes as ``HEXED`` + hex."""
+    runs = numbers.runs
+    f_run = n_next = -1
+    for seq, (f, number, data) in enumerate(lines, start=1):
+        if number != n_next or f != f_run:
+            runs.append((seq, f, number))
+            f_run = f
+        n_next = number + 1
+        # ``in`` is a memchr-speed scan; a regular expression class took ~25 us a line.
+        if b"\x01" in data or b"\x02" in data or b"\x03" in data or b"\r" in data or b"\x00" in data:
+            data = HEXED + data.hex().encode()
+        elif not data.isascii():
+            try:
+                data.decode()
+            except UnicodeDecodeError:
+                data = HEXED + data.hex().encode()
+        yield data
+
+
+class JsonSql:
+    """The JSON primitives one database offers to :func:`result_row_sql` (PostgreSQL jsonb,
+    DuckDB json...). Kinds are ``object, array, string, integer, number, boolean, null``,
+    NULL for a path that is absent."""
+
+    #: Appended to a subquery whose columns must be computed once, not inlined into each use.
+    fence: str = ""
+    #: Statements run before the rows are computed, and after (to restore the session).
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+    #: Rows are computed from each chunk of raw lines as it is loaded, and only the lines Python
+    #: must read are kept (see ``SqlDialect.load_raw_lines``).
+    while_loading: bool = False
+    #: Why ``parse_in="auto"`` leaves the lines to Python on this database (None: it does not).
+    not_auto: str | None = None
+
+    def digits(self, text: str) -> str:
+        """Whether a text expression is a non-negative integer written in digits."""
+        raise NotImplementedError
+
+    def leaves(self, raw: str, paths: Sequence[tuple[str | int, ...]]) -> str:
+        """A FROM item over the staging table ``raw`` giving ``seq, f, n`` and, for each path
+        ``i``, ``l{i}`` (its JSON value or NULL) and ``k{i}`` (its kind)."""
+        raise NotImplementedError
+
+    def text(self, leaf: str) -> str:
+        """The value of a string leaf."""
+        raise NotImplementedError
+
+    def number(self, leaf: str) -> str:
+        """The value of a number leaf (for its truth)."""
+        raise NotImplementedError
+
+    def integer(self, leaf: str) -> str:
+        """The exact value of an integer leaf, or of a text expression of digits."""
+        raise NotImplementedError
+
+    def length(self, leaf: str) -> str:
+        """The length of an array leaf."""
+        raise NotImplementedError
+
+    def json_text(self, leaf: str) -> str:
+        """A leaf as JSON text."""
+        raise NotImplementedError
+
+    def int_text(self, expression: str) -> str:
+        """An exact integer as decimal text."""
+        return f"CAST({expression} AS VARCHAR)"
+
+
+def literal(text: str) -> str:
+    """``text`` as an SQL string literal."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+class _Leaves:
+    """Names the JSON paths a row needs and gives the SQL of each leaf, its kind and tests."""
+
+    def __init__(self, json: JsonSql) -> None:
+        self.json = json
+        self.paths: list[tuple[str | int, ...]] = []
+        self._index: dict[tuple[str | int, ...], int] = {}
+
+    def __call__(self, path: tuple[str | int, ...]) -> int:
+        if path not in self._index:
+            self._index[path] = len(self.paths)
+            self.paths.append(path)
+        return self._index[path]
+
+    def is_(self, i: int, *kinds: str) -> str:
+        return f"COALESCE(k{i} IN ({', '.join(literal(k) for k in kinds)}), FALSE)"
+
+    def nullish(self, i: int) -> str:
+        return f"(k{i} IS NULL OR k{i} = 'null')"
+
+    def text(self, i: int) -> str:
+        return self.json.text(f"l{i}")
+
+    def str_or_null(self, i: int) -> str:
+        return f"CASE WHEN k{i} = 'string' THEN {self.text(i)} END"
+
+    def strish(self, i: int) -> str:
+        """Null, absent or a string: what ``str_or_none`` turns into text without Python's ``str()``."""
+        return f"(k{i} IS NULL OR k{i} IN ('string', 'null'))"
+
+    def truthy(self, i: int) -> str:
+        """Python's truth of the JSON value."""
+        j = self.json
+        return (
+            f"COALESCE(CASE k{i} WHEN 'string' THEN {j.text(f'l{i}')} <> '' "
+            f"WHEN 'integer' THEN {j.number(f'l{i}')} <> 0 WHEN 'number' THEN {j.number(f'l{i}')} <> 0 "
+            f"WHEN 'boolean' THEN {j.json_text(f'l{i}')} = 'true' WHEN 'array' THEN {j.length(f'l{i}')} > 0 "
+            f"WHEN 'object' THEN {j.json_text(f'l{i}')} <> '{{}}' ELSE FALSE END, FALSE)"
+        )
+
+    def count(self, i: int) -> str:
+        """A token count as ``extract_usage`` believes it, else NULL."""
+        n = self.json.integer(f"l{i}")
+        return f"CASE WHEN k{i} = 'integer' AND {n} BETWEEN 0 AND {MAX_TOKEN_COUNT} THEN {n} END"
+
+
+#: The staged results columns :func:`result_row_sql` gives, in order, before ``py``.
+ROW_COLUMNS = (
+    "custom_id",
+    "seq",
+    "status",
+    "content",
+    "embedding",
+    "finish_reason",
+    "model",
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
+    "error_code",
+    "error_message",
+    "batch_id",
+)
+
+
+def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequence[str | None]) -> str:
+    """A SELECT over the staging table ``raw`` giving :data:`ROW_COLUMNS` and ``py``, the flag
+    of a line Python must read (its other columns are then not to be used).
+
+    It is ``Dialect.parse_result_line`` (the OpenAI rules) followed by ``ResultMapper.row``
+    without extra columns or output schema, clause by clause.
+    """
+    leaf = _Leaves(json)
+    line = leaf(())
+    cid = leaf(shape.custom_id)
+    resp = shape.response
+    sc = leaf((*resp, shape.status_code))
+    body_path = (*resp, shape.body)
+    body = leaf(body_path)
+    err = leaf(shape.error)
+    err_code, err_msg = leaf((*shape.error, "code")), leaf((*shape.error, "message"))
+    inner = leaf((*body_path, "error"))
+    inner_code, inner_msg = leaf((*body_path, "error", "code")), leaf((*body_path, "error", "message"))
+    model = leaf((*body_path, "model"))
+    choices, c0 = leaf((*body_path, "choices")), leaf((*body_path, "choices", 0))
+    msg_path: tuple[str | int, ...] = (*body_path, "choices", 0, "message")
+    msg = leaf(msg_path)
+    content, tools, refusal = (leaf((*msg_path, k)) for k in ("content", "tool_calls", "refusal"))
+    text, finish = leaf((*body_path, "choices", 0, "text")), leaf((*body_path, "choices", 0, "finish_reason"))
+    data, obj = leaf((*body_path, "data")), leaf((*body_path, "object"))
+    d0, emb = leaf((*body_path, "data", 0)), leaf((*body_path, "data", 0, "embedding"))
+    output, otext = leaf((*body_path, "output")), leaf((*body_path, "output_text"))
+    details = leaf((*body_path, "incomplete_details"))
+    reason, bstatus = leaf((*body_path, "incomplete_details", "reason")), leaf((*body_path, "status"))
+    usage = leaf((*body_path, "usage"))
+    tokens = {
+        k: leaf((*body_path, "usage", k))
+        for k in ("prompt_tokens", "input_tokens", "completion_tokens", "output_tokens", "total_tokens")
+    }
+    j = json
+    t = leaf.text
+    sc_int = (
+        f"CASE WHEN k{sc} = 'integer' THEN {j.integer(f'l{sc}')} "
+        f"WHEN k{sc} = 'string' AND {j.digits(t(sc))} THEN {j.integer(t(sc))} END"
+    )
+    ok2xx = "COALESCE(sc_int >= 200 AND sc_int < 300, FALSE)"
+    ekind = (
+        f"CASE WHEN {leaf.nullish(err)} AND {ok2xx} THEN 'none' WHEN k{err} = 'object' THEN 'obj' "
+        f"WHEN k{err} = 'string' AND {t(err)} <> '' THEN 'str' "
+        f"WHEN sc_int IS NOT NULL AND NOT {ok2xx} THEN 'http' WHEN {ok2xx} THEN 'none' ELSE 'unknown' END"
+    )
+    answer = (
+        f"CASE WHEN NOT {leaf.is_(body, 'object')} THEN 'none' "
+        f"WHEN k{choices} = 'array' AND k{c0} = 'object' THEN 'chat' "
+        f"WHEN k{data} = 'array' AND k{obj} = 'string' AND {t(obj)} = 'list' THEN 'emb' "
+        f"WHEN k{output} = 'array' OR k{otext} IS NOT NULL THEN 'resp' ELSE 'none' END"
+    )
+    # Levels of values that later clauses read more than once, each computed once per line
+    # (``fence`` keeps a planner from inlining a level into every reference).
+    fence = j.fence
+    # Token counts as extract_usage believes them (n<leaf>), the prompt's and completion's.
+    pt, it, ct, ot, tt = tokens.values()
+    counts = ", ".join(f"{leaf.count(i)} AS n{i}" for i in tokens.values())
+    prompt = f"CASE WHEN k{usage} = 'object' THEN CASE WHEN {leaf.nullish(pt)} THEN n{it} ELSE n{pt} END END"
+    completion = (
+        f"CASE WHEN k{usage} = 'object' THEN CASE WHEN {leaf.nullish(ct)} THEN n{ot} ELSE n{ct} END END"
+    )
+    level1 = (
+        f"SELECT y0.*, {ekind} AS e_kind, {prompt} AS p_tok, {completion} AS c_tok FROM (SELECT x.*, "
+        f"{sc_int} AS sc_int, {answer} AS a_kind, {counts} "
+        f"FROM {j.leaves(raw, leaf.paths)} x{fence}) y0{fence}"
+    )
+    http = j.int_text("sc_int")
+    code = (
+        f"CASE e_kind WHEN 'none' THEN NULL WHEN 'obj' THEN {leaf.str_or_null(err_code)} "
+        f"WHEN 'str' THEN 'error' WHEN 'http' THEN CASE WHEN k{inner} = 'object' "
+        f"AND k{inner_code} = 'string' AND {t(inner_code)} <> '' THEN {t(inner_code)} "
+        f"ELSE 'http_' || {http} END ELSE 'unknown_error' END"
+    )
+    message = (
+        f"CASE e_kind WHEN 'obj' THEN {leaf.str_or_null(err_msg)} WHEN 'str' THEN {t(err)} "
+        f"WHEN 'http' THEN CASE WHEN k{inner} = 'object' THEN {leaf.str_or_null(inner_msg)} "
+        f"WHEN k{inner} = 'string' AND {t(inner)} <> '' THEN {t(inner)} END "
+        f"WHEN 'unknown' THEN 'line failed with status None' END"
+    )
+    chat_content = (
+        f"CASE WHEN k{msg} = 'object' THEN CASE WHEN {leaf.nullish(content)} THEN "
+        f"CASE WHEN k{refusal} = 'string' AND {t(refusal)} <> '' AND NOT {leaf.truthy(tools)} "
+        f"THEN {t(refusal)} END "
+        f"WHEN k{content} = 'string' THEN {t(content)} END "
+        f"ELSE {leaf.str_or_null(text)} END"
+    )
+    content_sql = (
+        f"CASE a_kind WHEN 'chat' THEN {chat_content} WHEN 'resp' THEN {leaf.str_or_null(otext)} END"
+    )
+    resp_reason = (
+        f"CASE WHEN k{details} = 'object' AND {leaf.truthy(reason)} THEN {leaf.str_or_null(reason)} "
+        f"ELSE {leaf.str_or_null(bstatus)} END"
+    )
+    level2 = f"SELECT y1.*, {code} AS e_code, {content_sql} AS a_content FROM ({level1}) y1{fence}"
+    finish_sql = f"CASE a_kind WHEN 'chat' THEN {leaf.str_or_null(finish)} WHEN 'resp' THEN {resp_reason} END"
+    single_vector = (
+        f"(a_kind = 'emb' AND {j.length(f'l{data}')} = 1 AND k{d0} = 'object' AND NOT {leaf.nullish(emb)})"
+    )
+    embedding_sql = f"CASE WHEN {single_vector} THEN {j.json_text(f'l{emb}')} END"
+    total = (
+        f"CASE WHEN k{usage} = 'object' THEN CASE WHEN NOT {leaf.nullish(tt)} THEN n{tt} "
+        "WHEN p_tok IS NOT NULL OR c_tok IS NOT NULL THEN COALESCE(p_tok, 0) + COALESCE(c_tok, 0) END END"
+    )
+    bad_tokens = " OR ".join(f"(NOT {leaf.nullish(i)} AND n{i} IS NULL)" for i in tokens.values())
+    # What only Python reads exactly: each clause names a case of parse_result_line or row().
+    python = " OR ".join(
+        f"COALESCE({clause}, FALSE)"
+        for clause in (
+            f"NOT {leaf.is_(line, 'object')}",
+            f"NOT {leaf.is_(cid, 'string')}",
+            f"{t(cid)} = ''",
+            f"(e_kind = 'obj' AND NOT ({leaf.strish(err_code)} AND {leaf.strish(err_msg)}))",
+            f"(e_kind = 'http' AND k{inner} = 'object' AND NOT ({leaf.strish(inner_code)} "
+            f"AND {leaf.strish(inner_msg)}))",
+            f"(e_kind = 'http' AND NOT {leaf.strish(inner)} AND k{inner} <> 'object')",
+            # Lines counted as unreadable are counted by the mapper.
+            "e_code = 'invalid_result_line'",
+            # Answers that are JSON text or joined parts.
+            f"(a_kind = 'chat' AND k{msg} = 'object' AND {leaf.nullish(content)} AND {leaf.truthy(tools)})",
+            f"(a_kind = 'chat' AND k{msg} = 'object' AND k{content} = 'array')",
+            f"(a_kind = 'emb' AND NOT {single_vector})",
+            f"(a_kind = 'resp' AND k{otext} IS DISTINCT FROM 'string' AND k{output} = 'array' "
+            f"AND {j.length(f'l{output}')} > 0)",
+            # No answer this mapper knows: the whole body is the answer, as JSON text.
+            f"(e_kind = 'none' AND a_kind <> 'emb' AND {leaf.is_(body, 'object')} AND a_content IS NULL)",
+            f"(k{usage} = 'object' AND ({bad_tokens}))",
+        )
+    )
+    status = (
+        f"CASE WHEN e_kind = 'none' AND NOT {leaf.is_(body, 'object')} THEN 'invalid_output' "
+        "WHEN e_kind = 'none' THEN 'succeeded' ELSE CASE e_code WHEN 'batch_expired' THEN 'expired' "
+        f"WHEN 'batch_cancelled' THEN 'cancelled' ELSE 'failed' END END"
+    )
+    empty = f"e_kind = 'none' AND NOT {leaf.is_(body, 'object')}"
+    batch = (
+        "CASE f "
+        + " ".join(f"WHEN {i} THEN {'NULL' if b is None else literal(b)}" for i, b in enumerate(batch_ids))
+        + " END"
+        if batch_ids
+        else "NULL"
+    )
+    columns = (
+        f"CASE WHEN k{cid} = 'string' THEN {t(cid)} END",
+        "seq",
+        status,
+        "a_content",
+        embedding_sql,
+        finish_sql,
+        f"{leaf.str_or_null(model)}",
+        "p_tok",
+        "c_tok",
+        total,
+        f"CASE WHEN {empty} THEN 'empty_response' ELSE e_code END",
+        f"CASE WHEN {empty} THEN 'the response has no JSON object body to read an answer from' "
+        f"ELSE {message} END",
+        batch,
+        f"COALESCE({python}, TRUE)",
+    )
+    return f"SELECT {', '.join(columns)} FROM ({level2}) y"
+
+
+def file_line_reader(
+    dialect: Any, files: Sequence[ResultFile], on_bad_line: str = "fail"
+) -> Callable[[int, int, bytes], ResultLine]:
+    """The ``parse`` of :class:`RawResults`: one line read as the hook reads a result file line
+    (``on_bad_line``: ``fail`` raises naming file and line, ``record`` gives a failed line)."""
+    from airflow_batch_provider.hooks.lines import line_object
+    from airflow_batch_provider.hooks.results import result_line, result_line_or_bad
+
+    lenient = on_bad_line == "record"
+    read = result_line_or_bad if lenient else result_line
+
+    def parse(f: int, number: int, data: bytes) -> ResultLine:
+        file = files[f]
+        obj = line_object(data, number, f"file {file.file_id!r}", (), lenient)
+        return read(dialect, obj, file.source, file.file_id, number)
+
+    return parse

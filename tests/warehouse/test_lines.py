@@ -1,0 +1,325 @@
+"""The warehouse parses result lines: the SQL rendering of a LineShape writes exactly the rows
+of the Python path (dialect.parse_result_line + ResultMapper.row), line by line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from airflow_batch_provider.dialects import get_dialect
+from airflow_batch_provider.exceptions import BatchApiResponseError, WarehouseSchemaError
+from airflow_batch_provider.warehouse.lines import RawResults, ResultFile, file_line_reader
+from airflow_batch_provider.warehouse.rows import OutputSchema, ResultMapper
+from airflow_batch_provider.warehouse.write import ResultsWriter
+
+CHAT = {"object": "chat.completion", "model": "gpt-test"}
+
+
+def chat(content: Any, **message: Any) -> dict[str, Any]:
+    return {
+        **CHAT,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content, **message},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
+    }
+
+
+def ok(body: Any, status: Any = 200) -> dict[str, Any]:
+    return {"response": {"status_code": status, "request_id": "req", "body": body}, "error": None}
+
+
+def usage(**counts: Any) -> dict[str, Any]:
+    return {**chat("x"), "usage": counts}
+
+
+#: (what, line) pairs: a line is a dict (written as JSON) or the raw bytes of the line.
+CORPUS: list[tuple[str, Any]] = [
+    ("chat", ok(chat('héllo wörld ✓ 🚀 "quoted" \\ back\nnew line\ttab'))),
+    ("huge content", ok(chat("x" * 300_000))),
+    ("empty content", ok(chat(""))),
+    (
+        "tool calls",
+        ok(
+            chat(
+                None,
+                tool_calls=[
+                    {"id": "t", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+                ],
+            )
+        ),
+    ),
+    ("empty tool calls", ok(chat(None, tool_calls=[]))),
+    ("refusal", ok(chat(None, refusal="no, sorry"))),
+    ("content parts", ok(chat([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]))),
+    ("content number", ok(chat(5))),
+    ("legacy completion", ok({"model": "m", "choices": [{"text": "done", "finish_reason": "length"}]})),
+    ("message not object", ok({"choices": [{"message": "hi", "text": "t", "finish_reason": 3}]})),
+    ("empty choices", ok({"choices": [], "model": "m"})),
+    (
+        "embedding",
+        ok(
+            {
+                "object": "list",
+                "model": "e",
+                "data": [{"embedding": [0.25, -1.5, 3e-5, 1e21]}],
+                "usage": {"prompt_tokens": 3, "total_tokens": 3},
+            }
+        ),
+    ),
+    ("two embeddings", ok({"object": "list", "data": [{"embedding": [1.0]}, {"embedding": [2.0]}]})),
+    ("embedding null", ok({"object": "list", "data": [{"embedding": None}]})),
+    (
+        "responses text",
+        ok(
+            {
+                "object": "response",
+                "status": "completed",
+                "output_text": "out",
+                "output": [],
+                "usage": {"input_tokens": 4, "output_tokens": 6, "total_tokens": 10},
+            }
+        ),
+    ),
+    (
+        "responses parts",
+        ok(
+            {
+                "status": "completed",
+                "output": [
+                    {
+                        "type": "message",
+                        "content": [
+                            {"type": "output_text", "text": "p1"},
+                            {"type": "output_text", "text": "p2"},
+                        ],
+                    }
+                ],
+            }
+        ),
+    ),
+    (
+        "responses incomplete",
+        ok(
+            {
+                "status": "incomplete",
+                "output_text": "half",
+                "incomplete_details": {"reason": "max_output_tokens"},
+            }
+        ),
+    ),
+    (
+        "responses empty reason",
+        ok({"status": "incomplete", "output_text": None, "incomplete_details": {"reason": ""}}),
+    ),
+    ("moderation", ok({"id": "modr", "results": [{"flagged": False}]})),
+    (
+        "http 500",
+        {
+            "response": {"status_code": 500, "body": {"error": {"code": "server_error", "message": "died"}}},
+            "error": None,
+        },
+    ),
+    ("http 429 string", {"response": {"status_code": 429, "body": {"error": "slow down"}}, "error": None}),
+    (
+        "http 400 empty code",
+        {"response": {"status_code": 400, "body": {"error": {"code": "", "message": None}}}},
+    ),
+    ("http 404 no body", {"response": {"status_code": 404, "body": None}}),
+    ("http numeric code", {"response": {"status_code": 400, "body": {"error": {"code": 7, "message": "m"}}}}),
+    ("status string", ok(chat("s"), "200")),
+    ("status float", ok(chat("f"), 200.0)),
+    ("status 204 null body", ok(None, 204)),
+    ("status missing", {"response": {"body": chat("b")}}),
+    ("response string", {"response": "nope", "error": None}),
+    ("body array", ok([1, 2])),
+    ("expired", {"response": None, "error": {"code": "batch_expired", "message": "late"}}),
+    ("cancelled", {"response": None, "error": {"code": "batch_cancelled", "message": None}}),
+    ("error string", {"response": None, "error": "went wrong"}),
+    ("error empty string", {"response": None, "error": ""}),
+    ("error empty object", {"response": None, "error": {}}),
+    ("error numeric code", {"response": None, "error": {"code": 429, "message": "m"}}),
+    ("error on 200", {"response": {"status_code": 200, "body": chat("x")}, "error": {"code": "odd"}}),
+    ("error false on 200", ok(chat("y")) | {"error": False}),
+    ("tokens odd", ok(usage(prompt_tokens=-1, completion_tokens=True, total_tokens=10**12))),
+    ("tokens float", ok(usage(prompt_tokens=5.0, completion_tokens="5"))),
+    ("tokens input/output", ok(usage(input_tokens=4, output_tokens=6))),
+    ("tokens total null", ok(usage(prompt_tokens=4, completion_tokens=6, total_tokens=None))),
+    ("tokens only total", ok(usage(total_tokens=9))),
+    ("tokens not object", ok({**chat("u"), "usage": [1]})),
+    ("model number", ok({**chat("m"), "model": 5})),
+    ("no custom_id", b'{"response": {"status_code": 200, "body": {}}}'),
+    ("null custom_id", b'{"custom_id": null, "response": null, "error": {"code": "x"}}'),
+    ("not json", b'{"custom_id": "cut", "response": {"status'),
+    ("array line", b"[1, 2]"),
+    ("not utf-8", b'{"custom_id": "bytes", "response": null, "error": "\xff\xfe"}'),
+    ("carriage return", b'{"custom_id": "cr",\r "response": null, "error": "x"}'),
+    (
+        "spaced json",
+        b'{ "custom_id" : "spaced" , "response" : { "status_code" : 200 , "body" : '
+        b'{ "choices" : [ { "message" : { "content" : "s p" } } ] } } }',
+    ),
+]
+
+
+def corpus_lines(corpus: list[tuple[str, Any]]) -> list[bytes]:
+    lines = []
+    for number, (what, line) in enumerate(corpus):
+        if isinstance(line, dict):
+            line = orjson.dumps({"id": f"r{number}", "custom_id": f"c{number}-{what}", **line})
+        lines.append(line)
+    return lines
+
+
+def raw_results(dialect: Any, lines: list[bytes], on_bad_line: str = "record") -> RawResults:
+    files = [ResultFile("file-out", "output", "batch_1")]
+    return RawResults(
+        files,
+        ((0, n, data) for n, data in enumerate(lines, start=1)),
+        dialect.line_shape,
+        file_line_reader(dialect, files, on_bad_line),
+    )
+
+
+def merge_both(warehouse: Any, lines: list[bytes], dialect: str = "openai", **kwargs: Any) -> Any:
+    """Merge ``lines`` once per path into its own table; both tables' rows and reports."""
+    vendor = get_dialect(dialect)
+    out = []
+    for parse_in in ("python", "database"):
+        table = f"r_{parse_in}"
+        writer = ResultsWriter(warehouse.hook, table, parse_in=parse_in, **kwargs)
+        report = writer.merge(raw_results(vendor, lines)).as_dict()
+        rows = warehouse.rows(
+            "SELECT custom_id, status, content, embedding, finish_reason, model, prompt_tokens, "
+            "completion_tokens, total_tokens, error_code, error_message, batch_id "
+            f"FROM {warehouse.quote(table)} ORDER BY custom_id"
+        )
+        # DuckDB keeps JSON as text and spells some numbers its own way (1e21 / 1e+21): the
+        # embedding is compared as the JSON value both paths wrote.
+        rows = [(*r[:3], orjson.loads(r[3]) if isinstance(r[3], str) else r[3], *r[4:]) for r in rows]
+        out.append((rows, report))
+    return out
+
+
+@pytest.fixture(params=["postgres", "duckdb"])
+def parsing_warehouse(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(f"{'pg' if request.param == 'postgres' else 'duckdb'}_warehouse")
+
+
+@pytest.mark.parametrize("dialect", ["openai", "doubleword", "zerogpu"])
+@pytest.mark.parametrize("with_bad_json", [False, True], ids=["json", "a line not json"])
+def test_the_database_writes_the_rows_of_the_python_path(
+    parsing_warehouse: Any, dialect: str, with_bad_json: bool
+) -> None:
+    # A line that is not JSON makes PostgreSQL (15 has no pg_input_is_valid) hand every line to Python.
+    corpus = [(w, line) for w, line in CORPUS if with_bad_json or w != "not json"]
+    (python_rows, python_report), (sql_rows, sql_report) = merge_both(
+        parsing_warehouse, corpus_lines(corpus), dialect
+    )
+    assert len(python_rows) == len(corpus) - 2  # three unreadable lines without a custom_id share ""
+    assert sql_rows == python_rows
+    assert sql_report == python_report
+    assert python_report["bad_result_lines"] == 4 + with_bad_json
+    assert python_report["bad_token_counts"] == 2
+
+
+def test_common_lines_are_parsed_by_the_database_alone(parsing_warehouse: Any) -> None:
+    vendor = get_dialect("openai")
+    names = {
+        "chat",
+        "huge content",
+        "legacy completion",
+        "embedding",
+        "responses text",
+        "http 500",
+        "expired",
+        "error string",
+        "status string",
+        "tokens input/output",
+        "spaced json",
+    }
+    lines = corpus_lines([(w, line) for w, line in CORPUS if w in names])
+    raw = raw_results(vendor, lines)
+    parsed: list[int] = []
+    read = raw.parse
+    raw.parse = lambda f, n, data: parsed.append(n) or read(f, n, data)  # type: ignore[func-returns-value]
+    report = ResultsWriter(parsing_warehouse.hook, "t", parse_in="database").merge(raw)
+    assert parsed == []
+    assert report.rows_written == len(names)
+    assert report.prompt_tokens == 7 + 7 + 3 + 4 + 7 + 4
+
+
+def test_an_unreadable_line_fails_the_merge_as_on_the_python_path(parsing_warehouse: Any) -> None:
+    vendor = get_dialect("openai")
+    lines = corpus_lines(CORPUS[:3]) + [b'{"custom_id": "cut", "resp']
+    errors = []
+    for parse_in in ("python", "database"):
+        with pytest.raises(BatchApiResponseError) as caught:
+            ResultsWriter(parsing_warehouse.hook, "t", parse_in=parse_in).merge(
+                raw_results(vendor, lines, on_bad_line="fail")
+            )
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1] and "file 'file-out' line 4" in errors[0]
+    assert not parsing_warehouse.rows(
+        "SELECT COUNT(*) FROM information_schema.tables WHERE table_name = 't'"
+    )[0][0]
+
+
+def test_options_only_python_reads_fall_back_and_database_refuses(pg_warehouse: Any) -> None:
+    schema = OutputSchema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    for mapper in (ResultMapper(extra_columns={"x": "$.model"}), ResultMapper(output_schema=schema)):
+        writer = ResultsWriter(pg_warehouse.hook, "t", mapper=mapper)
+        assert writer.parses_lines(get_dialect("openai").line_shape) is not None
+        with pytest.raises(WarehouseSchemaError, match="parse_in='database'"):
+            ResultsWriter(pg_warehouse.hook, "t", mapper=mapper, parse_in="database").merge(
+                raw_results(get_dialect("openai"), corpus_lines(CORPUS[:1]))
+            )
+    assert get_dialect("xai").line_shape is None
+
+
+def test_auto_leaves_lines_to_python_where_the_database_measured_slower(
+    pg_warehouse: Any, duckdb_warehouse: Any
+) -> None:
+    shape = get_dialect("openai").line_shape
+    for warehouse in (pg_warehouse, duckdb_warehouse):
+        assert "slower" in str(ResultsWriter(warehouse.hook, "t").parses_lines(shape))
+        assert ResultsWriter(warehouse.hook, "t", parse_in="database").parses_lines(shape) is None
+    assert ResultsWriter(pg_warehouse.hook, "t", parse_in="python").parses_lines(shape) == "parse_in='python'"
+
+
+def test_lines_after_a_blank_line_or_in_a_second_file_keep_their_file_and_number(
+    parsing_warehouse: Any,
+) -> None:
+    vendor = get_dialect("openai")
+    good = corpus_lines(CORPUS[:2])
+    files = [ResultFile("file-out", "output", "b1"), ResultFile("file-err", "error", "b2")]
+    # Line 2 of the output file was blank (the hook skips it); the bad line is line 2 of file-err.
+    numbered = [(0, 1, good[0]), (0, 3, good[1]), (1, 1, corpus_lines(CORPUS[30:31])[0]), (1, 2, b"[1]")]
+    raw = RawResults(files, iter(numbered), vendor.line_shape, file_line_reader(vendor, files, "record"))
+    report = ResultsWriter(parsing_warehouse.hook, "t", parse_in="database").merge(raw)
+    assert report.bad_result_samples == ["file 'file-err' line 2 is not a JSON object"]
+    rows = parsing_warehouse.rows("SELECT custom_id, batch_id FROM t ORDER BY custom_id")
+    assert dict(rows) == {"": "b2", "c0-chat": "b1", "c1-huge content": "b1", f"c0-{CORPUS[30][0]}": "b2"}
+
+
+def test_line_numbers_are_kept_as_runs() -> None:
+    from airflow_batch_provider.warehouse.lines import LineNumbers, bare_records
+
+    numbers = LineNumbers()
+    lines = [(0, 1, b"{}"), (0, 2, b"a\rb"), (0, 5, b"{}"), (1, 1, b"\xff"), (1, 2, b"{}")]
+    assert list(bare_records(lines, numbers)) == [
+        b"{}",
+        b"\x03" + b"a\rb".hex().encode(),
+        b"{}",
+        b"\x03ff",
+        b"{}",
+    ]
+    assert numbers.runs == [(1, 0, 1), (3, 0, 5), (4, 1, 1)]
+    assert [numbers.locate(s) for s in range(1, 6)] == [(0, 1), (0, 2), (0, 5), (1, 1), (1, 2)]
+    assert numbers.file_sql("seq") == "CASE WHEN seq >= 4 THEN 1 WHEN seq >= 1 THEN 0 END"
