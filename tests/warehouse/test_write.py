@@ -17,7 +17,7 @@ from airflow_batch_provider.warehouse.write import MergeReport, ResultsWriter, S
 OPENAI = get_dialect("openai")
 
 
-@pytest.fixture(params=["postgres", "postgres_rounds", "duckdb", "sqlite", "mysql"])
+@pytest.fixture(params=["postgres", "postgres_rounds", "duckdb", "sqlite", "mysql", "snowflake"])
 def warehouse(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Every results database; ``postgres_rounds`` writes each result line in a round of its own."""
     kind = request.param
@@ -591,7 +591,7 @@ def test_concurrent_first_merges_create_the_table_once(kind: str, request: pytes
     ]
 
 
-@pytest.mark.parametrize("conn_type", ["redshift", "snowflake", "mssql"])
+@pytest.mark.parametrize("conn_type", ["redshift", "bigquery", "mssql"])
 def test_unsupported_results_database_is_refused_before_any_work(conn_type: str) -> None:
     """Their upsert syntax differs; the merge says so up front instead of failing after staging."""
     from airflow.providers.common.sql.hooks.sql import DbApiHook

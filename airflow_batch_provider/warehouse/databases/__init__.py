@@ -13,11 +13,12 @@ from airflow_batch_provider.warehouse.databases.base import Capabilities, SqlDia
 from airflow_batch_provider.warehouse.databases.duckdb import DuckDBSqlDialect
 from airflow_batch_provider.warehouse.databases.mysql import MySqlSqlDialect
 from airflow_batch_provider.warehouse.databases.postgres import PostgresSqlDialect
+from airflow_batch_provider.warehouse.databases.snowflake import SnowflakeSqlDialect
 from airflow_batch_provider.warehouse.databases.sqlite import SqliteSqlDialect
 
 SQL_DIALECTS: dict[str, type[SqlDialect]] = {
     conn_type: cls
-    for cls in (PostgresSqlDialect, DuckDBSqlDialect, SqliteSqlDialect, MySqlSqlDialect)
+    for cls in (PostgresSqlDialect, DuckDBSqlDialect, SqliteSqlDialect, MySqlSqlDialect, SnowflakeSqlDialect)
     for conn_type in cls.conn_types
 }
 
@@ -42,11 +43,11 @@ def get_sql_dialect(hook: Any) -> SqlDialect:
     cls = _dialect_class(hook)
     if not cls.merges:
         # Refused up front: the upsert is ON CONFLICT / ON DUPLICATE KEY, which Redshift,
-        # Snowflake, MSSQL or BigQuery reject only after every result was staged (and paid for).
+        # MSSQL or BigQuery reject only after every result was staged (and paid for).
         conn_type = str(getattr(hook, "conn_type", "") or "").lower()
         raise ConfigurationError(
             f"merging into a {conn_type or type(hook).__name__!r} connection is not supported yet; "
-            "the results table can be PostgreSQL, DuckDB, SQLite or MySQL/MariaDB "
+            "the results table can be PostgreSQL, DuckDB, SQLite, MySQL/MariaDB or Snowflake "
             "(building batches reads from any common-sql database)"
         )
     return cls(hook)
@@ -58,6 +59,7 @@ __all__ = [
     "DuckDBSqlDialect",
     "MySqlSqlDialect",
     "PostgresSqlDialect",
+    "SnowflakeSqlDialect",
     "SqlDialect",
     "SqliteSqlDialect",
     "detect_sql_dialect",
