@@ -288,9 +288,7 @@ def test_triage_with_retries(example_runs: ExampleRuns) -> None:
     assert run["xcom"]["summary"] == final
 
 
-def test_snowflake_ticket_sentiment(
-    snowflake_warehouse: Any, airflow_db: str, tmp_path: Path
-) -> None:
+def test_snowflake_ticket_sentiment(snowflake_warehouse: Any, airflow_db: str, tmp_path: Path) -> None:
     """The Snowflake example, end to end against fakesnow: build (streamed read) -> submit ->
     deferred wait -> merge (stage + COPY INTO, upsert) lands every ticket exactly once, and a
     second run adds nothing."""
@@ -301,7 +299,9 @@ def test_snowflake_ticket_sentiment(
 
     tickets = 40
     seed_warehouse(snowflake_warehouse.conn_id, tickets=tickets, products=1)
-    server = BackgroundServer(ServerConfig(port=0, data_dir=tmp_path / "server", time_scale=FAST_TIME_SCALE)).start()
+    server = BackgroundServer(
+        ServerConfig(port=0, data_dir=tmp_path / "server", time_scale=FAST_TIME_SCALE)
+    ).start()
     try:
         dag_file = str(EXAMPLES["snowflake_ticket_sentiment"])
         plan = [{"dag_id": "snowflake_ticket_sentiment", "dag_file": dag_file, "conf": {}, "env": {}}] * 2
@@ -345,7 +345,8 @@ def test_snowflake_ticket_sentiment(
     statuses = _status_counts(run, "ticket_sentiment")
     assert statuses == {"succeeded": tickets - empty, **({"rejected": empty} if empty else {})}
     rows = snowflake_warehouse.rows(
-        "SELECT ticket_id, COUNT(*), MIN(sentiment), MIN(prompt_tokens) FROM ticket_sentiment GROUP BY ticket_id"
+        "SELECT ticket_id, COUNT(*), MIN(sentiment), MIN(prompt_tokens) FROM ticket_sentiment "
+        "GROUP BY ticket_id"
     )
     assert sorted(r[0] for r in rows) == list(range(1, tickets + 1))
     for _, count, sentiment, prompt_tokens in rows:
