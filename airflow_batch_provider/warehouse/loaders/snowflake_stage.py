@@ -1,8 +1,9 @@
 """Snowflake's bulk-load engine: JSONL chunk files PUT on a temporary internal stage, one COPY INTO.
 
 Rows are written as JSON objects ``{"r": [values...]}`` to local chunk files of at most
-``chunk_bytes`` each; every file is uploaded (``PUT``, gzip-compressed by the client) to a temporary stage of the session as
-soon as it is complete and deleted locally, so the disk holds one chunk and memory one row.
+``chunk_bytes`` each; every file is uploaded (``PUT``, gzip-compressed by the client) to a
+temporary stage of the session as soon as it is complete and deleted locally, so the disk holds
+one chunk and memory one row.
 Once every chunk is on the stage, one ``COPY INTO`` loads them all into a one-``VARIANT``-column
 table (Snowflake's documented JSON load: a JSON value per row) and one ``INSERT ... SELECT``
 casts each element of ``r`` into the staging table's typed columns. (An object, not a bare
