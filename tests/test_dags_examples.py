@@ -91,6 +91,40 @@ def _duckdb_query(path: Path) -> Any:
     return query
 
 
+def run_plan(plan: list[dict[str, Any]], work: Path, extra_env: dict[str, str]) -> tuple[dict[str, Any], str]:
+    """Run ``plan`` through ``tests/e2e/dags_test_runner`` in a subprocess: (results, log)."""
+    plan_file, result_file = work / "plan.json", work / "results.json"
+    plan_file.write_text(json.dumps(plan))
+    env = dict(os.environ)
+    env.update(
+        {
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+            "AIRFLOW_BATCH_STAGING_ROOT": f"file://{work / 'staging'}",
+            "BATCH_EXAMPLES_POLL_INTERVAL": "0.5",
+            **extra_env,
+        }
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.e2e.dags_test_runner", str(plan_file), str(result_file)],
+            env=env,
+            cwd=work,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=RUN_TIMEOUT,
+            check=False,
+        )
+        log = proc.stdout
+    except subprocess.TimeoutExpired as exc:
+        log = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        log += f"\n(the example runs did not finish within {RUN_TIMEOUT}s)"
+    (work / "runner.log").write_text(log)
+    results = json.loads(result_file.read_text()) if result_file.exists() else {}
+    return results, log
+
+
 @pytest.fixture(scope="module", params=["duckdb", "postgres"])
 def example_runs(
     request: pytest.FixtureRequest, airflow_db: str, tmp_path_factory: pytest.TempPathFactory
@@ -167,37 +201,15 @@ def example_runs(
             by_id = {p["dag_id"]: p for p in plan}
             by_id["jsonl_batch_roundtrip"]["conf"] = {"output_path": str(roundtrip_output)}
             by_id["triage_with_retries"]["env"] = {"AIRFLOW_CONN_BATCH_API_DEFAULT": connection(flaky)}
-            plan_file, result_file = work / "plan.json", work / "results.json"
-            plan_file.write_text(json.dumps(plan))
-            env = dict(os.environ)
-            env.update(
+            results, log = run_plan(
+                plan,
+                work,
                 {
-                    "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
-                    "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
                     "AIRFLOW_CONN_WAREHOUSE": warehouse_json,
                     "AIRFLOW_CONN_BATCH_API_DEFAULT": connection(healthy),
-                    "AIRFLOW_BATCH_STAGING_ROOT": f"file://{work / 'staging'}",
-                    "BATCH_EXAMPLES_POLL_INTERVAL": "0.5",
                     "BATCH_EXAMPLES_MAX_LINES": str(SHARD_LINES),
-                }
+                },
             )
-            try:
-                proc = subprocess.run(
-                    [sys.executable, "-m", "tests.e2e.dags_test_runner", str(plan_file), str(result_file)],
-                    env=env,
-                    cwd=work,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    timeout=RUN_TIMEOUT,
-                    check=False,
-                )
-                log = proc.stdout
-            except subprocess.TimeoutExpired as exc:
-                log = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-                log += f"\n(the example runs did not finish within {RUN_TIMEOUT}s)"
-            (work / "runner.log").write_text(log)
-            results = json.loads(result_file.read_text()) if result_file.exists() else {}
             yield ExampleRuns(kind, results, query, roundtrip_output, log)
         finally:
             for step in reversed(cleanup):
@@ -297,7 +309,7 @@ def test_snowflake_ticket_sentiment(snowflake_warehouse: Any, airflow_db: str, t
     from airflow_batch_provider.server.config import ServerConfig
     from tests.fixtures.snowflake import snowflake_connection
 
-    tickets = 40
+    tickets = 120  # one without a body: a rejected row
     seed_warehouse(snowflake_warehouse.conn_id, tickets=tickets, products=1)
     server = BackgroundServer(
         ServerConfig(port=0, data_dir=tmp_path / "server", time_scale=FAST_TIME_SCALE)
@@ -305,52 +317,40 @@ def test_snowflake_ticket_sentiment(snowflake_warehouse: Any, airflow_db: str, t
     try:
         dag_file = str(EXAMPLES["snowflake_ticket_sentiment"])
         plan = [{"dag_id": "snowflake_ticket_sentiment", "dag_file": dag_file, "conf": {}, "env": {}}] * 2
-        plan_file, result_file = tmp_path / "plan.json", tmp_path / "results.json"
-        plan_file.write_text(json.dumps(plan))
-        port = int(snowflake_connection_port(snowflake_warehouse))
-        env = dict(os.environ)
-        env.update(
+        port = snowflake_connection_port(snowflake_warehouse)
+        results, log = run_plan(
+            plan,
+            tmp_path,
             {
-                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
-                "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
                 "AIRFLOW_CONN_SNOWFLAKE_DEFAULT": orjson.dumps(
                     snowflake_connection(port, snowflake_warehouse.schema)
                 ).decode(),
                 "AIRFLOW_CONN_BATCH_API_DEFAULT": orjson.dumps(
                     {"conn_type": "batch_api", "host": server.base_url, "password": "sk-test"}
                 ).decode(),
-                "AIRFLOW_BATCH_STAGING_ROOT": f"file://{tmp_path / 'staging'}",
-                "BATCH_EXAMPLES_POLL_INTERVAL": "0.5",
                 # The runner makes the connector speak HTTP to the emulator (tests/fixtures/snowflake.py).
                 "BATCH_TEST_SNOWFLAKE_HTTP": "1",
-            }
-        )
-        proc = subprocess.run(
-            [sys.executable, "-m", "tests.e2e.dags_test_runner", str(plan_file), str(result_file)],
-            env=env,
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=RUN_TIMEOUT,
-            check=False,
+            },
         )
     finally:
         server.stop()
-    results = json.loads(result_file.read_text()) if result_file.exists() else {}
-    run = ExampleRuns("snowflake", results, snowflake_warehouse.rows, tmp_path, proc.stdout)
+    run = ExampleRuns("snowflake", results, snowflake_warehouse.rows, tmp_path, log)
     result = run.run("snowflake_ticket_sentiment")
     assert result["tasks"]["wait"] == "success"
     empty = tickets // 97
     statuses = _status_counts(run, "ticket_sentiment")
     assert statuses == {"succeeded": tickets - empty, **({"rejected": empty} if empty else {})}
     rows = snowflake_warehouse.rows(
-        "SELECT ticket_id, COUNT(*), MIN(sentiment), MIN(prompt_tokens) FROM ticket_sentiment "
+        "SELECT ticket_id, COUNT(*), MIN(status), MIN(sentiment), MIN(prompt_tokens) FROM ticket_sentiment "
         "GROUP BY ticket_id"
     )
     assert sorted(r[0] for r in rows) == list(range(1, tickets + 1))
-    for _, count, sentiment, prompt_tokens in rows:
-        assert count == 1 and sentiment in {"positive", "neutral", "negative", "angry"} and prompt_tokens > 0
+    for _, count, status, sentiment, prompt_tokens in rows:
+        assert count == 1
+        if status == "succeeded":
+            assert sentiment in {"positive", "neutral", "negative", "angry"} and prompt_tokens > 0
+        else:
+            assert status == "rejected" and sentiment is None
 
 
 def snowflake_connection_port(warehouse: Any) -> int:
