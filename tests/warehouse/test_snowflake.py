@@ -124,3 +124,16 @@ def test_repeated_keys_in_a_manifest_are_refused_though_snowflake_enforces_no_ke
             with_batch([chat_line("a", "x"), chat_line("b", "y")]), keys=keys_for([("a", 1), ("b", 1)])
         )
     assert snowflake_warehouse.rows(f"SELECT COUNT(*) FROM {snowflake_warehouse.quote('dup')}") == [(0,)]
+
+
+def test_session_settings_point_to_the_connections_session_parameters(snowflake_warehouse: Any) -> None:
+    from airflow_batch_provider.exceptions import ConfigurationError
+
+    writer = ResultsWriter(
+        snowflake_warehouse.hook,
+        "s",
+        key_columns=[Column("id", "integer")],
+        session_settings={"QUERY_TAG": "x"},
+    )
+    with pytest.raises(ConfigurationError, match="session_parameters"):
+        writer.merge(with_batch([chat_line("a", "x")]), keys=keys_for([("a", 1)]))

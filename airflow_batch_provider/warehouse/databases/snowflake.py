@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+from airflow_batch_provider.exceptions import ConfigurationError
 from airflow_batch_provider.warehouse.databases.base import Capabilities, SqlDialect
 from airflow_batch_provider.warehouse.loaders import snowflake_stage
 from airflow_batch_provider.warehouse.rows import Column
@@ -61,7 +62,6 @@ class SnowflakeSqlDialect(SqlDialect):
         "json": "VARIANT",
     }
     merged_at_type = "TIMESTAMP_TZ"
-    set_format = "ALTER SESSION SET {} = {}"
     #: Uncompressed bytes per chunk file PUT on the stage.
     chunk_bytes = snowflake_stage.CHUNK_BYTES
 
@@ -76,6 +76,14 @@ class SnowflakeSqlDialect(SqlDialect):
         if portable == "timestamp":
             return f"CAST({expression} AS TIMESTAMP_TZ)"
         return super().cast(expression, portable)
+
+    def set_setting(self, name: str, value: Any) -> str:
+        # ALTER SESSION is not run here: the emulator the suite tests against has none, and the
+        # provider's connection already carries session parameters.
+        raise ConfigurationError(
+            f"session_settings are not applied on Snowflake ({name!r}); put session parameters in "
+            "the connection's 'session_parameters' extra instead"
+        )
 
     def drop_temp_table(self, name: str) -> str | None:
         # A DROP would commit the merge's transaction early; temp tables end with the session.
