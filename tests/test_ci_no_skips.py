@@ -134,3 +134,22 @@ def test_an_emulator_that_cannot_start_fails_under_ci(tmp_path: Path, ci: str | 
         assert ci_failure in proc.stdout
     else:
         assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("ci", ["true", None], ids=["ci", "developer"])
+def test_a_snowflake_emulator_that_cannot_start_fails_under_ci(tmp_path: Path, ci: str | None) -> None:
+    """The fakesnow fixture too: a failure under CI, a skip elsewhere."""
+    (tmp_path / "not-a-dir").write_text("")
+    proc = _child_pytest(
+        tmp_path,
+        ci,
+        probe="def test_snowflake(snowflake_warehouse):\n    pass\n",
+        plugins=("tests.fixtures.snowflake",),
+        env_extra={"BATCH_TEST_FAKESNOW_VENV": str(tmp_path / "not-a-dir" / "venv")},
+    )
+    assert "cannot install fakesnow[server]" in proc.stdout, proc.stdout[-3000:]
+    if ci:
+        assert proc.returncode == 1 and "1 error" in proc.stdout, proc.stdout[-3000:]
+        assert "under CI=true a missing emulator is a failure" in proc.stdout
+    else:
+        assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-3000:]

@@ -35,9 +35,11 @@ EXAMPLES = {
     "bigquery_ticket_triage": DAGS / "bigquery_ticket_triage.py",
     "ticket_urgency_producer": DAGS / "ticket_urgency_asset.py",
     "ticket_urgency_report": DAGS / "ticket_urgency_asset.py",
+    "snowflake_ticket_sentiment": DAGS / "snowflake_ticket_sentiment.py",
 }
-# Examples for one warehouse of their own, run by their own tests (tests/e2e/test_bigquery_pipeline.py).
-OWN_WAREHOUSE = {"bigquery_ticket_triage"}
+# Examples for one warehouse of their own, run by their own tests (tests/e2e/test_bigquery_pipeline.py,
+# test_snowflake_ticket_sentiment below), not in the DuckDB/PostgreSQL runs.
+OWN_WAREHOUSE = {"bigquery_ticket_triage", "snowflake_ticket_sentiment"}
 TICKETS = 300
 PRODUCTS = 200
 EMPTY_BODIES = TICKETS // 97  # tickets with no body: rejected by the build, by design
@@ -90,6 +92,23 @@ def _duckdb_query(path: Path) -> Any:
             return [tuple(r) for r in conn.execute(sql).fetchall()]
 
     return query
+
+
+def run_plan(plan: list[dict[str, Any]], work: Path, extra_env: dict[str, str]) -> tuple[dict[str, Any], str]:
+    """Run ``plan`` through ``tests/e2e/dags_test_runner`` in a subprocess: (results, log)."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+            "AIRFLOW_BATCH_STAGING_ROOT": f"file://{work / 'staging'}",
+            "BATCH_EXAMPLES_POLL_INTERVAL": "0.5",
+            **extra_env,
+        }
+    )
+    results, log = run_in_subprocess(plan, work, env, RUN_TIMEOUT)
+    (work / "runner.log").write_text(log)
+    return results, log
 
 
 @pytest.fixture(scope="module", params=["duckdb", "postgres"])
@@ -168,19 +187,15 @@ def example_runs(
             by_id = {p["dag_id"]: p for p in plan}
             by_id["jsonl_batch_roundtrip"]["conf"] = {"output_path": str(roundtrip_output)}
             by_id["triage_with_retries"]["env"] = {"AIRFLOW_CONN_BATCH_API_DEFAULT": connection(flaky)}
-            env = dict(os.environ)
-            env.update(
+            results, log = run_plan(
+                plan,
+                work,
                 {
-                    "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
-                    "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
                     "AIRFLOW_CONN_WAREHOUSE": warehouse_json,
                     "AIRFLOW_CONN_BATCH_API_DEFAULT": connection(healthy),
-                    "AIRFLOW_BATCH_STAGING_ROOT": f"file://{work / 'staging'}",
-                    "BATCH_EXAMPLES_POLL_INTERVAL": "0.5",
                     "BATCH_EXAMPLES_MAX_LINES": str(SHARD_LINES),
-                }
+                },
             )
-            results, log = run_in_subprocess(plan, work, env, RUN_TIMEOUT)
             yield ExampleRuns(kind, results, query, roundtrip_output, log)
         finally:
             for step in reversed(cleanup):
@@ -281,3 +296,63 @@ def test_ticket_urgency_asset(example_runs: ExampleRuns) -> None:
     assert merged["rows_written"] == TICKETS
     assert merged["counts"]["succeeded"] == TICKETS - EMPTY_BODIES
     assert example_runs.run("ticket_urgency_report")["xcom"]["summarise"] == {"events": 0, "merges": []}
+
+
+def test_snowflake_ticket_sentiment(snowflake_warehouse: Any, airflow_db: str, tmp_path: Path) -> None:
+    """The Snowflake example, end to end against fakesnow: build (streamed read) -> submit ->
+    deferred wait -> merge (stage + COPY INTO, upsert) lands every ticket exactly once, and a
+    second run adds nothing."""
+    from airflow_batch_provider.demo import seed_warehouse
+    from airflow_batch_provider.server.background import BackgroundServer
+    from airflow_batch_provider.server.config import ServerConfig
+    from tests.fixtures.snowflake import snowflake_connection
+
+    tickets = 120  # one without a body: a rejected row
+    seed_warehouse(snowflake_warehouse.conn_id, tickets=tickets, products=1)
+    server = BackgroundServer(
+        ServerConfig(port=0, data_dir=tmp_path / "server", time_scale=FAST_TIME_SCALE)
+    ).start()
+    try:
+        dag_file = str(EXAMPLES["snowflake_ticket_sentiment"])
+        plan = [{"dag_id": "snowflake_ticket_sentiment", "dag_file": dag_file, "conf": {}, "env": {}}] * 2
+        port = snowflake_connection_port(snowflake_warehouse)
+        results, log = run_plan(
+            plan,
+            tmp_path,
+            {
+                "AIRFLOW_CONN_SNOWFLAKE_DEFAULT": orjson.dumps(
+                    snowflake_connection(port, snowflake_warehouse.schema)
+                ).decode(),
+                "AIRFLOW_CONN_BATCH_API_DEFAULT": orjson.dumps(
+                    {"conn_type": "batch_api", "host": server.base_url, "password": "sk-test"}
+                ).decode(),
+                # The runner makes the connector speak HTTP to the emulator (tests/fixtures/snowflake.py).
+                "BATCH_TEST_SNOWFLAKE_HTTP": "1",
+            },
+        )
+    finally:
+        server.stop()
+    run = ExampleRuns("snowflake", results, snowflake_warehouse.rows, tmp_path, log)
+    result = run.run("snowflake_ticket_sentiment")
+    assert result["tasks"]["wait"] == "success"
+    empty = tickets // 97
+    statuses = _status_counts(run, "ticket_sentiment")
+    assert statuses == {"succeeded": tickets - empty, **({"rejected": empty} if empty else {})}
+    rows = snowflake_warehouse.rows(
+        "SELECT ticket_id, COUNT(*), MIN(status), MIN(sentiment), MIN(prompt_tokens) FROM ticket_sentiment "
+        "GROUP BY ticket_id"
+    )
+    assert sorted(r[0] for r in rows) == list(range(1, tickets + 1))
+    for _, count, status, sentiment, prompt_tokens in rows:
+        assert count == 1
+        if status == "succeeded":
+            assert sentiment in {"positive", "neutral", "negative", "angry"} and prompt_tokens > 0
+        else:
+            assert status == "rejected" and sentiment is None
+
+
+def snowflake_connection_port(warehouse: Any) -> int:
+    """The emulator's port, from the warehouse's connection."""
+    from airflow.sdk import BaseHook
+
+    return int(BaseHook.get_connection(warehouse.conn_id).extra_dejson["port"])

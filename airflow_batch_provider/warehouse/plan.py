@@ -73,14 +73,16 @@ def plan_write(
         or has no unique key on exactly ``target_keys`` where the upsert needs one.
     """
     caps = capabilities
-    check = caps.keyless_tables
+    # Nothing in a keyless table, or one whose key is not enforced, refuses two rows for one key.
+    check = caps.keyless_tables or not caps.enforces_unique_keys
+    upsert = WriteMode.UPDATE_INSERT if caps.upsert_by_update else WriteMode.UPSERT
     if columns is None:
         if not create_table:
             raise WarehouseSchemaError(f"table {table} does not exist and create_table is False")
         after_load = caps.savepoints and caps.exclusive_merge
         return WritePlan(
             # Only a merge that holds the table alone knows the new table is still empty.
-            mode=WriteMode.INSERT if caps.exclusive_merge else WriteMode.UPSERT,
+            mode=WriteMode.INSERT if caps.exclusive_merge else upsert,
             create_table=True,
             key_in_create=not after_load and not caps.keyless_tables,
             key_after_load=after_load,
@@ -110,4 +112,4 @@ def plan_write(
             f"({', '.join(target_keys)}); the merge upserts by these columns, so re-runs would "
             f"duplicate rows: add one, or merge into a new table"
         )
-    return WritePlan(WriteMode.REPLACE if replace else WriteMode.UPSERT, check_repeated_keys=check)
+    return WritePlan(WriteMode.REPLACE if replace else upsert, check_repeated_keys=check)

@@ -363,6 +363,7 @@ class ResultsWriter:
             report.bad_result_samples = list(self.mapper.bad_line_samples)
             report.bad_token_counts = self.mapper.bad_token_lines
             report.bad_token_samples = list(self.mapper.bad_token_samples)
+            self.dialect.begin_writes(conn)
             if keyed is not None:
                 self._merge_keyed(conn, report, keyed, on_retry)
             else:

@@ -12,6 +12,7 @@ from airflow_batch_provider.warehouse.databases import (
     DuckDBSqlDialect,
     MySqlSqlDialect,
     PostgresSqlDialect,
+    SnowflakeSqlDialect,
     SqlDialect,
     SqliteSqlDialect,
 )
@@ -80,6 +81,19 @@ def test_a_table_with_columns_of_its_own() -> None:
     assert plan("postgres", mine, [KEY, frozenset({"reviewer"})]) == WritePlan(WriteMode.UPSERT)
     # Not known (a DuckDB unique index lists no columns): ON CONFLICT says it if none matches.
     assert plan("postgres", mine, None) == WritePlan(WriteMode.UPSERT)
+
+
+def test_snowflake_updates_then_inserts_and_checks_keys_itself() -> None:
+    """Snowflake declares keys but never enforces them: every plan updates then inserts by key
+    (no unique key needed) and checks the manifest for repeated keys before writing."""
+    caps = SnowflakeSqlDialect.capabilities
+    common = {"table": '"t"', "target_columns": OURS, "target_keys": ["id"], "create_table": True}
+    assert plan_write(caps, columns=None, unique_keys=None, **common) == WritePlan(
+        WriteMode.UPDATE_INSERT, create_table=True, key_in_create=True, check_repeated_keys=True
+    )
+    for columns in (OURS, [*OURS, "reviewer"]):
+        got = plan_write(caps, columns=columns, unique_keys=None, **common)
+        assert got == WritePlan(WriteMode.UPDATE_INSERT, check_repeated_keys=True)
 
 
 @pytest.mark.parametrize("db", ["postgres", "sqlite", "mysql"])

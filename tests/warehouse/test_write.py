@@ -27,6 +27,7 @@ OPENAI = get_dialect("openai")
         "sqlite",
         "mysql",
         "bigquery",
+        "snowflake",
     ]
 )
 def warehouse(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -286,9 +287,10 @@ def test_crash_on_first_merge_leaves_no_table_rows(warehouse: Any) -> None:
 
     with pytest.raises(RuntimeError):
         writer.merge(exploding(), keys=keys_for([("c1", 1)]))
-    # MySQL's (and BigQuery's) CREATE TABLE commits by itself, so the table may exist; it must be empty.
-    if warehouse.kind in ("mysql", "bigquery"):
-        assert warehouse.rows("SELECT COUNT(*) FROM `fresh`") == [(0,)]
+    # MySQL's, BigQuery's and Snowflake's CREATE TABLE commits by itself, so the table may exist; it
+    # must be empty.
+    if warehouse.kind in ("mysql", "bigquery", "snowflake"):
+        assert warehouse.rows(f"SELECT COUNT(*) FROM {warehouse.quote('fresh')}") == [(0,)]
     else:
         assert (
             ResultsWriter(warehouse.hook, "fresh").dialect.probe_columns(
@@ -510,9 +512,10 @@ def test_existing_table_without_a_unique_key_is_refused(warehouse: Any) -> None:
     warehouse.run(f"CREATE TABLE {q('copy')} AS SELECT * FROM {q('results')}")
     warehouse.run(f"ALTER TABLE {q('copy')} ADD COLUMN {q('note')} {text}")
     writer = ResultsWriter(warehouse.hook, "copy", key_columns=[Column("id", "integer")])
-    if warehouse.kind in ("duckdb", "bigquery"):
-        # DuckDB and BigQuery tables need no key (see keyless_tables): rows are updated by key,
-        # the new keys inserted, and the table's own column keeps its values.
+    if warehouse.kind in ("duckdb", "bigquery", "snowflake"):
+        # DuckDB and BigQuery tables need no key (see keyless_tables), and Snowflake never enforces
+        # one (upsert_by_update): rows are updated by key, the new keys inserted, and the table's
+        # own column keeps its values.
         warehouse.run(f"UPDATE {q('copy')} SET {q('note')} = 'seen'")
         for answer in ("y", "z"):
             writer.merge(
@@ -561,7 +564,11 @@ def test_existing_table_with_the_key_as_unique_index_is_accepted(warehouse: Any)
         f"completion_tokens BIGINT, total_tokens BIGINT, error_code {text}, error_message {text}, "
         f"batch_id {text}, merged_at {text}, note {text})"
     )
-    warehouse.run(f"CREATE UNIQUE INDEX {q('mine_id')} ON {q('mine')} (id)")
+    if warehouse.kind == "snowflake":
+        # No indexes on Snowflake: a unique constraint, declared (never enforced).
+        warehouse.run(f"ALTER TABLE {q('mine')} ADD CONSTRAINT {q('mine_id')} UNIQUE (id)")
+    else:
+        warehouse.run(f"CREATE UNIQUE INDEX {q('mine_id')} ON {q('mine')} (id)")
     writer = ResultsWriter(warehouse.hook, "mine", key_columns=[Column("id", "integer")])
     writer.merge(with_batch([chat_line("c1", "x")]), keys=keys_for([("c1", 1)]))
     writer.merge(with_batch([chat_line("c1", "y")]), keys=keys_for([("c1", 1)]))
@@ -643,7 +650,7 @@ def test_concurrent_first_merges_create_the_table_once(kind: str, request: pytes
     ]
 
 
-@pytest.mark.parametrize("conn_type", ["redshift", "snowflake", "mssql"])
+@pytest.mark.parametrize("conn_type", ["redshift", "databricks", "mssql"])
 def test_unsupported_results_database_is_refused_before_any_work(conn_type: str) -> None:
     """Their upsert syntax differs; the merge says so up front instead of failing after staging."""
     from airflow.providers.common.sql.hooks.sql import DbApiHook

@@ -14,11 +14,19 @@ from airflow_batch_provider.warehouse.databases.bigquery import BigQuerySqlDiale
 from airflow_batch_provider.warehouse.databases.duckdb import DuckDBSqlDialect
 from airflow_batch_provider.warehouse.databases.mysql import MySqlSqlDialect
 from airflow_batch_provider.warehouse.databases.postgres import PostgresSqlDialect
+from airflow_batch_provider.warehouse.databases.snowflake import SnowflakeSqlDialect
 from airflow_batch_provider.warehouse.databases.sqlite import SqliteSqlDialect
 
 SQL_DIALECTS: dict[str, type[SqlDialect]] = {
     conn_type: cls
-    for cls in (PostgresSqlDialect, DuckDBSqlDialect, SqliteSqlDialect, MySqlSqlDialect, BigQuerySqlDialect)
+    for cls in (
+        PostgresSqlDialect,
+        DuckDBSqlDialect,
+        SqliteSqlDialect,
+        MySqlSqlDialect,
+        BigQuerySqlDialect,
+        SnowflakeSqlDialect,
+    )
     for conn_type in cls.conn_types
 }
 
@@ -42,12 +50,12 @@ def get_sql_dialect(hook: Any) -> SqlDialect:
         )
     cls = _dialect_class(hook)
     if not cls.merges:
-        # Refused up front: the upsert is ON CONFLICT / ON DUPLICATE KEY, which Redshift,
-        # Snowflake or MSSQL reject only after every result was staged (and paid for).
+        # Refused up front: a database without a tested write path (Redshift, Databricks, MSSQL)
+        # would reject the upsert only after every result was staged (and paid for).
         conn_type = str(getattr(hook, "conn_type", "") or "").lower()
         raise ConfigurationError(
             f"merging into a {conn_type or type(hook).__name__!r} connection is not supported yet; "
-            "the results table can be PostgreSQL, DuckDB, SQLite, MySQL/MariaDB or BigQuery "
+            "the results table can be PostgreSQL, DuckDB, SQLite, MySQL/MariaDB, BigQuery or Snowflake "
             "(building batches reads from any common-sql database)"
         )
     return cls(hook)
@@ -60,6 +68,7 @@ __all__ = [
     "DuckDBSqlDialect",
     "MySqlSqlDialect",
     "PostgresSqlDialect",
+    "SnowflakeSqlDialect",
     "SqlDialect",
     "SqliteSqlDialect",
     "detect_sql_dialect",

@@ -46,6 +46,10 @@ class Capabilities:
         no columns of their own).
     :param keyless_tables: a table the merge creates goes without a primary key, its rows being
         replaced by key (``upsert_by_replace``) by merges that hold the table alone.
+    :param enforces_unique_keys: a primary key refuses a second row with its key (Snowflake
+        declares keys but never enforces them: a manifest's keys are then checked for repeats).
+    :param upsert_by_update: upsert as ``UPDATE`` then ``INSERT`` in the merge's transaction
+        instead of one statement (``update_then_insert``; no unique index needed).
     """
 
     savepoints: bool = False
@@ -53,6 +57,8 @@ class Capabilities:
     exclusive_merge: bool = False
     upsert_by_replace: bool = False
     keyless_tables: bool = False
+    enforces_unique_keys: bool = True
+    upsert_by_update: bool = False
 
 
 class SqlDialect:
@@ -269,6 +275,10 @@ class SqlDialect:
 
     def begin(self, conn: Any) -> None:
         """Start the one transaction of the merge (DB-API drivers open one implicitly)."""
+
+    def begin_writes(self, conn: Any) -> None:
+        """Called once staging is done, before the first write to the results table: where DDL
+        commits an open transaction (Snowflake), the merge's transaction starts here instead."""
 
     def lock_table(self, conn: Any, table: str, schema: str | None) -> None:
         """Serialise merges into one table (concurrent first merges would race on CREATE TABLE)."""
