@@ -666,7 +666,7 @@ def main() -> int:
     parser.add_argument("--tick", type=float, default=0.01, help="event-loop monitor period")
     parser.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     parser.add_argument(
-        "--trace-turns", action="store_true", help="--scale: print the slowest loop turns and what ran in them"
+        "--trace-turns", action="store_true", help="--scale: the slowest loop turns, what ran"
     )
     parser.add_argument(
         "--gc-freeze", action="store_true", help="[batch_provider] triggerer_gc_freeze = True (see docstring)"
