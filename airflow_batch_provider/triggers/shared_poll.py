@@ -17,6 +17,8 @@ deadline, outcome: nothing about a trigger's decisions changes), but its *read* 
   it as it judges its own poll's error today (so a Retry-After or a backoff is honoured by the
   PollLoop's decisions, as before). A listing that fails for a transient reason other than a
   rate limit falls back to gets; a rate limit ends the cycle without another call.
+* triggers that wake together (their sleeps ended while the collector or a busy machine held the
+  loop) join and read a few per turn of the loop (:class:`TurnGate`), not all in one turn.
 
 The poller is keyed by the trigger class, the connection id, the dialect and a fingerprint of the
 resolved settings (a digest: a key never shows a secret), so a rotated key gets a poller of its
