@@ -203,6 +203,84 @@ async def acreate_batches(count: int, work: Path, concurrency: int = 16) -> list
     return [batch_id for _, batch_id in sorted(made)]
 
 
+class TurnTracer:
+    """``--trace-turns``: the CPU of each turn of the loop and, for the slowest turns, what ran in them.
+
+    The monitor's hold is CPU over one tick (several turns); this says which turn and which
+    callbacks: a task step is named by the innermost coroutine it resumes.
+    """
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self.turns = 0
+        self.slowest: list[tuple[float, int, list[tuple[str, int, float]]]] = []
+        self._current: dict[str, list[float]] = {}
+        self._gc = 0.0
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_start = time.thread_time()
+        else:
+            self._gc += time.thread_time() - self._gc_start
+
+    @staticmethod
+    def _name(handle: Any) -> str:
+        callback = getattr(handle, "_callback", None)
+        task = getattr(callback, "__self__", None)
+        coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+        if coro is None:
+            return getattr(callback, "__qualname__", repr(callback))
+        outer = name = getattr(coro, "__qualname__", "?")
+        inner = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+        while inner is not None and hasattr(inner, "__qualname__"):
+            name = inner.__qualname__
+            inner = getattr(inner, "cr_await", None) or getattr(inner, "ag_await", None)
+        return f"{outer}>{name}"
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        tracer = self
+        run_once = loop._run_once  # type: ignore[attr-defined]
+        handle_run = asyncio.events.Handle._run
+
+        def traced_run(handle: asyncio.Handle) -> None:
+            name = tracer._name(handle)
+            t0 = time.thread_time()
+            handle_run(handle)
+            entry = tracer._current.setdefault(name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.thread_time() - t0
+
+        def traced_run_once() -> None:
+            tracer._current = {}
+            t0, gc0 = time.thread_time(), tracer._gc
+            run_once()
+            # The collector's share is taken out, as the monitor's "hold without the collector" does.
+            spent = time.thread_time() - t0 - (tracer._gc - gc0)
+            tracer.turns += 1
+            if len(tracer.slowest) < tracer.keep or spent > tracer.slowest[-1][0]:
+                top = sorted(tracer._current.items(), key=lambda kv: -kv[1][1])[:6]
+                count = sum(int(v[0]) for v in tracer._current.values())
+                tracer.slowest.append((spent, count, [(k, int(v[0]), v[1]) for k, v in top]))
+                tracer.slowest.sort(key=lambda t: -t[0])
+                del tracer.slowest[tracer.keep :]
+
+        asyncio.events.Handle._run = traced_run  # type: ignore[method-assign]
+        loop._run_once = traced_run_once  # type: ignore[attr-defined]
+
+    def report(self, title: str) -> None:
+        print(f"slowest loop turns without the collector ({title}, {self.turns} turns):")
+        for spent, count, top in self.slowest:
+            parts = ", ".join(f"{name} x{n} {cpu * 1000:.1f}ms" for name, n, cpu in top)
+            print(f"  {spent * 1000:6.1f} ms CPU, {count} callbacks: {parts}")
+        self.slowest = []
+        self.turns = 0
+
+
+TRACER: TurnTracer | None = None
+
+
 def rss_mb() -> float:
     """Resident memory of this process now (not the peak)."""
     with open("/proc/self/statm") as fh:
@@ -368,6 +446,9 @@ async def run_phase(
         )
         for batch_id in ids
     ]
+    # Building them here took one turn of the loop (~0.1 s of CPU for 10,000, and the collections it
+    # set off); the triggerer builds each in its own turn. Let the monitor absorb it before measuring.
+    await asyncio.sleep(monitor.tick * 5)
     monitor.reset()
     cpu0, wall0 = time.process_time(), time.perf_counter()
     tasks = await start_like_a_triggerer(triggers, events)
@@ -375,7 +456,11 @@ async def run_phase(
     # (first polls are spread over min(poll interval, 10 s)).
     await asyncio.sleep(min(poll_interval, 10.0) + 2.0)
     warm = window_figures(monitor, wall0, cpu0)
+    if TRACER is not None:
+        TRACER.report(f"start-up of {len(ids)}")
     steady = await measure(monitor, window)
+    if TRACER is not None:
+        TRACER.report(f"steady state of {len(ids)}")
     steady["full_gc_ms"] = await full_collection_ms(monitor)
     steady["cycles"] = steady["polls"] / max(len(ids), 1)
     steady["cpu_per_cycle_ms"] = steady["cpu_s"] / max(steady["cycles"], 1e-9) * 1000
@@ -465,6 +550,10 @@ async def scale_phase(
 
 
 async def scale_async(args: argparse.Namespace, ids: list[str]) -> dict[str, Any]:
+    global TRACER
+    if args.trace_turns:
+        TRACER = TurnTracer()
+        TRACER.install(asyncio.get_running_loop())
     monitor = LoopMonitor(args.tick)
     monitor.start()
     await asyncio.sleep(0.5)
@@ -580,15 +669,18 @@ def main() -> int:
     parser.add_argument("--tick", type=float, default=0.01, help="event-loop monitor period")
     parser.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     parser.add_argument(
+        "--trace-turns", action="store_true", help="--scale: the slowest loop turns, what ran"
+    )
+    parser.add_argument(
         "--gc-freeze", action="store_true", help="[batch_provider] triggerer_gc_freeze = True (see docstring)"
     )
     args = parser.parse_args()
     if args.triggers is None:
         args.triggers = 10_000 if args.scale else 1000
-    if args.scale:
-        return scale_main(args)
     if args.gc_freeze:
         os.environ["AIRFLOW__BATCH_PROVIDER__TRIGGERER_GC_FREEZE"] = "True"
+    if args.scale:
+        return scale_main(args)
     with tempfile.TemporaryDirectory(prefix="bench-triggers-") as tmp:
         work = Path(tmp)
         proc, base = start_server(work / "server")

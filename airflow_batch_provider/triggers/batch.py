@@ -35,6 +35,7 @@ from airflow_batch_provider.triggers.shared_poll import (
     get_poller,
     settings_fingerprint,
     shared_polling_enabled,
+    turn_gate,
 )
 from airflow_batch_provider.waiting import (
     POLL_ERRORS,
@@ -274,6 +275,9 @@ class BatchTrigger(BaseTrigger):
             settings = await lease.hook.aget_settings()
         except POLL_ERRORS:
             return None
+        # Joining costs a little CPU: triggers whose start delays ended together (or that waited
+        # together for the connection) join a few a turn.
+        await turn_gate().enter()
         if not shared_polling_enabled(settings):
             return None
         key = PollerKey(type(self), self.batch_conn_id, self.dialect, settings_fingerprint(settings))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -14,9 +16,11 @@ import httpx
 import pytest
 
 from airflow_batch_provider.hooks.batch import BatchApiHook
+from airflow_batch_provider.models import Batch
 from airflow_batch_provider.triggers import batch as trigger_module
+from airflow_batch_provider.triggers import shared_poll
 from airflow_batch_provider.triggers.batch import BatchTrigger
-from airflow_batch_provider.triggers.shared_poll import CallLimiter, pollers
+from airflow_batch_provider.triggers.shared_poll import CallLimiter, TurnGate, pollers
 
 SECRET = "sk-shared-poll-secret-777"
 
@@ -26,11 +30,18 @@ class Vendor:
 
     :param hidden: ids the listing never shows (only a get by id does).
     :param list_faults: answers given to the first listings instead of a page.
+    :param always: an answer given to every call (a vendor that keeps refusing).
     """
 
     def __init__(
-        self, count: int, rounds: int = 2, hidden: frozenset[str] = frozenset(), list_faults: Any = ()
+        self,
+        count: int,
+        rounds: int = 2,
+        hidden: frozenset[str] = frozenset(),
+        list_faults: Any = (),
+        always: httpx.Response | None = None,
     ) -> None:
+        self.always = always
         self.ids = [f"batch_{i:05d}" for i in range(count)]
         self.rounds = rounds
         self.hidden = hidden
@@ -45,6 +56,9 @@ class Vendor:
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
+        if self.always is not None:
+            self.calls.append("list" if path == "/v1/batches" else "get")
+            return self.always
         if path == "/v1/batches":
             self.calls.append("list")
             if self.list_faults:
@@ -219,3 +233,129 @@ async def test_the_limiter_never_lets_a_minute_hold_more_than_the_ceiling() -> N
     assert limiter.calls == 500
     # Any 60 s window: at most 60 calls (a burst first, then the pace).
     assert max(sum(1 for t in starts if s <= t < s + 60) for s in starts) <= 60
+
+
+def turn_counter() -> tuple[list[int], Callable[[], None]]:
+    """A count of the event loop's turns (a callback that schedules itself for the next turn)."""
+    loop = asyncio.get_running_loop()
+    turns = [0]
+    handle: list[asyncio.Handle] = []
+
+    def tick() -> None:
+        turns[0] += 1
+        handle[:] = [loop.call_soon(tick)]
+
+    handle.append(loop.call_soon(tick))
+    return turns, lambda: handle[0].cancel()
+
+
+async def test_the_gate_lets_a_few_waiters_on_per_turn_in_order() -> None:
+    gate = TurnGate(per_turn=4)
+    turns, stop = turn_counter()
+    order: list[tuple[int, int]] = []
+
+    async def waiter(i: int) -> None:
+        await gate.enter()
+        order.append((i, turns[0]))
+
+    waiters = [asyncio.create_task(waiter(i)) for i in range(30)]
+    waiters[5].cancel()  # a waiter cancelled in the queue takes no one's place
+    await asyncio.gather(*waiters, return_exceptions=True)
+    stop()
+    assert [i for i, _ in order] == [i for i in range(30) if i != 5]
+    per_turn = Counter(turn for _, turn in order)
+    assert max(per_turn.values()) == 4 and len(per_turn) == 8
+    assert gate.turns == 8
+
+
+async def test_triggers_waking_together_join_a_few_per_turn(
+    vendor: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 100 triggers whose start delays end in the same turn (as after a long garbage collection):
+    # without the gate all 100 join and poll in that one turn.
+    monkeypatch.setattr(shared_poll, "ADMIT_PER_TURN", 8)
+    api, MockTrigger = vendor(100, rounds=0)
+    turns, stop = turn_counter()
+    joined: list[int] = []
+    real_join = shared_poll.SharedPoller.join
+
+    def join(self: Any, member: object, batch_ids: Any, poll_interval: float) -> None:
+        joined.append(turns[0])
+        real_join(self, member, batch_ids, poll_interval)
+
+    monkeypatch.setattr(shared_poll.SharedPoller, "join", join)
+    triggers = [MockTrigger(batch_ids=[b], poll_interval=0.2) for b in api.ids]
+    assert await statuses(triggers) == ["success"] * 100
+    stop()
+    assert len(joined) == 100 and max(Counter(joined).values()) <= 8
+
+
+async def test_a_vendor_that_keeps_answering_429_is_waited_out_until_the_deadline(vendor: Any) -> None:
+    limited = httpx.Response(429, headers={"retry-after": "0.25"}, json={"error": {"message": "slow down"}})
+    api, MockTrigger = vendor(10, rounds=10**6, always=limited)
+    polls: Counter[str] = Counter()
+
+    class Counted(MockTrigger):  # type: ignore[misc, valid-type]
+        async def _poll(self, hook: BatchApiHook) -> list[Batch]:
+            polls[self.batch_ids[0]] += 1
+            return await super()._poll(hook)
+
+    deadline = time.time() + 1.0
+    triggers = [
+        Counted(batch_ids=[b], poll_interval=0.02, max_consecutive_errors=1000, deadline=deadline)
+        for b in api.ids
+    ]
+
+    async def event(trigger: BatchTrigger) -> dict[str, Any]:
+        return [e.payload async for e in trigger.run()][0]
+
+    events = await asyncio.gather(*(event(t) for t in triggers))
+    # Every trigger ends at its deadline (not on its error budget, not stuck), ...
+    assert [e["termination_reason"] for e in events] == ["deadline_exceeded"] * 10
+    # ... each waited the Retry-After between its polls, not its 0.02 s interval (1 s / 0.25 s
+    # allows at most 4 retries after the first poll; the interval alone would allow ~50), ...
+    assert 1 <= max(polls.values()) <= 6, polls
+    # ... and a rate-limited listing is never followed by a get per batch (ten triggers asking
+    # together would make eleven calls): at most one call per cycle, so never more than polls.
+    assert len(api.calls) <= sum(polls.values()), api.calls
+    assert not pollers()
+
+
+async def test_a_trigger_joining_while_the_last_one_leaves_gets_a_poller_of_its_own(
+    vendor: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api, MockTrigger = vendor(2, rounds=10**6)
+    first, second = (MockTrigger(batch_ids=[b], poll_interval=0.01) for b in api.ids)
+    first_task = asyncio.create_task(statuses([first]))
+    while not api.calls:
+        await asyncio.sleep(0.01)
+    (old,) = pollers().values()
+    # The leaving poller is held just before it releases its lease of the hook until the newcomer
+    # has joined: the newcomer leases that same hook meanwhile and must find a poller that runs.
+    joined = asyncio.Event()
+    real_join = shared_poll.SharedPoller.join
+    real_release = trigger_module._release_lease
+
+    def join(self: Any, member: object, batch_ids: Any, poll_interval: float) -> None:
+        real_join(self, member, batch_ids, poll_interval)
+        if member is second:
+            joined.set()
+
+    async def release(lease: Any) -> None:
+        await joined.wait()
+        await real_release(lease)
+
+    monkeypatch.setattr(shared_poll.SharedPoller, "join", join)
+    monkeypatch.setattr(trigger_module, "_release_lease", release)
+    first_task.cancel()
+    second_task = asyncio.create_task(statuses([second]))
+    await asyncio.gather(first_task, return_exceptions=True)
+    await first.cleanup()
+    (new,) = pollers().values()
+    assert new is not old and old._task is None and new.members == 1
+    calls = len(api.calls)
+    api.rounds = -1  # every batch reads completed from now on: only the new poller can tell the trigger
+    assert await second_task == ["success"]
+    assert len(api.calls) > calls and not pollers()
+    assert not trigger_module._LEASES.get(asyncio.get_running_loop())
+    assert new.hook._aclient is None  # the last lease out closed the client
