@@ -125,13 +125,27 @@ def _redact_value(value: Any, secret: Secrets) -> Any:
     return value
 
 
-def redact_json(value: Any, secret: Secrets) -> Any:
+def redact_json(value: Any, secret: Secrets, raw: bytes | None = None) -> Any:
     """A parsed JSON answer with every secret removed from its keys and strings.
 
     A vendor may quote the request's key back in a 200 answer (a batch's ``errors``); what the
     hook parses from it reaches exceptions, XCom, trigger events and logs, so it is cleaned once here.
+
+    :param raw: the JSON text ``value`` was parsed from, when known: a text with no escape in it
+        (no backslash) holds every parsed string verbatim, so when no secret occurs in it either,
+        nothing is walked (a 100-batch listing page: ~2 ms of walking saved, a byte scan instead).
     """
+    if raw is not None and b"\\" not in raw and not _occurs(raw, secret):
+        return value
     return _redact_value(value, secret)
+
+
+def _occurs(raw: bytes, secret: Secrets) -> bool:
+    """Whether any secret occurs in ``raw`` as UTF-8 bytes."""
+    for one in (secret,) if isinstance(secret, str) or secret is None else secret:
+        if one and one.encode() in raw:
+            return True
+    return False
 
 
 # ---- a deadline per call ---------------------------------------------------------------------

@@ -356,6 +356,43 @@ async def test_key_echoed_in_batch_errors_is_redacted(
     assert credentials_in(api)  # the server did receive them, so the echo was real
 
 
+def escaped(text: str) -> bytes:
+    """``text`` as JSON \\u escapes: the same string once parsed, but not the same bytes."""
+    return "".join(f"\\u{ord(c):04x}" for c in text).encode()
+
+
+async def test_key_echoed_in_json_escapes_is_redacted(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    # A byte search of the answer for the key finds nothing here; the parsed strings hold it.
+    sent: list[bytes] = []
+
+    def echo_escaped(ex: Exchange) -> None:
+        auth = ex.request.headers.get("authorization", "")
+        batch = openai_batch(
+            "b1", "failed", errors={"object": "list", "data": [{"code": "k", "message": "key @KEY@"}]}
+        )
+        body = orjson.dumps(batch).replace(b"@KEY@", escaped(auth))
+        if ex.request.path.endswith("/batches"):
+            body = b'{"object": "list", "has_more": false, "data": [' + body + b"]}"
+        sent.append(body)
+        ex.respond(200, body)
+
+    api = hostile_server()
+    api.route("/v1/batches/b1", echo_escaped)
+    api.route("/v1/batches", echo_escaped)
+    hook = hostile_hook(api)
+    batches = [hook.get_batch("b1"), await hook.aget_batch("b1"), *hook.list_batches()]
+    batches += [b async for b in hook.alist_batches()]
+    await hook.aclose()
+    hook.close()
+    assert len(batches) == 4
+    for batch in batches:
+        assert batch.errors[0].message == "key Bearer ***"
+        assert SECRET not in batch.model_dump_json()
+    assert all(escaped(SECRET) in body and SECRET.encode() not in body for body in sent)
+
+
 async def test_key_echoed_in_a_result_file_is_redacted(
     hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
 ) -> None:
