@@ -182,13 +182,19 @@ class PollLoop:
         """A poll read every batch at ``now``."""
         self.errors = 0
         self.last = batches
+        key = progress_key(batches)
+        if key == self.last_key and (self.deadline is None or now < self.deadline):
+            # The same states and counts as the last poll, which decided "running": only the
+            # deadline could change that. Thousands of triggers polling unchanged batches each
+            # interval skip the outcome's sums and its progress line.
+            self.interval = min(self.interval * self.backoff, self.max_poll_interval)
+            return Step(sleep=until_deadline(self.interval, self.deadline, now))
         outcome = decide(batches, deadline=self.deadline, now=now)
         if outcome.is_terminal:
             return Step(
                 event=outcome.event(self.batch_ids),
                 info=f"Batch watch ended ({outcome.status}): {outcome.message}",
             )
-        key = progress_key(batches)
         info = None
         if key != self.last_key:
             elapsed = (now - self.submitted_at).total_seconds() if self.submitted_at else None
@@ -304,6 +310,7 @@ async def await_batches(
     max_consecutive_errors: int = 5,
     log: Any,
     read: Callable[[], Awaitable[list[Batch]]] | None = None,
+    read_after: Callable[[float], Awaitable[list[Batch]]] | None = None,
 ) -> dict[str, Any]:
     """Poll from the event loop until a terminal outcome; returns the event, never raises a poll error.
 
@@ -311,15 +318,20 @@ async def await_batches(
     so a slow or dripping vendor cannot hold the watch past its deadline.
 
     :param read: reads the batches (default: :func:`aread_batches` with ``hook``).
+    :param read_after: reads the batches after the first poll, given the seconds the loop decided
+        to wait (default: sleep that long, then ``read``). Shared polling passes one that wakes the
+        watch only when its batches change, an error comes, or the deadline is near.
     """
     loop = PollLoop(
         batch_ids, deadline, submitted_at, poll_interval, max_poll_interval, backoff, max_consecutive_errors
     )
     poll = read or (lambda: aread_batches(hook, batch_ids))
+    step: Step | None = None
     while True:
         try:
+            # The budget covers the wait too when ``read_after`` waits: it ends by the deadline.
             async with asyncio.timeout(loop.budget(_now())):
-                batches = await poll()
+                batches = await (poll() if step is None or read_after is None else read_after(step.sleep))
         except POLL_ERRORS as exc:
             step = loop.failed(exc, _now())
         else:
@@ -327,7 +339,8 @@ async def await_batches(
         _report(step, log)
         if step.event is not None:
             return step.event
-        await asyncio.sleep(step.sleep)
+        if read_after is None:
+            await asyncio.sleep(step.sleep)
 
 
 def terminal_event_now(hook: BatchApiHook, batch_ids: Sequence[str], *, log: Any) -> dict[str, Any] | None:

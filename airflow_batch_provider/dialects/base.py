@@ -121,6 +121,8 @@ class Dialect:
     # Whether ``GET batches`` lists every batch of the key with its current status, newest first:
     # triggers of one connection then read their batches a page at a time instead of one by one.
     lists_batches: ClassVar[bool] = True
+    # The key of a listed batch object that holds its id (``listed_batch`` looks batches up by it).
+    listed_id_key: ClassVar[str] = "id"
     results_page_size: ClassVar[int] = 1000
     # The vendor's web page of one batch (``{batch_id}`` filled in), for the tasks' extra links;
     # None where the vendor documents none. Used only when the connection is the vendor's own host.
@@ -268,11 +270,32 @@ class Dialect:
     def list_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"limit": limit or self.list_page_size}
 
-    def parse_list_page(self, raw: Mapping[str, Any], params: Mapping[str, Any]) -> ListPage:
+    def listed_batch(self, item: Mapping[str, Any], known: Mapping[str, Batch] | None) -> Batch:
+        """A batch object of a listing page: the ``known`` batch of its id when the vendor's object
+        is unchanged (a poller listing the same thousands of batches every cycle then builds no
+        new ``Batch`` for them), else a fresh parse.
+
+        :param known: batches parsed before, by id (None: parse every item).
+        """
+        if known:
+            batch_id = item.get(self.listed_id_key) if isinstance(item, dict) else None
+            previous = known.get(batch_id) if isinstance(batch_id, str) else None
+            # ``raw`` is the object as the vendor sent it: equal objects parse to equal batches.
+            if previous is not None and previous.raw == item:
+                return previous
+        return self.parse_batch(item)
+
+    def parse_list_page(
+        self, raw: Mapping[str, Any], params: Mapping[str, Any], known: Mapping[str, Batch] | None = None
+    ) -> ListPage:
+        """One page of the batch listing: its batches and the params of the next page (None: the last).
+
+        :param known: batches parsed before, by id, reused for unchanged objects (``listed_batch``).
+        """
         # The end marker is ``has_more``; a page shorter than the limit asked for is not the end
         # (servers clamp ``limit``).
         data = raw.get("data") or []
-        batches = [self.parse_batch(item) for item in data]
+        batches = [self.listed_batch(item, known) for item in data]
         next_params = None
         last = raw.get("last_id") or (data[-1].get("id") if data else None)
         if raw.get("has_more") and last:

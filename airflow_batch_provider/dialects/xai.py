@@ -39,6 +39,7 @@ class XAIDialect(Dialect):
     label = "xAI"
     default_base_url = "https://api.x.ai/v1"
     list_keys = frozenset({"batches"})
+    listed_id_key = "batch_id"
     endpoints = frozenset(
         {
             "/v1/responses",
@@ -143,12 +144,14 @@ class XAIDialect(Dialect):
     def list_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"limit": limit or self.list_page_size}
 
-    def parse_list_page(self, raw: Mapping[str, Any], params: Mapping[str, Any]) -> ListPage:
+    def parse_list_page(
+        self, raw: Mapping[str, Any], params: Mapping[str, Any], known: Mapping[str, Batch] | None = None
+    ) -> ListPage:
         # The end marker is an absent or null pagination_token, whatever the page's length.
         items = raw.get("batches") or raw.get("data") or []
         token = raw.get("pagination_token")
         next_params = {**params, "pagination_token": token} if token else None
-        return ListPage(batches=[self.parse_batch(item) for item in items], next_params=next_params)
+        return ListPage(batches=[self.listed_batch(item, known) for item in items], next_params=next_params)
 
     def results_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"limit": limit or self.results_page_size}

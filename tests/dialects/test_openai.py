@@ -175,6 +175,21 @@ def test_list_page() -> None:
     assert D.parse_list_page({"data": [], "has_more": True}, {"limit": 2}).next_params is None
 
 
+def test_list_page_gives_back_known_batches_the_vendor_shows_unchanged() -> None:
+    first = D.parse_list_page({"data": [batch(), batch(id="batch_2")]}, {"limit": 2})
+    known = {b.id: b for b in first.batches}
+    moved = batch(id="batch_2", request_counts={"total": 10, "completed": 9, "failed": 0})
+    again = D.parse_list_page({"data": [batch(), moved, batch(id="batch_3")]}, {}, known)
+    # Unchanged: the very object read before. Changed or new: parsed afresh.
+    assert again.batches[0] is known["batch_abc123"]
+    assert again.batches[1] is not known["batch_2"] and again.batches[1].request_counts.completed == 9
+    assert again.batches[2].id == "batch_3"
+    assert [b.id for b in D.parse_list_page({"data": [batch()]}, {}, None).batches] == ["batch_abc123"]
+    # An id that is not a string is parsed (and judged) as without ``known``.
+    with pytest.raises(BatchApiResponseError):
+        D.parse_list_page({"data": [{"id": ["odd"], "status": "in_progress"}]}, {}, known)
+
+
 # Lines from seed 001 (the canonical output/error shapes).
 OUTPUT_LINE = {
     "id": "batch_req_a",

@@ -96,6 +96,13 @@ def test_create_body_carries_the_identity_in_the_name() -> None:
     assert D.create_batch_body(**common) == {"name": "airflow-batch", "input_file_id": "file-1"}
 
 
+def test_list_page_gives_back_known_batches_by_batch_id() -> None:
+    known = {b.id: b for b in D.parse_list_page({"batches": [xbatch(num_pending=3)]}, {}).batches}
+    again = D.parse_list_page({"batches": [xbatch(num_pending=3), xbatch(num_pending=2)]}, {}, known)
+    assert again.batches[0] is known["batch-x1"]
+    assert again.batches[1] is not known["batch-x1"] and again.batches[1].raw["state"]["num_pending"] == 2
+
+
 def test_list_page_pagination_token() -> None:
     page = D.parse_list_page({"batches": [xbatch()], "pagination_token": "tok"}, {"limit": 1})
     assert [b.id for b in page.batches] == ["batch-x1"]
