@@ -27,7 +27,9 @@ freezes the heap; the DateTimeTrigger baseline runs before it, unfrozen).
 10,000) waiting batches in one process, first with the triggers of the connection sharing their
 polling (the default), then with one poll per trigger per interval (``shared_polling = False``, as
 before) on a sample of ``--sample`` of them, and prints vendor calls per minute, the longest loop
-stall, CPU per batch per poll cycle and memory per trigger for both, and their ratios.
+stall, CPU per waiting batch per poll interval and memory per trigger for both, and their ratios.
+CPU is counted per batch *interval* (batches x window / poll interval), not per read a trigger
+makes: with shared polling a trigger whose batch did not change is not woken to read it again.
 
 Usage: python benchmarks/bench_triggers.py [--triggers 1000] [--window 20] [--poll-interval 10]
        [--single-poll-interval 0.05] [--json]
@@ -102,10 +104,10 @@ class CountingTrigger(BatchTrigger):
             self.batch_conn_id, dialect=self.dialect, async_transport=CountingTransport(shared_transport())
         )
 
-    async def _poll(self, hook: BatchApiHook) -> list[Batch]:
+    async def _poll(self, hook: BatchApiHook, after: float | None = None) -> list[Batch]:
         global POLLS
         POLLS += len(self.batch_ids)
-        return await super()._poll(hook)
+        return await super()._poll(hook, after)
 
 
 def free_port() -> int:
@@ -344,9 +346,11 @@ async def measure(monitor: LoopMonitor, window: float) -> dict[str, float]:
     global CALLS
     monitor.reset()
     POLLS = CALLS = 0
+    refreshed0 = sum(p.refreshed for p in pollers().values())
     cpu0, wall0 = time.process_time(), time.perf_counter()
     await asyncio.sleep(window)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    refreshed = sum(p.refreshed for p in pollers().values()) - refreshed0
     late = sorted(monitor.lateness) or [0.0]
     held = sorted(monitor.held) or [0.0]
     return {
@@ -359,6 +363,8 @@ async def measure(monitor: LoopMonitor, window: float) -> dict[str, float]:
         "cpu_s": cpu,
         "cpu_share": cpu / wall,
         "polls": POLLS,
+        # Batch states the shared pollers read from the vendor (per-trigger polling: its polls).
+        "vendor_reads": refreshed or POLLS,
         "calls": CALLS,
         "max_stall_ms": late[-1] * 1000,
         "p99_stall_ms": late[min(len(late) - 1, int(len(late) * 0.99))] * 1000,
@@ -570,9 +576,14 @@ async def scale_async(args: argparse.Namespace, ids: list[str]) -> dict[str, Any
     await monitor.stop()
     for row in (shared, per_trigger):
         row["net_cpu_s"] = max(row["cpu_s"] - idle["cpu_share"] * row["wall_s"], 0.0)
-        # CPU per batch per poll cycle: one poll cycle reads every batch once.
-        row["cpu_per_batch_poll_us"] = row["net_cpu_s"] / max(row["polls"], 1) * 1e6
-        row["calls_per_batch_poll"] = row["calls"] / max(row["polls"], 1)
+        # CPU per waiting batch per poll interval: what keeping one batch watched at this interval
+        # costs, however many reads its trigger made (a watching trigger reads only on news).
+        row["batch_intervals"] = row["batches"] * row["wall_s"] / args.poll_interval
+        row["cpu_per_batch_poll_us"] = row["net_cpu_s"] / max(row["batch_intervals"], 1e-9) * 1e6
+        row["calls_per_batch_poll"] = row["calls"] / max(row["batch_intervals"], 1e-9)
+        # ... and per batch state read from the vendor (a ceiling that slows the cycles lowers
+        # the CPU per interval, not this).
+        row["cpu_per_vendor_read_us"] = row["net_cpu_s"] / max(row["vendor_reads"], 1) * 1e6
         row["cycles"] = row["polls"] / row["batches"]
     n = len(ids)
     per_trigger["calls_per_minute_at_n"] = per_trigger["calls_per_minute"] * n / per_trigger["batches"]
@@ -605,15 +616,16 @@ def scale_main(args: argparse.Namespace) -> int:
         f"window {args.window}s; per-trigger polling measured on {per['batches']} of them"
     )
     print(
-        f"{'mode':<12} {'batches':>7} {'polls':>7} {'calls':>6} {'calls/min':>9} {'calls/poll':>10} "
-        f"{'cpu/batch/poll':>14} {'cpu share':>9} {'max stall':>9} {'max hold':>8} {'hold-gc':>8} "
-        f"{'mem/trigger':>11} {'objs/trigger':>12}"
+        f"{'mode':<12} {'batches':>7} {'reads':>7} {'vendor reads':>12} {'calls':>6} {'calls/min':>9} "
+        f"{'calls/b-int':>11} {'cpu/batch-int':>14} {'cpu/v-read':>10} {'cpu share':>9} {'max stall':>9} "
+        f"{'max hold':>8} {'hold-gc':>8} {'mem/trigger':>11} {'objs/trigger':>12}"
     )
     for name, row in (("shared", shared), ("per-trigger", per)):
         print(
-            f"{name:<12} {row['batches']:>7} {row['polls']:>7} {row['calls']:>6} "
-            f"{row['calls_per_minute']:>9.0f} {row['calls_per_batch_poll']:>10.3f} "
-            f"{row['cpu_per_batch_poll_us']:>11.0f} us {row['cpu_share'] * 100:>8.1f}% "
+            f"{name:<12} {row['batches']:>7} {row['polls']:>7} {row['vendor_reads']:>12} {row['calls']:>6} "
+            f"{row['calls_per_minute']:>9.0f} {row['calls_per_batch_poll']:>11.3f} "
+            f"{row['cpu_per_batch_poll_us']:>11.0f} us {row['cpu_per_vendor_read_us']:>7.0f} us "
+            f"{row['cpu_share'] * 100:>8.1f}% "
             f"{row['max_stall_ms']:>7.1f}ms {row['max_loop_cpu_hold_ms']:>6.1f}ms "
             f"{row['max_hold_without_gc_ms']:>6.1f}ms {row['rss_per_trigger_kb']:>8.1f} KB "
             f"{row['objects_per_trigger']:>12.1f}"
@@ -629,21 +641,25 @@ def scale_main(args: argparse.Namespace) -> int:
     )
     calls_ratio = per["calls_per_minute_at_n"] / max(shared["calls_per_minute"], 1e-9)
     cpu_ratio = shared["cpu_per_batch_poll_us"] / max(per["cpu_per_batch_poll_us"], 1e-9)
+    read_ratio = shared["cpu_per_vendor_read_us"] / max(per["cpu_per_vendor_read_us"], 1e-9)
     print(
         f"per-trigger polling of all {n} at this interval: ~{per['calls_per_minute_at_n']:.0f} calls/min and "
         f"~{per['cpu_share_at_n'] * 100:.0f}% of a core (scaled from the sample)"
     )
     print(
-        f"ratios shared/per-trigger: vendor calls per minute 1/{calls_ratio:.0f}, CPU per batch per poll "
-        f"{cpu_ratio:.3f}x, max loop hold without the collector "
+        f"ratios shared/per-trigger: vendor calls per minute 1/{calls_ratio:.0f}, CPU per batch per interval "
+        f"{cpu_ratio:.3f}x, CPU per batch state read from the vendor {read_ratio:.3f}x, max loop hold "
+        "without the collector "
         f"{shared['max_hold_without_gc_ms'] / max(per['max_hold_without_gc_ms'], 1e-9):.2f}x"
     )
     hold = max(shared["max_hold_without_gc_ms"], w["max_hold_without_gc_ms"])
-    ok = cpu_ratio <= 0.1 and hold <= 50 and shared["pollers_left_after_cancel"] == 0
+    worst = max(cpu_ratio, read_ratio)
+    ok = worst <= 0.1 and hold <= 50 and shared["pollers_left_after_cancel"] == 0
     print(
         "PASS" if ok else "FAIL",
-        f"(CPU per batch per poll at most a tenth of per-trigger polling: {cpu_ratio:.3f}x; the triggers' "
-        f"own code holds the loop at most 50 ms: {hold:.1f} ms; no poller left after cancelling)",
+        f"(CPU per batch, per interval and per read from the vendor, at most a tenth of per-trigger "
+        f"polling: {worst:.3f}x; the triggers' own code holds the loop at most 50 ms: {hold:.1f} ms; "
+        "no poller left after cancelling)",
     )
     return 0 if ok else 1
 

@@ -41,6 +41,31 @@ def test_interval_backs_off_while_nothing_changes_and_resets_on_progress() -> No
     assert sleeps == [10.0, 20.0, 30.0, 30.0, 10.0]
 
 
+def test_unchanged_polls_are_not_decided_again_but_the_deadline_still_ends_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import airflow_batch_provider.waiting as waiting
+
+    decided: list[datetime | None] = []
+    real = waiting.decide
+
+    def counting(batches: Any, *, deadline: datetime | None = None, now: datetime | None = None) -> Any:
+        decided.append(now)
+        return real(batches, deadline=deadline, now=now)
+
+    monkeypatch.setattr(waiting, "decide", counting)
+    loop = PollLoop(["b1"], deadline=NOW + timedelta(seconds=60), poll_interval=10.0, backoff=2.0)
+    steps = [loop.polled([running(0)], NOW + timedelta(seconds=s)) for s in (0, 10, 30)]
+    assert [s.sleep for s in steps] == [10.0, 20.0, pytest.approx(30.01)]
+    assert [s.info is not None for s in steps] == [True, False, False]
+    # Progress is decided (and logged); unchanged states are not, until the deadline has passed.
+    assert loop.polled([running(1)], NOW + timedelta(seconds=40)).info is not None
+    assert loop.polled([running(1)], NOW + timedelta(seconds=50)).event is None
+    ended = loop.polled([running(1)], NOW + timedelta(seconds=60))
+    assert ended.event is not None and ended.event["status"] == "timeout"
+    assert decided == [NOW, NOW + timedelta(seconds=40), NOW + timedelta(seconds=60)]
+
+
 def test_sleep_and_poll_are_clipped_at_the_deadline() -> None:
     loop = PollLoop(["b1"], deadline=NOW + timedelta(seconds=5), poll_interval=30.0)
     assert loop.polled([running()], NOW).sleep == pytest.approx(5.01)
@@ -142,6 +167,11 @@ def test_sync_and_async_loops_make_the_same_decisions(
     async def watch() -> list[dict[str, Any]]:
         return [event.payload async for event in MockTrigger(batch_ids=["b1"], **SETTINGS).run()]
 
+    # The trigger's own loop: with shared polling (tests/triggers/test_shared_poll.py) a watch
+    # between changes is paced by the connection's poller, not by the trigger's sleeps.
+    extra = {"max_retries": 0, "shared_polling": False}
+    conn = {"conn_type": "batch_api", "host": "http://mock/v1", "extra": extra}
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", json.dumps(conn))
     monkeypatch.setattr(asyncio, "sleep", record_sleep)
     async_events = asyncio.run(watch())
 

@@ -20,7 +20,7 @@ import weakref
 import zlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -38,6 +38,7 @@ from airflow_batch_provider.triggers.shared_poll import (
     turn_gate,
 )
 from airflow_batch_provider.waiting import (
+    DEADLINE_SLACK,
     POLL_ERRORS,
     acancel_batches,
     aread_batches,
@@ -260,10 +261,18 @@ class BatchTrigger(BaseTrigger):
         fraction = zlib.crc32(",".join(self.batch_ids).encode()) / 0xFFFFFFFF
         return fraction * min(self.poll_interval, MAX_START_SPREAD)
 
-    async def _poll(self, hook: BatchApiHook) -> list[Batch]:
-        if self._poller is not None:
+    async def _poll(self, hook: BatchApiHook, after: float | None = None) -> list[Batch]:
+        """Read the batches: now (``after`` None), or as the next poll once the loop decided to
+        wait ``after`` seconds (with shared polling: when they change, or at the deadline)."""
+        if self._poller is None:
+            return await aread_batches(hook, self.batch_ids)
+        if after is None:
             return await self._poller.read(self)
-        return await aread_batches(hook, self.batch_ids)
+        deadline = self.deadline_at
+        deadline_in = None
+        if deadline is not None:
+            deadline_in = max((deadline - datetime.now(timezone.utc)).total_seconds(), 0.0) + DEADLINE_SLACK
+        return await self._poller.read_after(self, after, deadline_in)
 
     async def _join_shared_polling(self, lease: _HookLease) -> SharedPoller | None:
         """The connection's shared poller, joined; None when this trigger polls on its own.
@@ -288,7 +297,13 @@ class BatchTrigger(BaseTrigger):
             return lease.hook, lambda: _release_lease(lease)
 
         poller = get_poller(key, make, calls_per_minute(settings))
-        poller.join(self, self.batch_ids, self.poll_interval)
+        poller.join(
+            self,
+            self.batch_ids,
+            self.poll_interval,
+            backoff=self.backoff,
+            max_poll_interval=self.max_poll_interval,
+        )
         return poller
 
     async def _leave_shared_polling(self) -> None:
@@ -315,6 +330,7 @@ class BatchTrigger(BaseTrigger):
                 max_consecutive_errors=self.max_consecutive_errors,
                 log=self.log,
                 read=lambda: self._poll(hook),
+                read_after=(lambda seconds: self._poll(hook, seconds)) if self._poller is not None else None,
             )
             yield TriggerEvent(event)
         finally:

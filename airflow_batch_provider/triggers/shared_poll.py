@@ -249,11 +249,16 @@ def turn_gate() -> TurnGate:
 
 @dataclass
 class _Member:
-    """A joined trigger: its batches, how old a state may be to answer it, when it was last answered."""
+    """A joined trigger: its batches, how old a state may be to answer it, when it was last answered,
+    what it was given then, whether its last read failed, and its pace (interval, backoff, longest)."""
 
     batch_ids: tuple[str, ...]
     max_age: float
+    backoff: float = 1.0
+    max_interval: float = math.inf
     read_at: float = 0.0
+    given: tuple[Batch, ...] = ()
+    failed: bool = True  # (no read yet: the first one is a plain read)
 
 
 @dataclass(frozen=True)
@@ -297,20 +302,42 @@ class SharedPoller:
         self._unregister = unregister
         self._members: dict[object, _Member] = {}
         self._registered: dict[str, int] = {}  # batch id -> triggers watching it
-        self._seen: dict[str, tuple[Batch, float]] = {}  # batch id -> (last state, when read)
+        # Batch id -> last state, and when it was read. A listing that shows a batch unchanged
+        # gives back the same Batch (see ``Dialect.listed_batch``), so a cycle over thousands of
+        # waiting batches allocates no long-lived objects: the collector's full passes stay rare.
+        self._seen: dict[str, Batch] = {}
+        self._seen_at: dict[str, float] = {}
         self._waiting: dict[str, list[asyncio.Future[Batch]]] = {}
-        self._demand = asyncio.Event()
+        # Batch id -> the futures of triggers watching it for news (see ``read_after``).
+        self._watchers: dict[str, list[asyncio.Future[None]]] = {}
+        self._wakeup = asyncio.Event()
+        self._last_cycle = -math.inf
+        self._quiet = 0  # cycles in a row in which no batch changed
+        self._changed = False
         self._task: asyncio.Task[None] | None = None
         self._can_list = True
         self._installed = False
         self.cycles = 0
         self.list_pages = 0
         self.gets = 0
+        self.refreshed = 0  # states of registered batches read from the vendor
 
     # ---- membership ------------------------------------------------------------------------
-    def join(self, member: object, batch_ids: Sequence[str], poll_interval: float) -> None:
+    def join(
+        self,
+        member: object,
+        batch_ids: Sequence[str],
+        poll_interval: float,
+        *,
+        backoff: float = 1.0,
+        max_poll_interval: float | None = None,
+    ) -> None:
+        """Register a trigger's batches and its pace (``poll_interval``, ``backoff`` after a poll
+        that saw no change, up to ``max_poll_interval``): the poller's own cycles, which serve
+        watching triggers, keep the fastest pace among its triggers."""
         ids = tuple(batch_ids)
-        self._members[member] = _Member(ids, poll_interval * FRESH_FRACTION)
+        longest = max(poll_interval, max_poll_interval) if max_poll_interval is not None else math.inf
+        self._members[member] = _Member(ids, poll_interval * FRESH_FRACTION, max(backoff, 1.0), longest)
         for batch_id in ids:
             self._registered[batch_id] = self._registered.get(batch_id, 0) + 1
         if self._task is None:
@@ -326,6 +353,7 @@ class SharedPoller:
             else:
                 self._registered.pop(batch_id, None)
                 self._seen.pop(batch_id, None)
+                self._seen_at.pop(batch_id, None)
         if self._members:
             return False
         # Out of the registry before any await: a trigger joining meanwhile gets a new poller
@@ -363,22 +391,26 @@ class SharedPoller:
         await turn_gate().enter()
         entry = self._members[member]
         batch_ids = entry.batch_ids
-        seen = [self._seen.get(b) for b in batch_ids]
         oldest = max(time.monotonic() - entry.max_age, entry.read_at)
-        if all(s is not None and s[1] > oldest for s in seen):
-            entry.read_at = max(s[1] for s in seen if s is not None)
-            return [s[0] for s in seen if s is not None]
+        seen_at = self._seen_at
+        if all(seen_at.get(b, -math.inf) > oldest for b in batch_ids):
+            entry.read_at = max(seen_at[b] for b in batch_ids)
+            batches = [self._seen[b] for b in batch_ids]
+            entry.given, entry.failed = tuple(batches), False
+            return batches
         loop = asyncio.get_running_loop()
         futures = []
         for batch_id in batch_ids:
             future: asyncio.Future[Batch] = loop.create_future()
             self._waiting.setdefault(batch_id, []).append(future)
             futures.append(future)
-        self._demand.set()
+        self._wakeup.set()
+        entry.failed = True  # until the read succeeds
         try:
             batches = [await futures[0]] if len(futures) == 1 else list(await asyncio.gather(*futures))
             # What it was given now is not news to it at its next read.
             entry.read_at = time.monotonic()
+            entry.given, entry.failed = tuple(batches), False
             return batches
         finally:
             # Cancelled (a trigger leaving, a poll budget spent) or failed on one id: the others
@@ -386,6 +418,60 @@ class SharedPoller:
             for batch_id, future in zip(batch_ids, futures, strict=True):
                 if future.cancel() or future.cancelled():
                     self._drop(batch_id, future)
+
+    async def read_after(self, member: object, sleep: float, deadline_in: float | None) -> list[Batch]:
+        """A joined trigger's next read, once its poll loop decided to wait ``sleep`` seconds.
+
+        After a read that succeeded, the trigger is not woken each interval to be told that
+        nothing changed: it waits until a cycle (the poller's own, at the pace of its fastest
+        trigger) shows one of its batches changed or fails for them, or until ``deadline_in``
+        seconds have passed (its deadline), then reads. After a failed read it waits ``sleep``
+        (the loop's retry wait: interval, backoff, Retry-After) and reads, as it always has.
+        10,000 waiting batches then cost their listing each cycle, not 10,000 wake-ups.
+        """
+        entry = self._members[member]
+        if entry.failed:
+            await asyncio.sleep(sleep)
+            return await self.read(member)
+        if not self._news(entry):
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            for batch_id in entry.batch_ids:
+                self._watchers.setdefault(batch_id, []).append(future)
+            # The poller's schedule may now be due sooner (or due at all).
+            self._wakeup.set()
+            # (A cycle's error for its batches is this read's error.)
+            deadline = asyncio.timeout(deadline_in)
+            try:
+                async with deadline:
+                    await future
+            except TimeoutError:
+                if not deadline.expired():
+                    entry.failed = True
+                    raise
+            except BaseException:
+                entry.failed = True
+                raise
+            finally:
+                future.cancel()
+                for batch_id in entry.batch_ids:
+                    self._unwatch(batch_id, future)
+        return await self.read(member)
+
+    def _news(self, entry: _Member) -> bool:
+        """Whether a batch of ``entry`` changed since it was last given them."""
+        seen = self._seen
+        return len(entry.given) != len(entry.batch_ids) or any(
+            seen.get(b) is not g for b, g in zip(entry.batch_ids, entry.given, strict=True)
+        )
+
+    def _unwatch(self, batch_id: str, future: asyncio.Future[None]) -> None:
+        watchers = self._watchers.get(batch_id)
+        if watchers is None:
+            return
+        with contextlib.suppress(ValueError):
+            watchers.remove(future)
+        if not watchers:
+            del self._watchers[batch_id]
 
     def _drop(self, batch_id: str, future: asyncio.Future[Batch]) -> None:
         waiters = self._waiting.get(batch_id)
@@ -398,12 +484,23 @@ class SharedPoller:
 
     # ---- settling the futures ---------------------------------------------------------------
     def _settle(self, batch_id: str, batch: Batch | None = None, error: BaseException | None = None) -> int:
-        """Answer the triggers waiting for ``batch_id``; returns how many were woken."""
+        """Answer the triggers reading ``batch_id``, and wake those watching it if it changed or
+        failed; returns how many were woken."""
+        woken = 0
         if batch is not None and batch_id in self._registered:
-            self._seen[batch_id] = (batch, time.monotonic())
+            self.refreshed += 1
+            if self._seen.get(batch_id) is not batch:
+                # A listing gives back the known Batch while the vendor's object is unchanged
+                # (``Dialect.listed_batch``): another object is news for the watchers.
+                self._changed = True
+                woken = self._notify(batch_id)
+            self._seen[batch_id] = batch
+            self._seen_at[batch_id] = time.monotonic()
+        elif error is not None:
+            woken = self._notify(batch_id, error)
         waiters = self._waiting.pop(batch_id, None)
         if not waiters:
-            return 0
+            return woken
         for future in waiters:
             if future.done():
                 continue
@@ -411,7 +508,18 @@ class SharedPoller:
                 future.set_exception(error)
             else:
                 future.set_result(batch)  # type: ignore[arg-type]
-        return len(waiters)
+        return woken + len(waiters)
+
+    def _notify(self, batch_id: str, error: BaseException | None = None) -> int:
+        """Wake the triggers watching ``batch_id`` (with the cycle's error for it, if any)."""
+        watchers = self._watchers.pop(batch_id, ())
+        for future in watchers:
+            if not future.done():
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(None)
+        return len(watchers)
 
     # ---- the cycles -----------------------------------------------------------------------------
     def _gather_window(self) -> float:
@@ -419,21 +527,47 @@ class SharedPoller:
         shortest = min((m.max_age / FRESH_FRACTION for m in self._members.values()), default=MAX_GATHER)
         return min(MAX_GATHER, shortest * GATHER_FRACTION)
 
+    def _watch_interval(self) -> float:
+        """The pace of the cycles that serve watching triggers: the fastest trigger's interval,
+        backed off by its factor for each cycle in a row that changed nothing (as its own poll
+        loop would), up to its longest interval."""
+        members = self._members.values()
+        shortest = min((m.max_age / FRESH_FRACTION for m in members), default=MAX_GATHER)
+        backoff = min((m.backoff for m in members), default=1.0)
+        longest = min((m.max_interval for m in members), default=math.inf)
+        if backoff <= 1.0 or self._quiet == 0:
+            return shortest
+        return min(shortest * backoff ** min(self._quiet, 64), max(longest, shortest))
+
+    async def _due(self) -> None:
+        """Return when a cycle is due: a trigger asked to read, or watching triggers' pace has come."""
+        while not self._waiting:
+            delay = self._last_cycle + self._watch_interval() - time.monotonic() if self._watchers else None
+            if delay is not None and delay <= 0:
+                return
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._wakeup.wait()
+
     async def _run(self) -> None:
         while True:
-            await self._demand.wait()
+            await self._due()
             # Let the triggers asking about now join this cycle (they wake on the same clock).
             await _sleep(self._gather_window())
+            self._changed = False
+            # The pace counts from a cycle's start: a cycle that takes longer than the interval
+            # (a long listing under the ceiling of calls) is followed by the next one at once.
+            self._last_cycle = time.monotonic()
             try:
                 await self._cycle()
             except Exception as exc:
                 # A bug must not strand the waiting triggers: each gets the error (and fails as
                 # its own poll would have).
                 log.exception("Shared polling of %s failed", self.key)
-                for batch_id in list(self._waiting):
+                for batch_id in {*self._waiting, *self._watchers}:
                     self._settle(batch_id, error=exc)
-            if not self._waiting:
-                self._demand.clear()
+            self._quiet = 0 if self._changed else self._quiet + 1
 
     async def _install_limiter(self) -> None:
         if not self._installed:
@@ -451,7 +585,8 @@ class SharedPoller:
     async def _cycle(self) -> None:
         await self._install_limiter()
         self.cycles += 1
-        wanted = set(self._waiting)
+        # Batches a trigger is reading now, and those watched for news.
+        wanted = {*self._waiting, *self._watchers}
         dialect = (await self.hook.aget_settings()).dialect
         if self._can_list and dialect.lists_batches and len(self._registered.keys() | wanted) > 1:
             try:
@@ -479,7 +614,7 @@ class SharedPoller:
         unseen = set(self._registered) | wanted
         budget = self.page_budget(page_size)
         read = woken = pages = 0
-        listing = self.hook.alist_batches(page_size=page_size)
+        listing = self.hook.alist_batches(page_size=page_size, known=self._seen)
         async with contextlib.aclosing(listing):  # type: ignore[type-var]
             async for batch in listing:
                 if read % page_size == 0:
@@ -506,7 +641,7 @@ class SharedPoller:
 
     async def _get_each(self, wanted: set[str]) -> None:
         """Read by id the wanted batches the listing did not show, a few at a time."""
-        todo = [b for b in wanted if b in self._waiting]
+        todo = [b for b in wanted if b in self._waiting or b in self._watchers]
         limit = asyncio.Semaphore(GET_CONCURRENCY)
         stop: list[BaseException] = []
 

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from airflow_batch_provider import waiting
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.models import Batch
 from airflow_batch_provider.triggers import batch as trigger_module
@@ -279,9 +280,9 @@ async def test_triggers_waking_together_join_a_few_per_turn(
     joined: list[int] = []
     real_join = shared_poll.SharedPoller.join
 
-    def join(self: Any, member: object, batch_ids: Any, poll_interval: float) -> None:
+    def join(self: Any, member: object, batch_ids: Any, poll_interval: float, **pace: Any) -> None:
         joined.append(turns[0])
-        real_join(self, member, batch_ids, poll_interval)
+        real_join(self, member, batch_ids, poll_interval, **pace)
 
     monkeypatch.setattr(shared_poll.SharedPoller, "join", join)
     triggers = [MockTrigger(batch_ids=[b], poll_interval=0.2) for b in api.ids]
@@ -296,9 +297,9 @@ async def test_a_vendor_that_keeps_answering_429_is_waited_out_until_the_deadlin
     polls: Counter[str] = Counter()
 
     class Counted(MockTrigger):  # type: ignore[misc, valid-type]
-        async def _poll(self, hook: BatchApiHook) -> list[Batch]:
+        async def _poll(self, hook: BatchApiHook, after: float | None = None) -> list[Batch]:
             polls[self.batch_ids[0]] += 1
-            return await super()._poll(hook)
+            return await super()._poll(hook, after)
 
     deadline = time.time() + 1.0
     triggers = [
@@ -336,8 +337,8 @@ async def test_a_trigger_joining_while_the_last_one_leaves_gets_a_poller_of_its_
     real_join = shared_poll.SharedPoller.join
     real_release = trigger_module._release_lease
 
-    def join(self: Any, member: object, batch_ids: Any, poll_interval: float) -> None:
-        real_join(self, member, batch_ids, poll_interval)
+    def join(self: Any, member: object, batch_ids: Any, poll_interval: float, **pace: Any) -> None:
+        real_join(self, member, batch_ids, poll_interval, **pace)
         if member is second:
             joined.set()
 
@@ -359,3 +360,96 @@ async def test_a_trigger_joining_while_the_last_one_leaves_gets_a_poller_of_its_
     assert len(api.calls) > calls and not pollers()
     assert not trigger_module._LEASES.get(asyncio.get_running_loop())
     assert new.hook._aclient is None  # the last lease out closed the client
+
+
+# ---- watching: a trigger is woken by news, not by every cycle ---------------------------------
+
+
+def counting_reads(MockTrigger: type[BatchTrigger]) -> tuple[type[BatchTrigger], Counter[str]]:
+    """A trigger class counting its reads (the first, and each one after a wait) per batch."""
+    reads: Counter[str] = Counter()
+
+    class Counted(MockTrigger):  # type: ignore[misc, valid-type]
+        async def _poll(self, hook: BatchApiHook, after: float | None = None) -> list[Batch]:
+            reads[self.batch_ids[0]] += 1
+            return await super()._poll(hook, after)
+
+    return Counted, reads
+
+
+async def test_a_watching_trigger_reads_again_only_when_its_batch_changes(vendor: Any) -> None:
+    # Five listings: four show the batches in progress, unchanged; the fifth shows them completed.
+    api, MockTrigger = vendor(3, rounds=4)
+    Counted, reads = counting_reads(MockTrigger)
+    triggers = [Counted(batch_ids=[b], poll_interval=0.02) for b in api.ids]
+    assert await statuses(triggers) == ["success"] * 3
+    assert api.listings == 5 and "get" not in api.calls
+    # Polling on every cycle would have read each batch five times: the first read, then the news.
+    assert reads == {b: 2 for b in api.ids}
+
+
+async def test_a_cycle_error_reaches_the_watching_triggers(
+    vendor: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api, MockTrigger = vendor(2, rounds=3)
+    limited = httpx.Response(429, headers={"retry-after": "0"}, json={"error": {"message": "slow down"}})
+    real_batch = api.batch
+    injected: list[bool] = []
+
+    def batch(batch_id: str) -> dict[str, Any]:
+        # While the first listing is answered, the next one (the first the triggers watch) is
+        # set to be refused.
+        if api.listings == 1 and not injected:
+            injected.append(True)
+            api.list_faults.append(limited)
+        return real_batch(batch_id)
+
+    monkeypatch.setattr(api, "batch", batch)
+    failed: list[str] = []
+    real_failed = waiting.PollLoop.failed
+
+    def failed_once(self: Any, exc: BaseException, now: Any) -> Any:
+        failed.append(type(exc).__name__)
+        return real_failed(self, exc, now)
+
+    monkeypatch.setattr(waiting.PollLoop, "failed", failed_once)
+    Counted, reads = counting_reads(MockTrigger)
+    triggers = [Counted(batch_ids=[b], poll_interval=0.02) for b in api.ids]
+    assert await statuses(triggers) == ["success"] * 2
+    # Each watching trigger judged the refused cycle as its own poll's error, once.
+    assert failed == ["BatchApiRateLimitError"] * 2
+    assert api.calls[:2] == ["list", "list"] and "get" not in api.calls
+
+
+async def test_a_watching_trigger_ends_at_its_deadline(vendor: Any) -> None:
+    api, MockTrigger = vendor(2, rounds=10**6)
+    Counted, reads = counting_reads(MockTrigger)
+    deadline = time.time() + 0.5
+    triggers = [Counted(batch_ids=[b], poll_interval=0.02, deadline=deadline) for b in api.ids]
+
+    async def event(trigger: BatchTrigger) -> dict[str, Any]:
+        return [e.payload async for e in trigger.run()][0]
+
+    events = await asyncio.gather(*(event(t) for t in triggers))
+    assert [e["termination_reason"] for e in events] == ["deadline_exceeded"] * 2
+    # The cycles went on every 0.02 s; the triggers read first, then once past their deadline.
+    assert api.listings > 3 and reads == {b: 2 for b in api.ids}
+    assert not pollers()
+
+
+async def test_the_poller_keeps_the_fastest_pace_and_backs_off_while_nothing_changes() -> None:
+    async def release() -> None:
+        return None
+
+    key = shared_poll.PollerKey(BatchTrigger, "c", None, "f")
+    poller = shared_poll.SharedPoller(key, None, CallLimiter(None), release)  # type: ignore[arg-type]
+    fast, slow = object(), object()
+    poller.join(fast, ["a"], 10.0, backoff=1.5, max_poll_interval=100.0)
+    poller.join(slow, ["b"], 20.0, backoff=2.0, max_poll_interval=50.0)
+    paces = []
+    for quiet in (0, 1, 2, 10):
+        poller._quiet = quiet
+        paces.append(poller._watch_interval())
+    assert paces == [10.0, 15.0, 22.5, 50.0]
+    await poller.leave(fast)
+    assert await poller.leave(slow) and poller._task is None
