@@ -134,14 +134,43 @@ class JsonSql:
     while_loading: bool = False
     #: Why ``parse_in="auto"`` leaves the lines to Python on this database (None: it does not).
     not_auto: str | None = None
+    #: The common lines are first read by :func:`common_row_sql` (a few leaves), the others by
+    #: :func:`result_row_sql`; the primitives ``parse`` to ``spelled`` below are then needed.
+    common_rows: bool = False
+
+    def parse(self, line: str) -> str:
+        """The JSON value of a line of text."""
+        raise NotImplementedError
+
+    def value(self, doc: str, path: tuple[str | int, ...]) -> str:
+        """The JSON value at ``path`` in ``doc``, NULL where there is none."""
+        raise NotImplementedError
+
+    def kind(self, value: str) -> str:
+        """The database's kind of a JSON value: ``object, array, string, number, boolean, null``."""
+        raise NotImplementedError
+
+    def numeric(self, value: str) -> str:
+        """A number value as an exact decimal."""
+        raise NotImplementedError
+
+    def whole(self, numeric: str) -> str:
+        """Whether an exact decimal from ``numeric`` was written without a fraction."""
+        raise NotImplementedError
+
+    def spelled(self, line: str) -> str:
+        """Whether the text of a line may give a member a number written with an exponent
+        (``"total_tokens": 1e2``), a spelling the database does not keep (it reads 100 where
+        Python reads a float); FALSE where the database keeps it."""
+        return "FALSE"
 
     def digits(self, text: str) -> str:
         """Whether a text expression is a non-negative integer written in digits."""
         raise NotImplementedError
 
     def leaves(self, raw: str, paths: Sequence[tuple[str | int, ...]]) -> str:
-        """A FROM item over the staging table ``raw`` giving ``seq, f, n`` and, for each path
-        ``i``, ``l{i}`` (its JSON value or NULL) and ``k{i}`` (its kind)."""
+        """A FROM item over the staging table ``raw`` giving ``seq, f``, ``ex`` (``spelled`` of the
+        line) and, for each path ``i``, ``l{i}`` (its JSON value or NULL) and ``k{i}`` (its kind)."""
         raise NotImplementedError
 
     def text(self, leaf: str) -> str:
@@ -220,6 +249,9 @@ class _Leaves:
         return f"CASE WHEN k{i} = 'integer' AND {n} BETWEEN 0 AND {MAX_TOKEN_COUNT} THEN {n} END"
 
 
+#: The token counts of ``usage`` that ``extract_usage`` reads.
+TOKEN_KEYS = ("prompt_tokens", "input_tokens", "completion_tokens", "output_tokens", "total_tokens")
+
 #: The staged results columns :func:`result_row_sql` gives, in order, before ``py``.
 ROW_COLUMNS = (
     "custom_id",
@@ -268,10 +300,7 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
     details = leaf((*body_path, "incomplete_details"))
     reason, bstatus = leaf((*body_path, "incomplete_details", "reason")), leaf((*body_path, "status"))
     usage = leaf((*body_path, "usage"))
-    tokens = {
-        k: leaf((*body_path, "usage", k))
-        for k in ("prompt_tokens", "input_tokens", "completion_tokens", "output_tokens", "total_tokens")
-    }
+    tokens = {k: leaf((*body_path, "usage", k)) for k in TOKEN_KEYS}
     j = json
     t = leaf.text
     sc_int = (
@@ -343,6 +372,7 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
         "WHEN p_tok IS NOT NULL OR c_tok IS NOT NULL THEN COALESCE(p_tok, 0) + COALESCE(c_tok, 0) END END"
     )
     bad_tokens = " OR ".join(f"(NOT {leaf.nullish(i)} AND n{i} IS NULL)" for i in tokens.values())
+    integers = " OR ".join(f"k{i} = 'integer'" for i in (sc, *tokens.values()))
     # What only Python reads exactly: each clause names a case of parse_result_line or row().
     python = " OR ".join(
         f"COALESCE({clause}, FALSE)"
@@ -365,6 +395,8 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
             # No answer this mapper knows: the whole body is the answer, as JSON text.
             f"(e_kind = 'none' AND a_kind <> 'emb' AND {leaf.is_(body, 'object')} AND a_content IS NULL)",
             f"(k{usage} = 'object' AND ({bad_tokens}))",
+            # A number read as an integer that the line may have written as 1e2 (a float).
+            f"(ex AND ({integers}))",
         )
     )
     status = (
@@ -373,13 +405,7 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
         f"WHEN 'batch_cancelled' THEN 'cancelled' ELSE 'failed' END END"
     )
     empty = f"e_kind = 'none' AND NOT {leaf.is_(body, 'object')}"
-    batch = (
-        "CASE f "
-        + " ".join(f"WHEN {i} THEN {'NULL' if b is None else literal(b)}" for i, b in enumerate(batch_ids))
-        + " END"
-        if batch_ids
-        else "NULL"
-    )
+    batch = batch_sql("f", batch_ids)
     columns = (
         f"CASE WHEN k{cid} = 'string' THEN {t(cid)} END",
         "seq",
@@ -398,6 +424,104 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
         f"COALESCE({python}, TRUE)",
     )
     return f"SELECT {', '.join(columns)} FROM ({level2}) y"
+
+
+def batch_sql(file: str, batch_ids: Sequence[str | None]) -> str:
+    """SQL giving the batch id of a line of file index ``file``."""
+    if not batch_ids:
+        return "NULL"
+    whens = " ".join(f"WHEN {i} THEN {'NULL' if b is None else literal(b)}" for i, b in enumerate(batch_ids))
+    return f"CASE {file} {whens} END"
+
+
+def common_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequence[str | None]) -> str:
+    """A SELECT over the staging table ``raw`` giving :data:`ROW_COLUMNS` and ``py`` like
+    :func:`result_row_sql`, for the two shapes nearly every line has, from ~15 leaves instead of
+    ~40: a chat completion answered with text (no error, an integer 2xx status, token counts that
+    are believed or absent) and an error object of text fields without a response body. ``py``
+    is NULL for a line of any other shape: :func:`result_row_sql` must read it.
+
+    Every column is the one :func:`result_row_sql` gives for such a line (``tests/warehouse/
+    test_lines.py`` compares both paths with Python on lines at the edges of these shapes).
+    """
+    j = json
+    body = (*shape.response, shape.body)
+    choice: tuple[str | int, ...] = (*body, "choices", 0)
+    paths: dict[str, tuple[str | int, ...]] = {
+        "cid": shape.custom_id,
+        "err": shape.error,
+        "code": (*shape.error, "code"),
+        "msg": (*shape.error, "message"),
+        "sc": (*shape.response, shape.status_code),
+        "body": body,
+        "choices": (*body, "choices"),
+        "c0": choice,
+        "content": (*choice, "message", "content"),
+        "finish": (*choice, "finish_reason"),
+        "model": (*body, "model"),
+    }
+    tokens = TOKEN_KEYS
+    paths.update({t: (*body, "usage", t) for t in tokens})
+    values = ", ".join(f"{j.value('j', p)} AS l_{name}" for name, p in paths.items())
+    kinds = ", ".join(f"{j.kind(f'l_{name}')} AS k_{name}" for name in paths)
+    texts = ", ".join(
+        f"CASE WHEN k_{name} = 'string' THEN {j.text(f'l_{name}')} END AS t_{name}"
+        for name in ("cid", "code", "msg", "content", "finish", "model")
+    )
+    numbers = ", ".join(
+        f"CASE WHEN k_{name} = 'number' THEN {j.numeric(f'l_{name}')} END AS n_{name}"
+        for name in ("sc", *tokens)
+    )
+    # A token count as extract_usage believes it; absent or null is as good (it reads None).
+    believed = " AND ".join(
+        f"(k_{t} IS NULL OR k_{t} = 'null' "
+        f"OR ({j.whole(f'n_{t}')} AND n_{t} BETWEEN 0 AND {MAX_TOKEN_COUNT}))"
+        for t in tokens
+    )
+    answered = (
+        "t_cid <> '' AND (k_err IS NULL OR k_err = 'null') "
+        f"AND {j.whole('n_sc')} AND n_sc >= 200 AND n_sc < 300 "
+        f"AND k_choices = 'array' AND k_c0 = 'object' AND k_content = 'string' AND {believed} "
+        # Last: the only test that reads the line's text again (error lines read no number).
+        f"AND NOT {j.spelled('line')}"
+    )
+    failed = (
+        "t_cid <> '' AND k_err = 'object' AND (k_code IS NULL OR k_code IN ('null', 'string')) "
+        "AND (k_msg IS NULL OR k_msg IN ('null', 'string')) "
+        "AND t_code IS DISTINCT FROM 'invalid_result_line' AND k_body IS DISTINCT FROM 'object'"
+    )
+    fence = j.fence
+    parsed = f"SELECT seq, f, line, {j.parse('line')} AS j FROM {raw} r{fence}"
+    level1 = f"SELECT seq, f, line, {values} FROM ({parsed}) a{fence}"
+    level2 = f"SELECT b.*, {kinds} FROM ({level1}) b{fence}"
+    level3 = f"SELECT c.*, {texts}, {numbers} FROM ({level2}) c{fence}"
+    level4 = (
+        f"SELECT d.*, CASE WHEN {answered} THEN 'answer' WHEN {failed} THEN 'error' END AS common "
+        f"FROM ({level3}) d{fence}"
+    )
+    n = {t: f"CAST(n_{t} AS BIGINT)" for t in tokens}
+    prompt = f"COALESCE({n['prompt_tokens']}, {n['input_tokens']})"
+    completion = f"COALESCE({n['completion_tokens']}, {n['output_tokens']})"
+    answer = "common = 'answer'"
+    columns = (
+        "CASE WHEN common IS NOT NULL THEN t_cid END",
+        "seq",
+        "CASE common WHEN 'answer' THEN 'succeeded' WHEN 'error' THEN CASE t_code "
+        "WHEN 'batch_expired' THEN 'expired' WHEN 'batch_cancelled' THEN 'cancelled' ELSE 'failed' END END",
+        f"CASE WHEN {answer} THEN t_content END",
+        "NULL",
+        f"CASE WHEN {answer} THEN t_finish END",
+        f"CASE WHEN {answer} THEN t_model END",
+        f"CASE WHEN {answer} THEN {prompt} END",
+        f"CASE WHEN {answer} THEN {completion} END",
+        f"CASE WHEN {answer} THEN COALESCE({n['total_tokens']}, CASE WHEN {prompt} IS NOT NULL "
+        f"OR {completion} IS NOT NULL THEN COALESCE({prompt}, 0) + COALESCE({completion}, 0) END) END",
+        "CASE WHEN common = 'error' THEN t_code END",
+        "CASE WHEN common = 'error' THEN t_msg END",
+        batch_sql("f", batch_ids),
+        "CASE WHEN common IS NOT NULL THEN FALSE END",
+    )
+    return f"SELECT {', '.join(columns)} FROM ({level4}) e"
 
 
 def file_line_reader(

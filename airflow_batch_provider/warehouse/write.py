@@ -31,7 +31,13 @@ from airflow_batch_provider.jsonl import iter_objects
 from airflow_batch_provider.models import ResultLine
 from airflow_batch_provider.records import KeyRecord, RejectRecord
 from airflow_batch_provider.warehouse.databases import SqlDialect, get_sql_dialect
-from airflow_batch_provider.warehouse.lines import ROW_COLUMNS, LineNumbers, RawResults, result_row_sql
+from airflow_batch_provider.warehouse.lines import (
+    ROW_COLUMNS,
+    LineNumbers,
+    RawResults,
+    common_row_sql,
+    result_row_sql,
+)
 from airflow_batch_provider.warehouse.plan import WriteMode, WritePlan, plan_write
 from airflow_batch_provider.warehouse.rows import RETRYABLE_STATUSES, STATUSES, Column, ResultMapper
 
@@ -409,9 +415,21 @@ class ResultsWriter:
         created.append(t_results)
         columns = ", ".join(q(c) for c in (*ROW_COLUMNS, "py"))
 
-        def insert(source: str) -> str:
-            select = result_row_sql(json, shape, source, [f.batch_id for f in raw.files])
+        def insert(source: str, rows: Callable[..., str] = result_row_sql) -> str:
+            select = rows(json, shape, source, [f.batch_id for f in raw.files])
             return f"INSERT INTO {q(t_results)} ({columns}) {select}"
+
+        def parse_rows(source: str) -> None:
+            if not json.common_rows:
+                self._execute(conn, insert(source))
+                return
+            # Common lines from a few leaves; the others (py NULL) from every leaf, then their
+            # placeholder rows go.
+            self._execute(conn, insert(source, common_row_sql))
+            if self._fetchall(conn, f"SELECT COUNT(*) FROM {q(t_results)} WHERE py IS NULL")[0][0]:
+                unread = f"SELECT seq FROM {q(t_results)} WHERE py IS NULL"
+                self._execute(conn, insert(f"(SELECT o.* FROM {source} o WHERE o.seq IN ({unread}))"))
+                self._execute(conn, f"DELETE FROM {q(t_results)} WHERE py IS NULL")
 
         def per_chunk(source: str) -> list[str]:
             # The chunk's rows, then the chunk's lines that Python must read.
@@ -435,15 +453,13 @@ class ResultsWriter:
         if json.while_loading:
             pass  # computed chunk by chunk while loading
         elif d.capabilities.savepoints:
-            ok, _ = self._attempt(
-                conn, "abp_lines", lambda: self._execute(conn, insert(source)), lambda exc: True
-            )
+            ok, _ = self._attempt(conn, "abp_lines", lambda: parse_rows(source), lambda exc: True)
             if not ok:
                 # A line the database cannot parse (not JSON): Python reads every line.
                 log.info("A result line is not JSON to %s; the lines are read in Python", d.name)
                 self._execute(conn, f"INSERT INTO {q(t_results)} (seq, py) SELECT seq, TRUE FROM {q(t_raw)}")
         else:
-            self._execute(conn, insert(source))
+            parse_rows(source)
         for statement in json.after:
             self._execute(conn, statement)
         sums = self._fetchall(

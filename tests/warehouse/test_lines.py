@@ -167,6 +167,68 @@ CORPUS: list[tuple[str, Any]] = [
     ),
 ]
 
+#: Lines at the edges of what the database reads alone (its fast path for common lines, and
+#: numbers whose spelling jsonb does not keep: 1e2 is 100 there, a float to Python).
+EDGES: list[tuple[str, Any]] = [
+    ("tokens at the limits", ok(usage(prompt_tokens=0, completion_tokens=10**9, total_tokens=10**9 + 1))),
+    ("tokens 9 digits", ok(usage(prompt_tokens=999_999_999, completion_tokens=1))),
+    (
+        "tokens negative zero",
+        b'{"custom_id": "nz", "response": {"status_code": 200, "body": {"choices": '
+        b'[{"message": {"content": "z"}}], "usage": {"prompt_tokens": -0, "completion_tokens": 1.50}}}}',
+    ),
+    ("status 299", ok(chat("edge"), 299)),
+    ("status 300", ok(chat("edge"), 300)),
+    ("status 199", ok(chat("edge"), 199)),
+    ("error absent", {"response": {"status_code": 200, "body": chat("no error key")}}),
+    ("error code null", {"response": None, "error": {"code": None, "message": "m"}}),
+    ("error message absent", {"response": None, "error": {"code": "c"}}),
+    (
+        "error invalid_result_line",
+        {"response": None, "error": {"code": "invalid_result_line", "message": "m"}},
+    ),
+    ("error with a body", {"response": {"status_code": 200, "body": chat("z")}, "error": {"code": "e"}}),
+    ("error with an empty body", {"response": {"status_code": 500, "body": {}}, "error": {"code": "e"}}),
+    ("choices object", ok({**chat("o"), "choices": {"0": {"message": {"content": "not a list"}}}})),
+    (
+        "finish and model not text",
+        ok({**chat("f"), "model": None, "choices": [{"message": {"content": "c"}, "finish_reason": 1}]}),
+    ),
+    ("no usage", ok({"choices": [{"message": {"content": "c"}}]})),
+    ("custom_id empty", {"custom_id": "", "response": None, "error": {"code": "x"}}),
+    (
+        "tokens exponent",
+        b'{"custom_id": "exp", "response": {"status_code": 200, "body": {"choices": [{"message": '
+        b'{"content": "e"}}], "usage": {"prompt_tokens": 1e2, "completion_tokens": 2, '
+        b'"total_tokens": 1.02E2}}}}',
+    ),
+    (
+        "status exponent",
+        b'{"custom_id": "sexp", "response": {"status_code": 2e2, "body": {"choices": [{"message": '
+        b'{"content": "e"}}]}}}',
+    ),
+    (
+        "an exponent elsewhere",
+        b'{"custom_id": "e1", "x": [1E+3], "response": {"status_code": 200, "body": {"choices": '
+        b'[{"message": {"content": "e"}}], "usage": {"prompt_tokens": 5}}}}',
+    ),
+    (
+        "exponent under an escaped key",
+        b'{"custom_id": "u1", "response": {"status_code": 200, "body": {"choices": [{"message": '
+        b'{"content": "e"}}], "usage": {"prompt\\u005ftokens": 1e2, "total\\u005Ftokens": 3}}}}',
+    ),
+    (
+        "escapes in text",
+        b'{"custom_id": "u2", "response": {"status_code": 200, "body": {"choices": [{"message": '
+        b'{"content": "caf\\u00e9 \\"a\\": 1e2"}}], "usage": {"prompt_tokens": 4}}}}',
+    ),
+    (
+        "exponent-like text",
+        b'{"custom_id": "e2", "id": "req_1e5", "response": {"status_code": 200, "body": {"choices": '
+        b'[{"message": {"content": "3e8 m/s, :1e9"}}], "usage": {"prompt_tokens": 5}}}}',
+    ),
+]
+
 
 def corpus_lines(corpus: list[tuple[str, Any]]) -> list[bytes]:
     lines = []
@@ -227,6 +289,16 @@ def test_the_database_writes_the_rows_of_the_python_path(
     assert sql_report == python_report
     assert python_report["bad_result_lines"] == 4 + with_bad_json
     assert python_report["bad_token_counts"] == 2
+
+
+def test_lines_at_the_edges_of_the_fast_path_write_the_rows_of_the_python_path(
+    parsing_warehouse: Any,
+) -> None:
+    corpus = CORPUS[:3] + EDGES + CORPUS[-1:]
+    (python_rows, python_report), (sql_rows, sql_report) = merge_both(parsing_warehouse, corpus_lines(corpus))
+    assert len(python_rows) == len(corpus)
+    assert sql_rows == python_rows
+    assert sql_report == python_report
 
 
 def test_common_lines_are_parsed_by_the_database_alone(parsing_warehouse: Any) -> None:
