@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from airflow_batch_provider.warehouse.rows import MAX_TOKEN_COUNT
@@ -48,6 +49,10 @@ class RawResults:
     lines: Iterable[tuple[int, int, bytes]]
     shape: LineShape | None
     parse: Callable[[int, int, bytes], ResultLine]
+    #: The same lines as the result files' bytes, ``(file index, chunk)`` in reading order and
+    #: split anywhere, where the caller has the files as they are: a database that stages lines
+    #: as text then takes them in chunks instead of line by line (see :func:`raw_blocks`).
+    chunks: Iterable[tuple[int, bytes]] | None = None
 
     def parsed(self) -> Iterator[tuple[ResultLine, str | None]]:
         """Every line read by Python: the Python path's ``(result line, batch id)`` pairs."""
@@ -70,6 +75,31 @@ def raw_records(lines: Iterable[tuple[int, int, bytes]]) -> Iterator[bytes]:
             yield b"%d\x01%d\x01%d\x01%s\x01" % (seq, f, number, data)
         else:
             yield b"%d\x01%d\x01%d\x01\x01%s" % (seq, f, number, data.hex().encode())
+
+
+@dataclass
+class SharedParse:
+    """A second connection computes the rows of a share of the raw lines, in rounds, while the
+    first stages the rest: parsing JSON is most of the database's work, and one backend uses one
+    core (see ``SqlDialect.load_raw_lines``).
+
+    :param connect: opens the second connection (the loader closes it, having committed nothing).
+    :param parse: ``(connection, raw lines FROM item, results table)``: computes the rows of the
+        FROM item's lines into the results table (``ROW_COLUMNS``, ``py``) on that connection.
+    :param results: the first connection's results table, which also gets the ``line`` of each
+        line the second connection flagged for Python.
+    :param columns: the SQL column list of a results table (``ROW_COLUMNS``, ``py``, ``line``).
+    :param before: statements the second connection runs first (those the first ran).
+    :param meanwhile: work of the first connection once it has parsed its share, while the
+        second may still parse (staging the keys).
+    """
+
+    connect: Callable[[], Any]
+    parse: Callable[[Any, str, str], None]
+    results: str
+    columns: str
+    before: Sequence[str] = ()
+    meanwhile: Callable[[], None] | None = None
 
 
 #: First byte of a staged line that travels as hex (a byte no line that travels as text holds).
@@ -98,6 +128,29 @@ class LineNumbers:
         return "CASE " + " ".join(f"WHEN {seq} >= {start} THEN {f}" for start, f in reversed(starts)) + " END"
 
 
+def _travels(data: bytes) -> bool:
+    """Whether bytes of whole lines can travel as they are in the staging COPY: no byte the
+    COPY reads (its delimiter, quote, ``HEXED``, a carriage return, NUL), no line ``\\.`` (the
+    end of data; never in valid JSON), valid UTF-8."""
+    # ``in`` is a memchr-speed scan; a regular expression class took ~25 us a line.
+    if b"\x01" in data or b"\x02" in data or b"\x03" in data or b"\r" in data or b"\x00" in data:
+        return False
+    # A backslash first: a one-byte search is memchr-fast, a longer one ~50 times slower.
+    if b"\\" in data and (data == b"\\." or data.startswith(b"\\.\n") or b"\n\\.\n" in data):
+        return False
+    if not data.isascii():
+        try:
+            data.decode()
+        except UnicodeDecodeError:
+            return False
+    return True
+
+
+def _record(data: bytes) -> bytes:
+    """One line as it travels: as it is, or ``HEXED`` + its hex."""
+    return data if _travels(data) else HEXED + data.hex().encode()
+
+
 def bare_records(lines: Iterable[tuple[int, int, bytes]], numbers: LineNumbers) -> Iterator[bytes]:
     """The lines as they are, for a one-column COPY that numbers them itself (their files and
     line numbers go to ``numbers``); a line that cannot travel as text goes as ``HEXED`` + hex."""
@@ -108,15 +161,65 @@ def bare_records(lines: Iterable[tuple[int, int, bytes]], numbers: LineNumbers) 
             runs.append((seq, f, number))
             f_run = f
         n_next = number + 1
-        # ``in`` is a memchr-speed scan; a regular expression class took ~25 us a line.
-        if b"\x01" in data or b"\x02" in data or b"\x03" in data or b"\r" in data or b"\x00" in data:
-            data = HEXED + data.hex().encode()
-        elif not data.isascii():
-            try:
-                data.decode()
-            except UnicodeDecodeError:
-                data = HEXED + data.hex().encode()
-        yield data
+        yield _record(data)
+
+
+def raw_blocks(raw: RawResults, numbers: LineNumbers) -> Iterator[tuple[bytes, int]]:
+    """The COPY text of the raw lines for a one-column COPY that numbers rows itself, in blocks
+    ``(text, rows)``; where each row came from goes to ``numbers``.
+
+    From ``raw.chunks``, whole lines go as they are, a chunk at a time, blank lines included
+    (rows the database must skip: empty, or only the blanks ``bytes.strip`` drops); only a
+    chunk holding bytes that cannot travel is split into lines (blank ones skipped, the others
+    as :func:`bare_records` sends them).
+    """
+    if raw.chunks is None:
+        records = bare_records(raw.lines, numbers)
+        # Joined in C: a Python step per record measured ~0.7 us a line.
+        while batch := list(islice(records, 2048)):
+            yield b"\n".join(batch) + b"\n", len(batch)
+        return
+    runs = numbers.runs
+    seq = 1
+    f_now, number, carry = -1, 1, b""
+
+    def note(f: int, line: int) -> None:
+        # A run starts where rows stop continuing the last one.
+        if not runs or runs[-1][1] != f or runs[-1][2] + seq - runs[-1][0] != line:
+            runs.append((seq, f, line))
+
+    def whole(f: int, body: bytes) -> Iterator[tuple[bytes, int]]:
+        """Whole lines of file ``f`` (``body`` ends with a newline) starting at line ``number``."""
+        nonlocal seq, number
+        rows = body.count(b"\n")
+        if _travels(body):
+            note(f, number)
+            seq += rows
+            number += rows
+            yield body, rows
+            return
+        records = []
+        for data in body.split(b"\n")[:-1]:
+            if data.strip():
+                note(f, number)
+                records.append(_record(data))
+                seq += 1
+            number += 1
+        if records:
+            yield b"\n".join(records) + b"\n", len(records)
+
+    for f, chunk in raw.chunks:
+        if f != f_now:
+            if carry:
+                yield from whole(f_now, carry + b"\n")
+            f_now, number, carry = f, 1, b""
+        data = carry + chunk if carry else chunk
+        cut = data.rfind(b"\n") + 1
+        carry = data[cut:]
+        if cut:
+            yield from whole(f, data[:cut])
+    if carry:
+        yield from whole(f_now, carry + b"\n")
 
 
 class JsonSql:

@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import os
+import queue
 import tempfile
 import threading
 import time
@@ -397,3 +398,130 @@ def load_in_rounds(
     return _overlapped_copy(
         conn, _without_nul(rows), before, load_rounds, segment=ROUND_BYTES, double_every=ROUNDS_PER_SIZE
     )
+
+
+# ---- raw lines parsed by two connections ---------------------------------------------------
+#: Bytes of raw lines per round where a second connection parses a share of them: a round is
+#: held in memory while it is sent (or spooled for the second connection).
+SHARED_ROUND_BYTES = 4 << 20
+#: Of every ``SHARED_CYCLE`` rounds, ``SHARED_MAIN`` (spread evenly) are parsed by the first
+#: connection, the others by the second: the first also stages the keys and the second's rows,
+#: so it takes less than half (balanced on 1M chat lines, bench_merge.py).
+SHARED_MAIN, SHARED_CYCLE = 7, 16
+
+
+def record_rounds(blocks: Iterable[tuple[bytes, int]], size: int) -> Iterator[tuple[list[bytes], int]]:
+    """Blocks of COPY text ``(text, rows)`` gathered in rounds of about ``size`` bytes: the
+    round's blocks and how many rows they hold."""
+    round_blocks: list[bytes] = []
+    have = count = 0
+    for block, rows in blocks:
+        round_blocks.append(block)
+        have += len(block)
+        count += rows
+        if have >= size:
+            yield round_blocks, count
+            round_blocks, have, count = [], 0, 0
+    if round_blocks:
+        yield round_blocks, count
+
+
+def copy_shared(
+    conn: Any,
+    helper: Any,
+    rounds: Iterable[tuple[list[bytes], int]],
+    first_round: Callable[[Any, int], str],
+    second_round: Callable[[int], tuple[Sequence[str], str, Callable[[], Any], str]],
+    after_rounds: Callable[[], Any],
+) -> tuple[int, list[IO[bytes]]]:
+    """Load ``rounds`` of raw lines: those of the first connection (``conn``) are sent by this
+    thread, those of the second (``helper``) are spooled to a thread that loads and parses them
+    there and spools the rows it reads out (COPY TO), one file per round.
+
+    :param first_round: ``(cursor, number of the round's first line)``: readies ``conn`` for the
+        round and gives its COPY statement.
+    :param second_round: ``number of the round's first line`` -> statements readying the second
+        connection, its COPY statement, what parses the round there, the query of its rows.
+    :param after_rounds: run on ``conn`` once every round is sent (while the second connection
+        may still parse): parses the first connection's lines.
+    :return: the lines loaded and the spooled rows of the second connection, in order.
+    """
+    todo: queue.Queue[tuple[int, IO[bytes]] | None] = queue.Queue(maxsize=4)
+    out: list[IO[bytes]] = []
+    failed = threading.Event()
+
+    def parse_rounds() -> None:
+        cur = helper.cursor()
+        try:
+            while (item := todo.get()) is not None:
+                first, spooled = item
+                readying, copy_sql, parse, rows = second_round(first)
+                for statement in readying:
+                    cur.execute(statement)
+                spooled.seek(0)
+                with spooled, cur.copy(copy_sql) as copy:
+                    while chunk := spooled.read(1 << 20):
+                        copy.write(chunk)
+                parse()
+                target = tempfile.TemporaryFile(prefix="abp-rows-")  # noqa: SIM115
+                out.append(target)
+                with cur.copy(f"COPY ({rows}) TO STDOUT") as copy:
+                    for data in copy:
+                        target.write(data)
+                target.seek(0)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            cur.close()
+
+    seq = 1
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="abp-pg-parse") as pool:
+        parsing = pool.submit(parse_rounds)
+        try:
+            cur = conn.cursor()
+            try:
+                for number, (blocks, count) in enumerate(rounds):
+                    if failed.is_set():
+                        break
+                    # Spread evenly: round ``number`` is the first connection's when it brings
+                    # the first's count of rounds up to the next whole number.
+                    if (number + 1) * SHARED_MAIN // SHARED_CYCLE > number * SHARED_MAIN // SHARED_CYCLE:
+                        with cur.copy(first_round(cur, seq)) as copy:
+                            for block in blocks:
+                                copy.write(block)
+                    else:
+                        spooled = tempfile.TemporaryFile(prefix="abp-lines-")  # noqa: SIM115
+                        for block in blocks:
+                            spooled.write(block)
+                        while not failed.is_set():
+                            try:
+                                todo.put((seq, spooled), timeout=0.5)
+                                break
+                            except queue.Full:
+                                continue
+                    seq += count
+            finally:
+                cur.close()
+            if not failed.is_set():
+                after_rounds()
+        except BaseException:
+            failed.set()
+            # Do not wait for the second connection's statement to finish.
+            cancel = getattr(helper, "cancel_safe", None) or getattr(helper, "cancel", None)
+            if cancel is not None:
+                with contextlib.suppress(Exception):
+                    cancel()
+            raise
+        finally:
+            # The end of the rounds (or a stop: the thread sees ``failed`` no sooner).
+            with contextlib.suppress(queue.Full):
+                while True:
+                    try:
+                        todo.put(None, timeout=0.5)
+                        break
+                    except queue.Full:
+                        if not parsing.running():
+                            break
+        parsing.result()
+    return seq - 1, out
