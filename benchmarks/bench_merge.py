@@ -127,7 +127,7 @@ def raw_results(directory: Path) -> Any:
         # The files' bytes as they are: the worker sends them in chunks, not line by line.
         for index, file in enumerate(files):
             with open(directory / file.file_id, "rb") as handle:
-                while data := handle.read(1 << 20):
+                while data := handle.read(256 << 10):
                     yield index, data
 
     return RawResults(files, lines(), dialect.line_shape, file_line_reader(dialect, files), chunks())

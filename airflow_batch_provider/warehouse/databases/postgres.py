@@ -340,7 +340,7 @@ class PostgresSqlDialect(SqlDialect):
             _, spooled = pg_copy.copy_shared(
                 conn,
                 helper,
-                pg_copy.record_rounds(raw_blocks(raw, numbers), pg_copy.SHARED_ROUND_BYTES),
+                raw_blocks(raw, numbers),
                 first_round,
                 second_round,
                 mine,

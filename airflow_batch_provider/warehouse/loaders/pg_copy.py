@@ -410,33 +410,18 @@ SHARED_ROUND_BYTES = 4 << 20
 SHARED_MAIN, SHARED_CYCLE = 7, 16
 
 
-def record_rounds(blocks: Iterable[tuple[bytes, int]], size: int) -> Iterator[tuple[list[bytes], int]]:
-    """Blocks of COPY text ``(text, rows)`` gathered in rounds of about ``size`` bytes: the
-    round's blocks and how many rows they hold."""
-    round_blocks: list[bytes] = []
-    have = count = 0
-    for block, rows in blocks:
-        round_blocks.append(block)
-        have += len(block)
-        count += rows
-        if have >= size:
-            yield round_blocks, count
-            round_blocks, have, count = [], 0, 0
-    if round_blocks:
-        yield round_blocks, count
-
-
 def copy_shared(
     conn: Any,
     helper: Any,
-    rounds: Iterable[tuple[list[bytes], int]],
+    blocks: Iterable[tuple[bytes, int]],
     first_round: Callable[[Any, int], str],
     second_round: Callable[[int], tuple[Sequence[str], str, Callable[[], Any], str]],
     after_rounds: Callable[[], Any],
 ) -> tuple[int, list[IO[bytes]]]:
-    """Load ``rounds`` of raw lines: those of the first connection (``conn``) are sent by this
-    thread, those of the second (``helper``) are spooled to a thread that loads and parses them
-    there and spools the rows it reads out (COPY TO), one file per round.
+    """Load raw lines, given as blocks of COPY text ``(text, rows)``, in rounds of about
+    ``SHARED_ROUND_BYTES``: those of the first connection (``conn``) are sent by this thread as
+    they come, those of the second (``helper``) are spooled to a thread that loads and parses
+    them there and spools the rows it reads out (COPY TO), one file per round.
 
     :param first_round: ``(cursor, number of the round's first line)``: readies ``conn`` for the
         round and gives its COPY statement.
@@ -446,14 +431,16 @@ def copy_shared(
         may still parse): parses the first connection's lines.
     :return: the lines loaded and the spooled rows of the second connection, in order.
     """
-    todo: queue.Queue[tuple[int, IO[bytes]] | None] = queue.Queue(maxsize=4)
+    # Not bounded: the lines wait on disk, and this thread sends its own rounds and goes on to
+    # parse them without waiting for the second connection.
+    todo: queue.Queue[tuple[int, IO[bytes]] | None] = queue.Queue()
     out: list[IO[bytes]] = []
     failed = threading.Event()
 
     def parse_rounds() -> None:
         cur = helper.cursor()
         try:
-            while (item := todo.get()) is not None:
+            while (item := todo.get()) is not None and not failed.is_set():
                 first, spooled = item
                 readying, copy_sql, parse, rows = second_round(first)
                 for statement in readying:
@@ -481,26 +468,28 @@ def copy_shared(
         try:
             cur = conn.cursor()
             try:
-                for number, (blocks, count) in enumerate(rounds):
-                    if failed.is_set():
-                        break
+                iterator = iter(blocks)
+                pending = next(iterator, None)
+                number = 0
+                while pending is not None and not failed.is_set():
                     # Spread evenly: round ``number`` is the first connection's when it brings
                     # the first's count of rounds up to the next whole number.
-                    if (number + 1) * SHARED_MAIN // SHARED_CYCLE > number * SHARED_MAIN // SHARED_CYCLE:
-                        with cur.copy(first_round(cur, seq)) as copy:
-                            for block in blocks:
-                                copy.write(block)
-                    else:
-                        spooled = tempfile.TemporaryFile(prefix="abp-lines-")  # noqa: SIM115
-                        for block in blocks:
-                            spooled.write(block)
-                        while not failed.is_set():
-                            try:
-                                todo.put((seq, spooled), timeout=0.5)
-                                break
-                            except queue.Full:
-                                continue
-                    seq += count
+                    mine = (number + 1) * SHARED_MAIN // SHARED_CYCLE > number * SHARED_MAIN // SHARED_CYCLE
+                    first, have = seq, 0
+                    spooled = None if mine else tempfile.TemporaryFile(prefix="abp-lines-")  # noqa: SIM115
+                    with contextlib.ExitStack() as stack:
+                        sink: Any = (
+                            stack.enter_context(cur.copy(first_round(cur, first))) if mine else spooled
+                        )
+                        while pending is not None and have < SHARED_ROUND_BYTES:
+                            block, rows = pending
+                            sink.write(block)
+                            have += len(block)
+                            seq += rows
+                            pending = next(iterator, None)
+                    if spooled is not None:
+                        todo.put((first, spooled))
+                    number += 1
             finally:
                 cur.close()
             if not failed.is_set():
@@ -514,14 +503,7 @@ def copy_shared(
                     cancel()
             raise
         finally:
-            # The end of the rounds (or a stop: the thread sees ``failed`` no sooner).
-            with contextlib.suppress(queue.Full):
-                while True:
-                    try:
-                        todo.put(None, timeout=0.5)
-                        break
-                    except queue.Full:
-                        if not parsing.running():
-                            break
+            # The end of the rounds (after a failure, the thread stops at its next round).
+            todo.put(None)
         parsing.result()
     return seq - 1, out
