@@ -338,10 +338,44 @@ def test_lines_sent_in_chunks_and_parsed_by_two_connections_write_the_rows_of_th
         lines.append(data)
         if i % 7 < len(blanks):
             lines.append(blanks[i % 7])
-    (python_rows, python_report), (sql_rows, sql_report) = merge_both(pg_warehouse, lines, chunk=chunk)
+    connections = []
+    get_conn = pg_warehouse.hook.get_conn
+
+    def counted() -> Any:
+        connections.append(get_conn())
+        return connections[-1]
+
+    pg_warehouse.hook.get_conn = counted
+    try:
+        (python_rows, python_report), (sql_rows, sql_report) = merge_both(pg_warehouse, lines, chunk=chunk)
+    finally:
+        pg_warehouse.hook.get_conn = get_conn
+    # Per path a merge and a read of its table, and the database path's second connection.
+    assert len(connections) == 5
     assert sql_rows == python_rows
     assert sql_report == python_report
     assert python_report["result_lines"] == len(corpus)
+
+
+def test_a_failure_of_the_second_connection_fails_the_merge_and_writes_nothing(
+    pg_warehouse: Any, shared_rounds: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow_batch_provider.warehouse.loaders import pg_copy
+
+    spool = pg_copy.tempfile.TemporaryFile
+
+    def no_space(*args: Any, prefix: str = "", **kwargs: Any) -> Any:
+        if prefix == "abp-rows-":  # the rows the second connection parsed
+            raise OSError("No space left on device")
+        return spool(*args, prefix=prefix, **kwargs)
+
+    monkeypatch.setattr(pg_copy.tempfile, "TemporaryFile", no_space)
+    raw = raw_results(get_dialect("openai"), corpus_lines(CORPUS[:20]), chunk=50)
+    with pytest.raises(OSError, match="No space left"):
+        ResultsWriter(pg_warehouse.hook, "t", parse_in="database").merge(raw)
+    assert not pg_warehouse.rows("SELECT COUNT(*) FROM information_schema.tables WHERE table_name = 't'")[0][
+        0
+    ]
 
 
 def test_chunks_are_sent_whole_unless_a_line_cannot_travel() -> None:

@@ -55,9 +55,10 @@ class PostgresJson(JsonSql):
     # expressions took longer than running them (17 s against 4 s for 100k lines).
     before = ("SET LOCAL jit = off",)
     after = ("RESET jit",)
-    # Measured by bench_merge (1M chat lines): casting a line to jsonb costs the server about what
-    # COPY of a parsed row does, so the merge runs at ~0.5x of the Python path (which parses on
-    # the worker while the server upserts). parse_in="database" still saves ~2/3 of worker CPU.
+    # Measured by bench_merge (1M chat lines, two connections parsing): the merge runs at
+    # ~0.55-0.75x of the Python path. Staging a raw line and casting it to jsonb alone cost the
+    # server ~4.4 us (the cast ~2.4), more than COPY of a parsed row, and the common-line SQL
+    # ~7.4 us; on 2 cores that extra work cannot be hidden. It saves ~3/4 of worker CPU.
     not_auto = "PostgreSQL parses result lines slower than the worker's overlapped Python path"
 
     common_rows = True
