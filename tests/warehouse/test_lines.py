@@ -357,6 +357,26 @@ def test_lines_sent_in_chunks_and_parsed_by_two_connections_write_the_rows_of_th
     assert python_report["result_lines"] == len(corpus)
 
 
+def test_without_a_second_connection_one_parses_every_line(pg_warehouse: Any, shared_rounds: None) -> None:
+    get_conn = pg_warehouse.hook.get_conn
+    opened = []
+
+    def one_only() -> Any:
+        if opened:
+            raise RuntimeError("too many connections")
+        opened.append(get_conn())
+        return opened[-1]
+
+    pg_warehouse.hook.get_conn = one_only
+    try:
+        report = ResultsWriter(pg_warehouse.hook, "t", parse_in="database").merge(
+            raw_results(get_dialect("openai"), corpus_lines(CORPUS[:20]), chunk=50)
+        )
+    finally:
+        pg_warehouse.hook.get_conn = get_conn
+    assert report.rows_written == 20
+
+
 def test_a_failure_of_the_second_connection_fails_the_merge_and_writes_nothing(
     pg_warehouse: Any, shared_rounds: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
@@ -21,6 +22,8 @@ from airflow_batch_provider.warehouse.lines import (
 )
 from airflow_batch_provider.warehouse.loaders import pg_copy
 from airflow_batch_provider.warehouse.rows import Column
+
+log = logging.getLogger(__name__)
 
 # PostgreSQL type OIDs -> portable type names (psycopg 3 and psycopg2 both report the OID).
 _PG_OIDS: dict[int, str] = {
@@ -282,7 +285,12 @@ class PostgresSqlDialect(SqlDialect):
         if not pg_copy.can_copy_records(conn):
             return None
         q = self.quote
-        helper = share.connect()
+        try:
+            helper = share.connect()
+        except Exception:
+            # One connection then does it all (the pool or the server may allow no second one).
+            log.warning("No second connection to parse result lines with; parsing them on one", exc_info=True)
+            return None
         try:
             if not pg_copy.can_copy_records(helper):
                 return None
