@@ -81,7 +81,7 @@ def raw_records(lines: Iterable[tuple[int, int, bytes]]) -> Iterator[bytes]:
 class SharedParse:
     """A second connection computes the rows of a share of the raw lines, in rounds, while the
     first stages the rest: parsing JSON is most of the database's work, and one backend uses one
-    core (see ``SqlDialect.load_raw_lines``).
+    core (see ``SqlDialect.load_raw_lines_shared``).
 
     :param connect: opens the second connection (the loader closes it, having committed nothing).
     :param parse: ``(connection, raw lines FROM item, results table)``: computes the rows of the

@@ -401,8 +401,8 @@ def load_in_rounds(
 
 
 # ---- raw lines parsed by two connections ---------------------------------------------------
-#: Bytes of raw lines per round where a second connection parses a share of them: a round is
-#: held in memory while it is sent (or spooled for the second connection).
+#: Bytes of raw lines per round where a second connection parses a share of them (a round
+#: streams as its chunks come; one of the second connection's waits on disk until it is parsed).
 SHARED_ROUND_BYTES = 4 << 20
 #: Of every ``SHARED_CYCLE`` rounds, ``SHARED_MAIN`` (spread evenly) are parsed by the first
 #: connection, the others by the second: the first also stages the keys and the second's rows,
