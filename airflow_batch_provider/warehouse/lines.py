@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from airflow_batch_provider.warehouse.rows import MAX_TOKEN_COUNT
@@ -48,6 +49,10 @@ class RawResults:
     lines: Iterable[tuple[int, int, bytes]]
     shape: LineShape | None
     parse: Callable[[int, int, bytes], ResultLine]
+    #: The same lines as the result files' bytes, ``(file index, chunk)`` in reading order and
+    #: split anywhere, where the caller has the files as they are: a database that stages lines
+    #: as text then takes them in chunks instead of line by line (see :func:`raw_blocks`).
+    chunks: Iterable[tuple[int, bytes]] | None = None
 
     def parsed(self) -> Iterator[tuple[ResultLine, str | None]]:
         """Every line read by Python: the Python path's ``(result line, batch id)`` pairs."""
@@ -70,6 +75,31 @@ def raw_records(lines: Iterable[tuple[int, int, bytes]]) -> Iterator[bytes]:
             yield b"%d\x01%d\x01%d\x01%s\x01" % (seq, f, number, data)
         else:
             yield b"%d\x01%d\x01%d\x01\x01%s" % (seq, f, number, data.hex().encode())
+
+
+@dataclass
+class SharedParse:
+    """A second connection computes the rows of a share of the raw lines, in rounds, while the
+    first stages the rest: parsing JSON is most of the database's work, and one backend uses one
+    core (see ``SqlDialect.load_raw_lines_shared``).
+
+    :param connect: opens the second connection (the loader closes it, having committed nothing).
+    :param parse: ``(connection, raw lines FROM item, results table)``: computes the rows of the
+        FROM item's lines into the results table (``ROW_COLUMNS``, ``py``) on that connection.
+    :param results: the first connection's results table, which also gets the ``line`` of each
+        line the second connection flagged for Python.
+    :param columns: the SQL column list of a results table (``ROW_COLUMNS``, ``py``, ``line``).
+    :param before: statements the second connection runs first (those the first ran).
+    :param meanwhile: work of the first connection once it has parsed its share, while the
+        second may still parse (staging the keys).
+    """
+
+    connect: Callable[[], Any]
+    parse: Callable[[Any, str, str], None]
+    results: str
+    columns: str
+    before: Sequence[str] = ()
+    meanwhile: Callable[[], None] | None = None
 
 
 #: First byte of a staged line that travels as hex (a byte no line that travels as text holds).
@@ -98,6 +128,29 @@ class LineNumbers:
         return "CASE " + " ".join(f"WHEN {seq} >= {start} THEN {f}" for start, f in reversed(starts)) + " END"
 
 
+def _travels(data: bytes) -> bool:
+    """Whether bytes of whole lines can travel as they are in the staging COPY: no byte the
+    COPY reads (its delimiter, quote, ``HEXED``, a carriage return, NUL), no line ``\\.`` (the
+    end of data; never in valid JSON), valid UTF-8."""
+    # ``in`` is a memchr-speed scan; a regular expression class took ~25 us a line.
+    if b"\x01" in data or b"\x02" in data or b"\x03" in data or b"\r" in data or b"\x00" in data:
+        return False
+    # A backslash first: a one-byte search is memchr-fast, a longer one ~50 times slower.
+    if b"\\" in data and (data == b"\\." or data.startswith(b"\\.\n") or b"\n\\.\n" in data):
+        return False
+    if not data.isascii():
+        try:
+            data.decode()
+        except UnicodeDecodeError:
+            return False
+    return True
+
+
+def _record(data: bytes) -> bytes:
+    """One line as it travels: as it is, or ``HEXED`` + its hex."""
+    return data if _travels(data) else HEXED + data.hex().encode()
+
+
 def bare_records(lines: Iterable[tuple[int, int, bytes]], numbers: LineNumbers) -> Iterator[bytes]:
     """The lines as they are, for a one-column COPY that numbers them itself (their files and
     line numbers go to ``numbers``); a line that cannot travel as text goes as ``HEXED`` + hex."""
@@ -108,15 +161,65 @@ def bare_records(lines: Iterable[tuple[int, int, bytes]], numbers: LineNumbers) 
             runs.append((seq, f, number))
             f_run = f
         n_next = number + 1
-        # ``in`` is a memchr-speed scan; a regular expression class took ~25 us a line.
-        if b"\x01" in data or b"\x02" in data or b"\x03" in data or b"\r" in data or b"\x00" in data:
-            data = HEXED + data.hex().encode()
-        elif not data.isascii():
-            try:
-                data.decode()
-            except UnicodeDecodeError:
-                data = HEXED + data.hex().encode()
-        yield data
+        yield _record(data)
+
+
+def raw_blocks(raw: RawResults, numbers: LineNumbers) -> Iterator[tuple[bytes, int]]:
+    """The COPY text of the raw lines for a one-column COPY that numbers rows itself, in blocks
+    ``(text, rows)``; where each row came from goes to ``numbers``.
+
+    From ``raw.chunks``, whole lines go as they are, a chunk at a time, blank lines included
+    (rows the database must skip: empty, or only the blanks ``bytes.strip`` drops); only a
+    chunk holding bytes that cannot travel is split into lines (blank ones skipped, the others
+    as :func:`bare_records` sends them).
+    """
+    if raw.chunks is None:
+        records = bare_records(raw.lines, numbers)
+        # Joined in C: a Python step per record measured ~0.7 us a line.
+        while batch := list(islice(records, 2048)):
+            yield b"\n".join(batch) + b"\n", len(batch)
+        return
+    runs = numbers.runs
+    seq = 1
+    f_now, number, carry = -1, 1, b""
+
+    def note(f: int, line: int) -> None:
+        # A run starts where rows stop continuing the last one.
+        if not runs or runs[-1][1] != f or runs[-1][2] + seq - runs[-1][0] != line:
+            runs.append((seq, f, line))
+
+    def whole(f: int, body: bytes) -> Iterator[tuple[bytes, int]]:
+        """Whole lines of file ``f`` (``body`` ends with a newline) starting at line ``number``."""
+        nonlocal seq, number
+        rows = body.count(b"\n")
+        if _travels(body):
+            note(f, number)
+            seq += rows
+            number += rows
+            yield body, rows
+            return
+        records = []
+        for data in body.split(b"\n")[:-1]:
+            if data.strip():
+                note(f, number)
+                records.append(_record(data))
+                seq += 1
+            number += 1
+        if records:
+            yield b"\n".join(records) + b"\n", len(records)
+
+    for f, chunk in raw.chunks:
+        if f != f_now:
+            if carry:
+                yield from whole(f_now, carry + b"\n")
+            f_now, number, carry = f, 1, b""
+        data = carry + chunk if carry else chunk
+        cut = data.rfind(b"\n") + 1
+        carry = data[cut:]
+        if cut:
+            yield from whole(f, data[:cut])
+    if carry:
+        yield from whole(f_now, carry + b"\n")
 
 
 class JsonSql:
@@ -134,14 +237,43 @@ class JsonSql:
     while_loading: bool = False
     #: Why ``parse_in="auto"`` leaves the lines to Python on this database (None: it does not).
     not_auto: str | None = None
+    #: The common lines are first read by :func:`common_row_sql` (a few leaves), the others by
+    #: :func:`result_row_sql`; the primitives ``parse`` to ``spelled`` below are then needed.
+    common_rows: bool = False
+
+    def parse(self, line: str) -> str:
+        """The JSON value of a line of text."""
+        raise NotImplementedError
+
+    def value(self, doc: str, path: tuple[str | int, ...]) -> str:
+        """The JSON value at ``path`` in ``doc``, NULL where there is none."""
+        raise NotImplementedError
+
+    def kind(self, value: str) -> str:
+        """The database's kind of a JSON value: ``object, array, string, number, boolean, null``."""
+        raise NotImplementedError
+
+    def numeric(self, value: str) -> str:
+        """A number value as an exact decimal."""
+        raise NotImplementedError
+
+    def whole(self, numeric: str) -> str:
+        """Whether an exact decimal from ``numeric`` was written without a fraction."""
+        raise NotImplementedError
+
+    def spelled(self, line: str) -> str:
+        """Whether the text of a line may give a member a number written with an exponent
+        (``"total_tokens": 1e2``), a spelling the database does not keep (it reads 100 where
+        Python reads a float); FALSE where the database keeps it."""
+        return "FALSE"
 
     def digits(self, text: str) -> str:
         """Whether a text expression is a non-negative integer written in digits."""
         raise NotImplementedError
 
     def leaves(self, raw: str, paths: Sequence[tuple[str | int, ...]]) -> str:
-        """A FROM item over the staging table ``raw`` giving ``seq, f, n`` and, for each path
-        ``i``, ``l{i}`` (its JSON value or NULL) and ``k{i}`` (its kind)."""
+        """A FROM item over the staging table ``raw`` giving ``seq, f``, ``ex`` (``spelled`` of the
+        line) and, for each path ``i``, ``l{i}`` (its JSON value or NULL) and ``k{i}`` (its kind)."""
         raise NotImplementedError
 
     def text(self, leaf: str) -> str:
@@ -220,6 +352,9 @@ class _Leaves:
         return f"CASE WHEN k{i} = 'integer' AND {n} BETWEEN 0 AND {MAX_TOKEN_COUNT} THEN {n} END"
 
 
+#: The token counts of ``usage`` that ``extract_usage`` reads.
+TOKEN_KEYS = ("prompt_tokens", "input_tokens", "completion_tokens", "output_tokens", "total_tokens")
+
 #: The staged results columns :func:`result_row_sql` gives, in order, before ``py``.
 ROW_COLUMNS = (
     "custom_id",
@@ -268,10 +403,7 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
     details = leaf((*body_path, "incomplete_details"))
     reason, bstatus = leaf((*body_path, "incomplete_details", "reason")), leaf((*body_path, "status"))
     usage = leaf((*body_path, "usage"))
-    tokens = {
-        k: leaf((*body_path, "usage", k))
-        for k in ("prompt_tokens", "input_tokens", "completion_tokens", "output_tokens", "total_tokens")
-    }
+    tokens = {k: leaf((*body_path, "usage", k)) for k in TOKEN_KEYS}
     j = json
     t = leaf.text
     sc_int = (
@@ -343,6 +475,7 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
         "WHEN p_tok IS NOT NULL OR c_tok IS NOT NULL THEN COALESCE(p_tok, 0) + COALESCE(c_tok, 0) END END"
     )
     bad_tokens = " OR ".join(f"(NOT {leaf.nullish(i)} AND n{i} IS NULL)" for i in tokens.values())
+    integers = " OR ".join(f"k{i} = 'integer'" for i in (sc, *tokens.values()))
     # What only Python reads exactly: each clause names a case of parse_result_line or row().
     python = " OR ".join(
         f"COALESCE({clause}, FALSE)"
@@ -365,6 +498,8 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
             # No answer this mapper knows: the whole body is the answer, as JSON text.
             f"(e_kind = 'none' AND a_kind <> 'emb' AND {leaf.is_(body, 'object')} AND a_content IS NULL)",
             f"(k{usage} = 'object' AND ({bad_tokens}))",
+            # A number read as an integer that the line may have written as 1e2 (a float).
+            f"(ex AND ({integers}))",
         )
     )
     status = (
@@ -373,13 +508,7 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
         f"WHEN 'batch_cancelled' THEN 'cancelled' ELSE 'failed' END END"
     )
     empty = f"e_kind = 'none' AND NOT {leaf.is_(body, 'object')}"
-    batch = (
-        "CASE f "
-        + " ".join(f"WHEN {i} THEN {'NULL' if b is None else literal(b)}" for i, b in enumerate(batch_ids))
-        + " END"
-        if batch_ids
-        else "NULL"
-    )
+    batch = batch_sql("f", batch_ids)
     columns = (
         f"CASE WHEN k{cid} = 'string' THEN {t(cid)} END",
         "seq",
@@ -398,6 +527,104 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
         f"COALESCE({python}, TRUE)",
     )
     return f"SELECT {', '.join(columns)} FROM ({level2}) y"
+
+
+def batch_sql(file: str, batch_ids: Sequence[str | None]) -> str:
+    """SQL giving the batch id of a line of file index ``file``."""
+    if not batch_ids:
+        return "NULL"
+    whens = " ".join(f"WHEN {i} THEN {'NULL' if b is None else literal(b)}" for i, b in enumerate(batch_ids))
+    return f"CASE {file} {whens} END"
+
+
+def common_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequence[str | None]) -> str:
+    """A SELECT over the staging table ``raw`` giving :data:`ROW_COLUMNS` and ``py`` like
+    :func:`result_row_sql`, for the two shapes nearly every line has, from ~15 leaves instead of
+    ~40: a chat completion answered with text (no error, an integer 2xx status, token counts that
+    are believed or absent) and an error object of text fields without a response body. ``py``
+    is NULL for a line of any other shape: :func:`result_row_sql` must read it.
+
+    Every column is the one :func:`result_row_sql` gives for such a line (``tests/warehouse/
+    test_lines.py`` compares both paths with Python on lines at the edges of these shapes).
+    """
+    j = json
+    body = (*shape.response, shape.body)
+    choice: tuple[str | int, ...] = (*body, "choices", 0)
+    paths: dict[str, tuple[str | int, ...]] = {
+        "cid": shape.custom_id,
+        "err": shape.error,
+        "code": (*shape.error, "code"),
+        "msg": (*shape.error, "message"),
+        "sc": (*shape.response, shape.status_code),
+        "body": body,
+        "choices": (*body, "choices"),
+        "c0": choice,
+        "content": (*choice, "message", "content"),
+        "finish": (*choice, "finish_reason"),
+        "model": (*body, "model"),
+    }
+    tokens = TOKEN_KEYS
+    paths.update({t: (*body, "usage", t) for t in tokens})
+    values = ", ".join(f"{j.value('j', p)} AS l_{name}" for name, p in paths.items())
+    kinds = ", ".join(f"{j.kind(f'l_{name}')} AS k_{name}" for name in paths)
+    texts = ", ".join(
+        f"CASE WHEN k_{name} = 'string' THEN {j.text(f'l_{name}')} END AS t_{name}"
+        for name in ("cid", "code", "msg", "content", "finish", "model")
+    )
+    numbers = ", ".join(
+        f"CASE WHEN k_{name} = 'number' THEN {j.numeric(f'l_{name}')} END AS n_{name}"
+        for name in ("sc", *tokens)
+    )
+    # A token count as extract_usage believes it; absent or null is as good (it reads None).
+    believed = " AND ".join(
+        f"(k_{t} IS NULL OR k_{t} = 'null' "
+        f"OR ({j.whole(f'n_{t}')} AND n_{t} BETWEEN 0 AND {MAX_TOKEN_COUNT}))"
+        for t in tokens
+    )
+    answered = (
+        "t_cid <> '' AND (k_err IS NULL OR k_err = 'null') "
+        f"AND {j.whole('n_sc')} AND n_sc >= 200 AND n_sc < 300 "
+        f"AND k_choices = 'array' AND k_c0 = 'object' AND k_content = 'string' AND {believed} "
+        # Last: the only test that reads the line's text again (error lines read no number).
+        f"AND NOT {j.spelled('line')}"
+    )
+    failed = (
+        "t_cid <> '' AND k_err = 'object' AND (k_code IS NULL OR k_code IN ('null', 'string')) "
+        "AND (k_msg IS NULL OR k_msg IN ('null', 'string')) "
+        "AND t_code IS DISTINCT FROM 'invalid_result_line' AND k_body IS DISTINCT FROM 'object'"
+    )
+    fence = j.fence
+    parsed = f"SELECT seq, f, line, {j.parse('line')} AS j FROM {raw} r{fence}"
+    level1 = f"SELECT seq, f, line, {values} FROM ({parsed}) a{fence}"
+    level2 = f"SELECT b.*, {kinds} FROM ({level1}) b{fence}"
+    level3 = f"SELECT c.*, {texts}, {numbers} FROM ({level2}) c{fence}"
+    level4 = (
+        f"SELECT d.*, CASE WHEN {answered} THEN 'answer' WHEN {failed} THEN 'error' END AS common "
+        f"FROM ({level3}) d{fence}"
+    )
+    n = {t: f"CAST(n_{t} AS BIGINT)" for t in tokens}
+    prompt = f"COALESCE({n['prompt_tokens']}, {n['input_tokens']})"
+    completion = f"COALESCE({n['completion_tokens']}, {n['output_tokens']})"
+    answer = "common = 'answer'"
+    columns = (
+        "CASE WHEN common IS NOT NULL THEN t_cid END",
+        "seq",
+        "CASE common WHEN 'answer' THEN 'succeeded' WHEN 'error' THEN CASE t_code "
+        "WHEN 'batch_expired' THEN 'expired' WHEN 'batch_cancelled' THEN 'cancelled' ELSE 'failed' END END",
+        f"CASE WHEN {answer} THEN t_content END",
+        "NULL",
+        f"CASE WHEN {answer} THEN t_finish END",
+        f"CASE WHEN {answer} THEN t_model END",
+        f"CASE WHEN {answer} THEN {prompt} END",
+        f"CASE WHEN {answer} THEN {completion} END",
+        f"CASE WHEN {answer} THEN COALESCE({n['total_tokens']}, CASE WHEN {prompt} IS NOT NULL "
+        f"OR {completion} IS NOT NULL THEN COALESCE({prompt}, 0) + COALESCE({completion}, 0) END) END",
+        "CASE WHEN common = 'error' THEN t_code END",
+        "CASE WHEN common = 'error' THEN t_msg END",
+        batch_sql("f", batch_ids),
+        "CASE WHEN common IS NOT NULL THEN FALSE END",
+    )
+    return f"SELECT {', '.join(columns)} FROM ({level4}) e"
 
 
 def file_line_reader(

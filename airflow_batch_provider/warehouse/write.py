@@ -31,7 +31,14 @@ from airflow_batch_provider.jsonl import iter_objects
 from airflow_batch_provider.models import ResultLine
 from airflow_batch_provider.records import KeyRecord, RejectRecord
 from airflow_batch_provider.warehouse.databases import SqlDialect, get_sql_dialect
-from airflow_batch_provider.warehouse.lines import ROW_COLUMNS, LineNumbers, RawResults, result_row_sql
+from airflow_batch_provider.warehouse.lines import (
+    ROW_COLUMNS,
+    LineNumbers,
+    RawResults,
+    SharedParse,
+    common_row_sql,
+    result_row_sql,
+)
 from airflow_batch_provider.warehouse.plan import WriteMode, WritePlan, plan_write
 from airflow_batch_provider.warehouse.rows import RETRYABLE_STATUSES, STATUSES, Column, ResultMapper
 
@@ -306,17 +313,6 @@ class ResultsWriter:
                 ["custom_id", "seq", *[c.name for c in self.mapper.columns]],
                 ["text", "integer", *[c.type for c in self.mapper.columns]],
             )
-            sql_sums = None
-            if raw is not None:
-                sql_sums = self._stage_raw(conn, raw, t_results, res_cols, created, report)
-                if sql_sums is None:
-                    if self.parse_in == "database":
-                        raise WarehouseSchemaError(
-                            "parse_in='database': this connection cannot stream raw lines"
-                        )
-                    results, raw = raw.parsed(), None
-            if raw is None:
-                self._create_temp(conn, t_results, res_cols, created)
             key_cols = self._key_staging_columns()
             load_keys = None
             keyed: _Keyed | None = None
@@ -340,8 +336,28 @@ class ResultsWriter:
                     _Rounds(),
                 )
 
-            if sql_sums is not None:
+            # Where a second connection parses a share of the raw lines, the keys are staged
+            # while it does (see _stage_raw); else after the lines.
+            keys_staged: list[bool] = []
+
+            def stage_keys() -> None:
                 if load_keys is not None:
+                    load_keys()
+                keys_staged.append(True)
+
+            sql_sums = None
+            if raw is not None:
+                sql_sums = self._stage_raw(conn, raw, t_results, res_cols, created, report, stage_keys)
+                if sql_sums is None:
+                    if self.parse_in == "database":
+                        raise WarehouseSchemaError(
+                            "parse_in='database': this connection cannot stream raw lines"
+                        )
+                    results, raw = raw.parsed(), None
+            if raw is None:
+                self._create_temp(conn, t_results, res_cols, created)
+            if sql_sums is not None:
+                if load_keys is not None and not keys_staged:
                     load_keys()
             else:
                 rows = (self.mapper.row(line, batch_id) for line, batch_id in results)  # type: ignore[union-attr]
@@ -392,10 +408,12 @@ class ResultsWriter:
         res_cols: Sequence[Column],
         created: list[str],
         report: MergeReport,
+        meanwhile: Callable[[], None] | None = None,
     ) -> tuple[int, int, int] | None:
         """Stage the raw lines, compute their rows in SQL into ``t_results`` and let Python read
         the lines the SQL flags; the token sums of the SQL rows. None, having staged nothing,
-        where this connection cannot stream raw lines (the caller then parses in Python)."""
+        where this connection cannot stream raw lines (the caller then parses in Python).
+        ``meanwhile`` runs on ``conn`` while a second connection parses, where one does."""
         d = self.dialect
         q = d.quote
         shape, json = raw.shape, d.line_json
@@ -405,13 +423,42 @@ class ResultsWriter:
         raw_cols = self._staging_columns(["seq", "f", "n", "line", "hex"], ["integer"] * 3 + ["text"] * 2)
         self._create_temp(conn, t_raw, raw_cols, created)
         spec = [(c.name, d.sql_type(c.type, key=c.name == "custom_id")) for c in res_cols]
-        self._execute(conn, d.create_temp_table(t_results, [*spec, ("py", d.sql_type("boolean"))]))
+        spec += [("py", d.sql_type("boolean"))]
+        # The second connection parsing a share of the lines (see lines.SharedParse) sends the
+        # lines of the rows it flags for Python with them.
+        sharing = json.common_rows and d.shares_parsing
+        if sharing:
+            spec += [("line", d.sql_type("text"))]
+        self._execute(conn, d.create_temp_table(t_results, spec))
         created.append(t_results)
         columns = ", ".join(q(c) for c in (*ROW_COLUMNS, "py"))
 
-        def insert(source: str) -> str:
-            select = result_row_sql(json, shape, source, [f.batch_id for f in raw.files])
-            return f"INSERT INTO {q(t_results)} ({columns}) {select}"
+        def insert(target: str, source: str, rows: Callable[..., str] = result_row_sql) -> str:
+            select = rows(json, shape, source, [f.batch_id for f in raw.files])
+            return f"INSERT INTO {target} ({columns}) {select}"
+
+        def compute(on: Any, source: str, target: str) -> None:
+            if not json.common_rows:
+                self._execute(on, insert(target, source))
+                return
+            # Common lines from a few leaves; the others (py NULL) from every leaf, then their
+            # placeholder rows go.
+            self._execute(on, insert(target, source, common_row_sql))
+            if self._fetchall(on, f"SELECT COUNT(*) FROM {target} WHERE py IS NULL")[0][0]:
+                unread = f"SELECT seq FROM {target} WHERE py IS NULL"
+                self._execute(on, insert(target, f"(SELECT o.* FROM {source} o WHERE o.seq IN ({unread}))"))
+                self._execute(on, f"DELETE FROM {target} WHERE py IS NULL")
+
+        def parse_rows(on: Any, source: str, target: str) -> None:
+            """The rows of ``source``'s lines into ``target``, on connection ``on``."""
+            if not d.capabilities.savepoints:
+                compute(on, source, target)
+                return
+            ok, _ = self._attempt(on, "abp_lines", lambda: compute(on, source, target), lambda exc: True)
+            if not ok:
+                # A line the database cannot parse (not JSON): Python reads every line.
+                log.info("A result line is not JSON to %s; the lines are read in Python", d.name)
+                self._execute(on, f"INSERT INTO {target} (seq, py) SELECT seq, TRUE FROM {source} s")
 
         def per_chunk(source: str) -> list[str]:
             # The chunk's rows, then the chunk's lines that Python must read.
@@ -419,12 +466,27 @@ class ResultsWriter:
                 f"INSERT INTO {q(t_raw)} SELECT c.* FROM {source} c "
                 f"WHERE c.seq IN (SELECT seq FROM {q(t_results)} WHERE py)"
             )
-            return [insert(source), keep]
+            return [insert(q(t_results), source), keep]
 
         for statement in json.before:
             self._execute(conn, statement)
         numbers = LineNumbers()
-        loaded = d.load_raw_lines(conn, t_raw, raw.lines, numbers, per_chunk if json.while_loading else None)
+        loaded = None
+        if sharing:
+            share = SharedParse(
+                connect=self.hook.get_conn,
+                parse=parse_rows,
+                results=t_results,
+                columns=", ".join(f"{q(name)} {sql_type}" for name, sql_type in spec),
+                before=json.before,
+                meanwhile=meanwhile,
+            )
+            loaded = d.load_raw_lines_shared(conn, t_raw, raw, numbers, share)
+        parsed = loaded is not None or json.while_loading
+        if loaded is None:
+            loaded = d.load_raw_lines(
+                conn, t_raw, raw.lines, numbers, per_chunk if json.while_loading else None
+            )
         source = d.raw_source(q(t_raw), numbers)
         if loaded is None:
             for name in (t_raw, t_results):
@@ -432,18 +494,8 @@ class ResultsWriter:
                 created.remove(name)
             return None
         report.result_lines = loaded
-        if json.while_loading:
-            pass  # computed chunk by chunk while loading
-        elif d.capabilities.savepoints:
-            ok, _ = self._attempt(
-                conn, "abp_lines", lambda: self._execute(conn, insert(source)), lambda exc: True
-            )
-            if not ok:
-                # A line the database cannot parse (not JSON): Python reads every line.
-                log.info("A result line is not JSON to %s; the lines are read in Python", d.name)
-                self._execute(conn, f"INSERT INTO {q(t_results)} (seq, py) SELECT seq, TRUE FROM {q(t_raw)}")
-        else:
-            self._execute(conn, insert(source))
+        if not parsed:
+            parse_rows(conn, source, q(t_results))
         for statement in json.after:
             self._execute(conn, statement)
         sums = self._fetchall(

@@ -167,6 +167,70 @@ CORPUS: list[tuple[str, Any]] = [
     ),
 ]
 
+#: Lines at the edges of what the database reads alone (its fast path for common lines, and
+#: numbers whose spelling jsonb does not keep: 1e2 is 100 there, a float to Python).
+EDGES: list[tuple[str, Any]] = [
+    ("tokens at the limits", ok(usage(prompt_tokens=0, completion_tokens=10**9, total_tokens=10**9 + 1))),
+    ("tokens 9 digits", ok(usage(prompt_tokens=999_999_999, completion_tokens=1))),
+    (
+        "tokens negative zero",
+        b'{"custom_id": "nz", "response": {"status_code": 200, "body": {"choices": '
+        b'[{"message": {"content": "z"}}], "usage": {"prompt_tokens": -0, "completion_tokens": 1.50}}}}',
+    ),
+    ("status 299", ok(chat("edge"), 299)),
+    ("status 300", ok(chat("edge"), 300)),
+    ("status 199", ok(chat("edge"), 199)),
+    ("error absent", {"response": {"status_code": 200, "body": chat("no error key")}}),
+    ("error code null", {"response": None, "error": {"code": None, "message": "m"}}),
+    ("error message absent", {"response": None, "error": {"code": "c"}}),
+    (
+        "error invalid_result_line",
+        {"response": None, "error": {"code": "invalid_result_line", "message": "m"}},
+    ),
+    ("error with a body", {"response": {"status_code": 200, "body": chat("z")}, "error": {"code": "e"}}),
+    ("error with an empty body", {"response": {"status_code": 500, "body": {}}, "error": {"code": "e"}}),
+    ("choices object", ok({**chat("o"), "choices": {"0": {"message": {"content": "not a list"}}}})),
+    (
+        "finish and model not text",
+        ok({**chat("f"), "model": None, "choices": [{"message": {"content": "c"}, "finish_reason": 1}]}),
+    ),
+    ("no usage", ok({"choices": [{"message": {"content": "c"}}]})),
+    ("custom_id empty", {"custom_id": "", "response": None, "error": {"code": "x"}}),
+    # PostgreSQL's COPY (csv) ends the data at a line \. : the lines after it must still arrive.
+    ("end of copy data", b"\\."),
+    (
+        "tokens exponent",
+        b'{"custom_id": "exp", "response": {"status_code": 200, "body": {"choices": [{"message": '
+        b'{"content": "e"}}], "usage": {"prompt_tokens": 1e2, "completion_tokens": 2, '
+        b'"total_tokens": 1.02E2}}}}',
+    ),
+    (
+        "status exponent",
+        b'{"custom_id": "sexp", "response": {"status_code": 2e2, "body": {"choices": [{"message": '
+        b'{"content": "e"}}]}}}',
+    ),
+    (
+        "an exponent elsewhere",
+        b'{"custom_id": "e1", "x": [1E+3], "response": {"status_code": 200, "body": {"choices": '
+        b'[{"message": {"content": "e"}}], "usage": {"prompt_tokens": 5}}}}',
+    ),
+    (
+        "exponent under an escaped key",
+        b'{"custom_id": "u1", "response": {"status_code": 200, "body": {"choices": [{"message": '
+        b'{"content": "e"}}], "usage": {"prompt\\u005ftokens": 1e2, "total\\u005Ftokens": 3}}}}',
+    ),
+    (
+        "escapes in text",
+        b'{"custom_id": "u2", "response": {"status_code": 200, "body": {"choices": [{"message": '
+        b'{"content": "caf\\u00e9 \\"a\\": 1e2"}}], "usage": {"prompt_tokens": 4}}}}',
+    ),
+    (
+        "exponent-like text",
+        b'{"custom_id": "e2", "id": "req_1e5", "response": {"status_code": 200, "body": {"choices": '
+        b'[{"message": {"content": "3e8 m/s, :1e9"}}], "usage": {"prompt_tokens": 5}}}}',
+    ),
+]
+
 
 def corpus_lines(corpus: list[tuple[str, Any]]) -> list[bytes]:
     lines = []
@@ -177,24 +241,35 @@ def corpus_lines(corpus: list[tuple[str, Any]]) -> list[bytes]:
     return lines
 
 
-def raw_results(dialect: Any, lines: list[bytes], on_bad_line: str = "record") -> RawResults:
+def raw_results(
+    dialect: Any, lines: list[bytes], on_bad_line: str = "record", chunk: int | None = None
+) -> RawResults:
+    """The lines of one result file; with ``chunk``, also as the file's bytes in chunks of that
+    size (a blank line is then skipped, as the hook skips it, and counted in line numbers)."""
     files = [ResultFile("file-out", "output", "batch_1")]
+    chunks = None
+    if chunk is not None:
+        data = b"\n".join(lines) + b"\n"
+        chunks = [(0, data[i : i + chunk]) for i in range(0, len(data), chunk)]
     return RawResults(
         files,
-        ((0, n, data) for n, data in enumerate(lines, start=1)),
+        ((0, n, data) for n, data in enumerate(lines, start=1) if data.strip()),
         dialect.line_shape,
         file_line_reader(dialect, files, on_bad_line),
+        chunks,
     )
 
 
-def merge_both(warehouse: Any, lines: list[bytes], dialect: str = "openai", **kwargs: Any) -> Any:
+def merge_both(
+    warehouse: Any, lines: list[bytes], dialect: str = "openai", chunk: int | None = None, **kwargs: Any
+) -> Any:
     """Merge ``lines`` once per path into its own table; both tables' rows and reports."""
     vendor = get_dialect(dialect)
     out = []
     for parse_in in ("python", "database"):
         table = f"r_{parse_in}"
         writer = ResultsWriter(warehouse.hook, table, parse_in=parse_in, **kwargs)
-        report = writer.merge(raw_results(vendor, lines)).as_dict()
+        report = writer.merge(raw_results(vendor, lines, chunk=chunk)).as_dict()
         rows = warehouse.rows(
             "SELECT custom_id, status, content, embedding, finish_reason, model, prompt_tokens, "
             "completion_tokens, total_tokens, error_code, error_message, batch_id "
@@ -227,6 +302,128 @@ def test_the_database_writes_the_rows_of_the_python_path(
     assert sql_report == python_report
     assert python_report["bad_result_lines"] == 4 + with_bad_json
     assert python_report["bad_token_counts"] == 2
+
+
+def test_lines_at_the_edges_of_the_fast_path_write_the_rows_of_the_python_path(
+    parsing_warehouse: Any,
+) -> None:
+    corpus = CORPUS[:3] + EDGES + CORPUS[-1:]
+    (python_rows, python_report), (sql_rows, sql_report) = merge_both(parsing_warehouse, corpus_lines(corpus))
+    assert len(python_rows) == len(corpus) - 1  # two lines without a custom_id share ""
+    assert sql_rows == python_rows
+    assert sql_report == python_report
+
+
+@pytest.fixture
+def shared_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rounds of a few bytes, every other one parsed by PostgreSQL's second connection."""
+    from airflow_batch_provider.warehouse.loaders import pg_copy
+
+    monkeypatch.setattr(pg_copy, "SHARED_ROUND_BYTES", 1)
+    monkeypatch.setattr(pg_copy, "SHARED_MAIN", 1)
+    monkeypatch.setattr(pg_copy, "SHARED_CYCLE", 2)
+
+
+@pytest.mark.parametrize("with_bad_json", [False, True], ids=["json", "a line not json"])
+@pytest.mark.parametrize("chunk", [1, 97, 1 << 20])
+def test_lines_sent_in_chunks_and_parsed_by_two_connections_write_the_rows_of_the_python_path(
+    pg_warehouse: Any, shared_rounds: None, chunk: int, with_bad_json: bool
+) -> None:
+    # Blank lines (skipped, still counted in line numbers), a carriage return and bytes that
+    # are not UTF-8 (their chunk goes line by line).
+    blanks = [b"", b"   ", b"\t \x0b\x0c", b"\r"]
+    corpus = [(w, line) for w, line in CORPUS + EDGES if with_bad_json or w != "not json"]
+    lines = []
+    for i, data in enumerate(corpus_lines(corpus)):
+        lines.append(data)
+        if i % 7 < len(blanks):
+            lines.append(blanks[i % 7])
+    connections = []
+    get_conn = pg_warehouse.hook.get_conn
+
+    def counted() -> Any:
+        connections.append(get_conn())
+        return connections[-1]
+
+    pg_warehouse.hook.get_conn = counted
+    try:
+        (python_rows, python_report), (sql_rows, sql_report) = merge_both(pg_warehouse, lines, chunk=chunk)
+    finally:
+        pg_warehouse.hook.get_conn = get_conn
+    # Per path a merge and a read of its table, and the database path's second connection.
+    assert len(connections) == 5
+    assert sql_rows == python_rows
+    assert sql_report == python_report
+    assert python_report["result_lines"] == len(corpus)
+
+
+def test_without_a_second_connection_one_parses_every_line(pg_warehouse: Any, shared_rounds: None) -> None:
+    get_conn = pg_warehouse.hook.get_conn
+    opened = []
+
+    def one_only() -> Any:
+        if opened:
+            raise RuntimeError("too many connections")
+        opened.append(get_conn())
+        return opened[-1]
+
+    pg_warehouse.hook.get_conn = one_only
+    try:
+        report = ResultsWriter(pg_warehouse.hook, "t", parse_in="database").merge(
+            raw_results(get_dialect("openai"), corpus_lines(CORPUS[:20]), chunk=50)
+        )
+    finally:
+        pg_warehouse.hook.get_conn = get_conn
+    assert report.rows_written == 20
+
+
+def test_a_failure_of_the_second_connection_fails_the_merge_and_writes_nothing(
+    pg_warehouse: Any, shared_rounds: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow_batch_provider.warehouse.loaders import pg_copy
+
+    spool = pg_copy.tempfile.TemporaryFile
+
+    def no_space(*args: Any, prefix: str = "", **kwargs: Any) -> Any:
+        if prefix == "abp-rows-":  # the rows the second connection parsed
+            raise OSError("No space left on device")
+        return spool(*args, prefix=prefix, **kwargs)
+
+    monkeypatch.setattr(pg_copy.tempfile, "TemporaryFile", no_space)
+    raw = raw_results(get_dialect("openai"), corpus_lines(CORPUS[:20]), chunk=50)
+    with pytest.raises(OSError, match="No space left"):
+        ResultsWriter(pg_warehouse.hook, "t", parse_in="database").merge(raw)
+    assert not pg_warehouse.rows("SELECT COUNT(*) FROM information_schema.tables WHERE table_name = 't'")[0][
+        0
+    ]
+
+
+def test_chunks_are_sent_whole_unless_a_line_cannot_travel() -> None:
+    from airflow_batch_provider.warehouse.lines import LineNumbers, raw_blocks
+
+    files = [ResultFile("a", "output", None), ResultFile("b", "error", None)]
+    chunks = [(0, b'{"a": 1}\n\n{"b"'), (0, b': 2}\n{"c": 3}'), (1, b"x\r\n  \n\xff\ny\n"), (1, b"z")]
+    raw = RawResults(files, iter(()), None, lambda f, n, d: None, chunks)  # type: ignore[arg-type,return-value]
+    numbers = LineNumbers()
+    blocks = list(raw_blocks(raw, numbers))
+    assert blocks == [
+        (b'{"a": 1}\n\n', 2),
+        (b'{"b": 2}\n', 1),
+        (b'{"c": 3}\n', 1),
+        (b"\x03" + b"x\r".hex().encode() + b"\n\x03ff\ny\n", 3),
+        (b"z\n", 1),
+    ]
+    # Staged rows 1-4 are lines 1-4 of file a (row 2 blank); 5-8 are lines 1, 3, 4, 5 of file b.
+    assert [numbers.locate(seq) for seq in range(1, 9)] == [
+        (0, 1),
+        (0, 2),
+        (0, 3),
+        (0, 4),
+        (1, 1),
+        (1, 3),
+        (1, 4),
+        (1, 5),
+    ]
 
 
 def test_common_lines_are_parsed_by_the_database_alone(parsing_warehouse: Any) -> None:

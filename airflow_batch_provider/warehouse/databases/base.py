@@ -24,7 +24,7 @@ from itertools import islice
 from typing import IO, Any, ClassVar
 
 from airflow_batch_provider.exceptions import ConfigurationError
-from airflow_batch_provider.warehouse.lines import JsonSql, LineNumbers
+from airflow_batch_provider.warehouse.lines import JsonSql, LineNumbers, RawResults, SharedParse
 from airflow_batch_provider.warehouse.rows import Column
 
 _BATCH_ROWS = 5000
@@ -370,6 +370,18 @@ class SqlDialect:
         item of each loaded chunk and returns the statements that read it (they put the lines
         Python must read into ``table``).
         """
+        return None
+
+    #: ``load_raw_lines_shared`` may load with a second connection of the same hook.
+    shares_parsing: ClassVar[bool] = False
+
+    def load_raw_lines_shared(
+        self, conn: Any, table: str, raw: RawResults, numbers: LineNumbers, share: SharedParse
+    ) -> int | None:
+        """Like ``load_raw_lines`` (from ``raw.chunks`` where there are), with a second connection
+        (``share``) parsing a share of the lines while they load; every line's row is then in
+        ``share.results``, and the lines of the rows flagged for Python in ``table``; the lines
+        that are not blank. None, loading nothing, where this is not done."""
         return None
 
     def raw_source(self, table: str, numbers: LineNumbers) -> str:

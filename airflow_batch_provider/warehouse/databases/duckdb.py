@@ -41,10 +41,11 @@ class DuckDBJson(JsonSql):
             return "$" + "".join(f"[{p}]" if isinstance(p, int) else f'."{p}"' for p in path)
 
         extract = ", ".join(literal(json_path(p)) for p in paths)
-        values = ", ".join(f"v[{i + 1}] AS l{i}" for i in range(len(paths)))
+        values = ", ".join(["ex", *(f"v[{i + 1}] AS l{i}" for i in range(len(paths)))])
         kinds = ", ".join(self._KINDS.format(f"l{i}") + f" AS k{i}" for i in range(len(paths)))
         parsed = (
-            f"SELECT seq, f, CASE WHEN json_valid(line) THEN json_extract(line, [{extract}]) END AS v "
+            f"SELECT seq, f, {self.spelled('line')} AS ex, "
+            f"CASE WHEN json_valid(line) THEN json_extract(line, [{extract}]) END AS v "
             f"FROM {raw} r"
         )
         return f"(SELECT b.*, {kinds} FROM (SELECT seq, f, {values} FROM ({parsed}) a) b)"

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 from typing import IO, Any
 
 from airflow_batch_provider.warehouse.databases.base import Capabilities, SqlDialect
-from airflow_batch_provider.warehouse.lines import JsonSql, LineNumbers, bare_records, literal
+from airflow_batch_provider.warehouse.lines import (
+    ROW_COLUMNS,
+    JsonSql,
+    LineNumbers,
+    RawResults,
+    SharedParse,
+    bare_records,
+    literal,
+    raw_blocks,
+)
 from airflow_batch_provider.warehouse.loaders import pg_copy
 from airflow_batch_provider.warehouse.rows import Column
+
+log = logging.getLogger(__name__)
 
 # PostgreSQL type OIDs -> portable type names (psycopg 3 and psycopg2 both report the OID).
 _PG_OIDS: dict[int, str] = {
@@ -46,23 +58,49 @@ class PostgresJson(JsonSql):
     # expressions took longer than running them (17 s against 4 s for 100k lines).
     before = ("SET LOCAL jit = off",)
     after = ("RESET jit",)
-    # Measured by bench_merge (1M chat lines): casting a line to jsonb costs the server about what
-    # COPY of a parsed row does, so the merge runs at ~0.5x of the Python path (which parses on
-    # the worker while the server upserts). parse_in="database" still saves ~2/3 of worker CPU.
+    # Measured by bench_merge (1M chat lines, two connections parsing): the merge runs at
+    # ~0.55-0.75x of the Python path. Staging a raw line and casting it to jsonb alone cost the
+    # server ~4.4 us (the cast ~2.4), more than COPY of a parsed row, and the common-line SQL
+    # ~7.4 us; on 2 cores that extra work cannot be hidden. It saves ~3/4 of worker CPU.
     not_auto = "PostgreSQL parses result lines slower than the worker's overlapped Python path"
 
+    common_rows = True
+
+    def parse(self, line: str) -> str:
+        return f"CAST({line} AS jsonb)"
+
+    def value(self, doc: str, path: tuple[str | int, ...]) -> str:
+        # One lookup of the whole path: ``->`` steps would each copy the value they go through.
+        return f"({doc} #> ARRAY[{', '.join(literal(str(p)) for p in path)}]::text[])" if path else doc
+
+    def kind(self, value: str) -> str:
+        return f"jsonb_typeof({value})"
+
+    def numeric(self, value: str) -> str:
+        return f"CAST({value} AS numeric)"
+
+    def whole(self, numeric: str) -> str:
+        # jsonb keeps a number's digits after the point (1.0 stays 1.0), never an exponent.
+        return f"(scale({numeric}) = 0)"
+
+    def spelled(self, line: str) -> str:
+        # A member (``"key": value``, whatever the key's spelling) whose number has an exponent.
+        # Cheaper than naming the keys: an alternation of the six keys took ~5 us a line, this ~1.
+        return f"({line} ~ E'\"[[:space:]]*:[[:space:]]*-?[0-9.]+[eE]')"
+
     def leaves(self, raw: str, paths: Sequence[tuple[str | int, ...]]) -> str:
-        values = ", ".join(
-            (f"j #> ARRAY[{', '.join(literal(str(p)) for p in path)}]::text[]" if path else "j") + f" AS l{i}"
-            for i, path in enumerate(paths)
-        )
+        values = ", ".join(f"{self.value('j', path)} AS l{i}" for i, path in enumerate(paths))
         kinds = ", ".join(
             f"CASE jsonb_typeof(l{i}) WHEN 'number' THEN CASE WHEN CAST(l{i} AS text) ~ '^-?[0-9]+$' "
             f"THEN 'integer' ELSE 'number' END ELSE jsonb_typeof(l{i}) END AS k{i}"
             for i in range(len(paths))
         )
-        parsed = f"SELECT seq, f, CAST(line AS jsonb) AS j FROM {raw} r OFFSET 0"
-        return f"(SELECT b.*, {kinds} FROM (SELECT seq, f, {values} FROM ({parsed}) a OFFSET 0) b OFFSET 0)"
+        parsed = (
+            f"SELECT seq, f, {self.spelled('line')} AS ex, CAST(line AS jsonb) AS j FROM {raw} r OFFSET 0"
+        )
+        return (
+            f"(SELECT b.*, {kinds} FROM (SELECT seq, f, ex, {values} FROM ({parsed}) a OFFSET 0) b OFFSET 0)"
+        )
 
     def digits(self, text: str) -> str:
         return f"({text} ~ '^[0-9]+$')"
@@ -97,6 +135,7 @@ class PostgresSqlDialect(SqlDialect):
     describes_after_fetch = True  # psycopg 3 declares a named cursor's portal lazily
     temp_table = "CREATE TEMP TABLE {} ({}) ON COMMIT DROP"
     line_json = PostgresJson()
+    shares_parsing = True
     types = {**SqlDialect.types, "json": "JSONB"}
     merged_at_type = "TIMESTAMP WITH TIME ZONE"
     # Only for this transaction: the connection may come back from a pool.
@@ -235,12 +274,117 @@ class PostgresSqlDialect(SqlDialect):
         )
         return pg_copy.copy_records(conn, copy, bare_records(lines, numbers))
 
+    def load_raw_lines_shared(
+        self, conn: Any, table: str, raw: RawResults, numbers: LineNumbers, share: SharedParse
+    ) -> int | None:
+        # Casting lines to jsonb is most of the work and a backend uses one core: a second
+        # connection loads and parses some rounds and sends their rows back (COPY TO STDOUT,
+        # spooled, then COPY FROM STDIN here), while this one loads and parses the others.
+        # Each round's lines are numbered from where the round starts (RESTART), so ``seq``
+        # is the line's place in the whole stream on both.
+        if not pg_copy.can_copy_records(conn):
+            return None
+        q = self.quote
+        try:
+            helper = share.connect()
+        except Exception:
+            # One connection then does it all (the pool or the server may allow no second one).
+            log.warning("No second connection to parse result lines with; parsing them on one", exc_info=True)
+            return None
+        try:
+            if not pg_copy.can_copy_records(helper):
+                return None
+            h_raw, h_rows = q(f"{table}_h"), q(f"{table}_hrows")
+            cur = helper.cursor()
+            try:
+                for statement in (
+                    *share.before,
+                    # The columns of ``table`` (read through raw_source).
+                    f"CREATE TEMP TABLE {h_raw} (seq BIGINT GENERATED ALWAYS AS IDENTITY, "
+                    "f BIGINT, n BIGINT, line TEXT, hex TEXT)",
+                    f"CREATE TEMP TABLE {h_rows} ({share.columns})",
+                ):
+                    cur.execute(statement)
+            finally:
+                cur.close()
+            cur = conn.cursor()
+            try:
+                cur.execute(
+                    f"ALTER TABLE {q(table)} ALTER COLUMN seq SET NOT NULL, "
+                    f"ALTER COLUMN seq ADD GENERATED ALWAYS AS IDENTITY"
+                )
+            finally:
+                cur.close()
+            csv = "WITH (FORMAT csv, DELIMITER E'\\x01', QUOTE E'\\x02')"
+            columns = ", ".join(q(c) for c in (*ROW_COLUMNS, "py"))
+
+            def first_round(cursor: Any, first: int) -> str:
+                cursor.execute(f"ALTER TABLE {q(table)} ALTER COLUMN seq RESTART WITH {first}")
+                return f"COPY {q(table)} (line) FROM STDIN {csv}"
+
+            def second_round(first: int) -> tuple[Sequence[str], str, Callable[[], Any], str]:
+                readying = (
+                    f"TRUNCATE {h_raw}, {h_rows}",
+                    f"ALTER TABLE {h_raw} ALTER COLUMN seq RESTART WITH {first}",
+                )
+                # The rows, and the lines of those flagged for Python (to be read from ``table``).
+                rows = (
+                    f"SELECT {columns}, NULL FROM {h_rows} WHERE NOT py UNION ALL "
+                    f"SELECT {', '.join(f'r.{c}' for c in columns.split(', '))}, w.line "
+                    f"FROM {h_rows} r JOIN {h_raw} w ON w.seq = r.seq WHERE r.py"
+                )
+                source = self.raw_source(h_raw, numbers)
+                return (
+                    readying,
+                    f"COPY {h_raw} (line) FROM STDIN {csv}",
+                    lambda: share.parse(helper, source, h_rows),
+                    rows,
+                )
+
+            def mine() -> None:
+                share.parse(conn, self.raw_source(q(table), numbers), q(share.results))
+                if share.meanwhile is not None:
+                    share.meanwhile()
+
+            _, spooled = pg_copy.copy_shared(
+                conn,
+                helper,
+                raw_blocks(raw, numbers),
+                first_round,
+                second_round,
+                mine,
+            )
+            cur = conn.cursor()
+            try:
+                for rows_file in spooled:
+                    with rows_file, cur.copy(f"COPY {q(share.results)} ({columns}, line) FROM STDIN") as copy:
+                        while chunk := rows_file.read(1 << 20):
+                            copy.write(chunk)
+                cur.execute(
+                    f"INSERT INTO {q(table)} (seq, line) OVERRIDING SYSTEM VALUE "
+                    f"SELECT seq, line FROM {q(share.results)} WHERE line IS NOT NULL"
+                )
+                # One row per line that is not blank.
+                cur.execute(f"SELECT COUNT(*) FROM {q(share.results)}")
+                lines = int(cur.fetchone()[0])
+            finally:
+                cur.close()
+                for rows_file in spooled:
+                    rows_file.close()
+            return lines
+        finally:
+            helper.close()
+
     def raw_source(self, table: str, numbers: LineNumbers) -> str:
         hexed = "left(line, 1) = E'\\x03'"
+        # Blank lines staged from chunks (see lines.raw_blocks): empty (NULL), or only the
+        # blanks bytes.strip drops (a carriage return never travels as text).
+        blank = "line IS NULL OR (ascii(line) IN (9, 11, 12, 32) AND btrim(line, E' \\t\\x0b\\x0c') = '')"
         return (
             f"(SELECT seq, {numbers.file_sql('seq')} AS f, n, "
             f"CASE WHEN {hexed} THEN NULL ELSE line END AS line, "
-            f"CASE WHEN {hexed} THEN substr(line, 2) ELSE hex END AS hex FROM {table})"
+            f"CASE WHEN {hexed} THEN substr(line, 2) ELSE hex END AS hex FROM {table} "
+            f"WHERE NOT ({blank}))"
         )
 
     # ---- reading ------------------------------------------------------------------------------

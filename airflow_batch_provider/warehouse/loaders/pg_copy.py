@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import os
+import queue
 import tempfile
 import threading
 import time
@@ -397,3 +398,112 @@ def load_in_rounds(
     return _overlapped_copy(
         conn, _without_nul(rows), before, load_rounds, segment=ROUND_BYTES, double_every=ROUNDS_PER_SIZE
     )
+
+
+# ---- raw lines parsed by two connections ---------------------------------------------------
+#: Bytes of raw lines per round where a second connection parses a share of them (a round
+#: streams as its chunks come; one of the second connection's waits on disk until it is parsed).
+SHARED_ROUND_BYTES = 4 << 20
+#: Of every ``SHARED_CYCLE`` rounds, ``SHARED_MAIN`` (spread evenly) are parsed by the first
+#: connection, the others by the second: the first also stages the keys and the second's rows,
+#: so it takes less than half (balanced on 1M chat lines, bench_merge.py).
+SHARED_MAIN, SHARED_CYCLE = 7, 16
+
+
+def copy_shared(
+    conn: Any,
+    helper: Any,
+    blocks: Iterable[tuple[bytes, int]],
+    first_round: Callable[[Any, int], str],
+    second_round: Callable[[int], tuple[Sequence[str], str, Callable[[], Any], str]],
+    after_rounds: Callable[[], Any],
+) -> tuple[int, list[IO[bytes]]]:
+    """Load raw lines, given as blocks of COPY text ``(text, rows)``, in rounds of about
+    ``SHARED_ROUND_BYTES``: those of the first connection (``conn``) are sent by this thread as
+    they come, those of the second (``helper``) are spooled to a thread that loads and parses
+    them there and spools the rows it reads out (COPY TO), one file per round.
+
+    :param first_round: ``(cursor, number of the round's first line)``: readies ``conn`` for the
+        round and gives its COPY statement.
+    :param second_round: ``number of the round's first line`` -> statements readying the second
+        connection, its COPY statement, what parses the round there, the query of its rows.
+    :param after_rounds: run on ``conn`` once every round is sent (while the second connection
+        may still parse): parses the first connection's lines.
+    :return: the lines loaded and the spooled rows of the second connection, in order.
+    """
+    # Not bounded: the lines wait on disk, and this thread sends its own rounds and goes on to
+    # parse them without waiting for the second connection.
+    todo: queue.Queue[tuple[int, IO[bytes]] | None] = queue.Queue()
+    out: list[IO[bytes]] = []
+    failed = threading.Event()
+
+    def parse_rounds() -> None:
+        cur = helper.cursor()
+        try:
+            while (item := todo.get()) is not None and not failed.is_set():
+                first, spooled = item
+                readying, copy_sql, parse, rows = second_round(first)
+                for statement in readying:
+                    cur.execute(statement)
+                spooled.seek(0)
+                with spooled, cur.copy(copy_sql) as copy:
+                    while chunk := spooled.read(1 << 20):
+                        copy.write(chunk)
+                parse()
+                target = tempfile.TemporaryFile(prefix="abp-rows-")  # noqa: SIM115
+                out.append(target)
+                with cur.copy(f"COPY ({rows}) TO STDOUT") as copy:
+                    for data in copy:
+                        target.write(data)
+                target.seek(0)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            cur.close()
+
+    seq = 1
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="abp-pg-parse") as pool:
+        parsing = pool.submit(parse_rounds)
+        try:
+            cur = conn.cursor()
+            try:
+                iterator = iter(blocks)
+                pending = next(iterator, None)
+                number = 0
+                while pending is not None and not failed.is_set():
+                    # Spread evenly: round ``number`` is the first connection's when it brings
+                    # the first's count of rounds up to the next whole number.
+                    mine = (number + 1) * SHARED_MAIN // SHARED_CYCLE > number * SHARED_MAIN // SHARED_CYCLE
+                    first, have = seq, 0
+                    spooled = None if mine else tempfile.TemporaryFile(prefix="abp-lines-")  # noqa: SIM115
+                    with contextlib.ExitStack() as stack:
+                        sink: Any = (
+                            stack.enter_context(cur.copy(first_round(cur, first))) if mine else spooled
+                        )
+                        while pending is not None and have < SHARED_ROUND_BYTES:
+                            block, rows = pending
+                            sink.write(block)
+                            have += len(block)
+                            seq += rows
+                            pending = next(iterator, None)
+                    if spooled is not None:
+                        todo.put((first, spooled))
+                    number += 1
+            finally:
+                cur.close()
+            if not failed.is_set():
+                after_rounds()
+        except BaseException:
+            failed.set()
+            # Do not wait for the second connection's statement to finish.
+            cancel = getattr(helper, "cancel_safe", None) or getattr(helper, "cancel", None)
+            if cancel is not None:
+                with contextlib.suppress(Exception):
+                    cancel()
+            raise
+        finally:
+            # The end of the rounds (after a failure, the thread stops at its next round).
+            todo.put(None)
+        parsing.result()
+    return seq - 1, out
