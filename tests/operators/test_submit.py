@@ -206,12 +206,9 @@ class CrashAfterCreate(Exception):
     """Stands in for the worker dying between the batch create and recording its id."""
 
 
-@pytest.mark.parametrize("dialect", DIALECTS)
-def test_retry_after_crash_between_create_and_record_makes_one_batch(
-    server_for: Any, task_context: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dialect: str
-) -> None:
-    server_for(dialect)
-    source = write_batch_jsonl(tmp_path / "in.jsonl", 4)
+def submit_crashing_after_create(source: Path, task_context: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a submit whose worker "dies" right after the create, before recording the batch id;
+    returns the id of the batch it created (the state store works normally again afterwards)."""
     real_write = StateStore.write
 
     def crash_when_recording_id(self: StateStore, state: SubmitState) -> None:
@@ -222,8 +219,17 @@ def test_retry_after_crash_between_create_and_record_makes_one_batch(
     monkeypatch.setattr(StateStore, "write", crash_when_recording_id)
     with pytest.raises(CrashAfterCreate) as crashed:
         SubmitBatchOperator(task_id="submit", source=str(source)).execute(task_context())
-    created = str(crashed.value)
     monkeypatch.setattr(StateStore, "write", real_write)
+    return str(crashed.value)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_retry_after_crash_between_create_and_record_makes_one_batch(
+    server_for: Any, task_context: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dialect: str
+) -> None:
+    server_for(dialect)
+    source = write_batch_jsonl(tmp_path / "in.jsonl", 4)
+    created = submit_crashing_after_create(source, task_context, monkeypatch)
     state_files = list((tmp_path / "submit-state").glob("*.json"))
     assert len(state_files) == 1
     assert orjson.loads(state_files[0].read_bytes())["batch_id"] is None  # intent only
@@ -242,18 +248,7 @@ def test_xai_orphan_lookup_skips_a_batch_made_from_another_file(
     # made from another file (newer, so it would be picked first) is not this shard's.
     server_for("xai")
     source = write_batch_jsonl(tmp_path / "in.jsonl", 4)
-    real_write = StateStore.write
-
-    def crash_when_recording_id(self: StateStore, state: SubmitState) -> None:
-        if state.batch_id:
-            raise CrashAfterCreate(state.batch_id)
-        real_write(self, state)
-
-    monkeypatch.setattr(StateStore, "write", crash_when_recording_id)
-    with pytest.raises(CrashAfterCreate) as crashed:
-        SubmitBatchOperator(task_id="submit", source=str(source)).execute(task_context())
-    created = str(crashed.value)
-    monkeypatch.setattr(StateStore, "write", real_write)
+    created = submit_crashing_after_create(source, task_context, monkeypatch)
     hook = BatchApiHook()
     name = hook.get_batch(created).metadata["name"]
     other = hook.upload_file(write_batch_jsonl(tmp_path / "other.jsonl", 2))
