@@ -671,7 +671,9 @@ class SharedPoller:
                         stop.append(exc)
                     self._settle(batch_id, error=exc)
                 else:
-                    self._settle(batch_id, batch)
+                    # Unchanged, it is the known Batch (as a listing gives it): no news to watchers.
+                    known = self._seen.get(batch_id)
+                    self._settle(batch_id, known if known is not None and known.raw == batch.raw else batch)
 
         await asyncio.gather(*(one(b) for b in todo))
 

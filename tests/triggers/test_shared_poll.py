@@ -388,6 +388,15 @@ async def test_a_watching_trigger_reads_again_only_when_its_batch_changes(vendor
     assert reads == {b: 2 for b in api.ids}
 
 
+async def test_a_batch_read_by_id_is_news_only_when_it_changes(vendor: Any) -> None:
+    api, MockTrigger = vendor(3, rounds=4, hidden=frozenset({"batch_00001"}))
+    Counted, reads = counting_reads(MockTrigger)
+    triggers = [Counted(batch_ids=[b], poll_interval=0.02) for b in api.ids]
+    assert await statuses(triggers) == ["success"] * 3
+    # The hidden batch was read by id every cycle, and its trigger woken only when it completed.
+    assert api.got.count("batch_00001") >= 4 and reads["batch_00001"] == 2
+
+
 async def test_a_cycle_error_reaches_the_watching_triggers(
     vendor: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
