@@ -340,6 +340,9 @@ class SharedPoller:
         longest = max(poll_interval, max_poll_interval) if max_poll_interval is not None else math.inf
         self._members[member] = _Member(ids, poll_interval * FRESH_FRACTION, max(backoff, 1.0), longest)
         self._pace = None
+        # A faster member may watch at once (its first read answered from a state just seen, so no
+        # read wakes the poller): the schedule is recomputed now, not after the slower pace's wait.
+        self._wakeup.set()
         for batch_id in ids:
             self._registered[batch_id] = self._registered.get(batch_id, 0) + 1
         if self._task is None:

@@ -462,3 +462,20 @@ async def test_the_poller_keeps_the_fastest_pace_and_backs_off_while_nothing_cha
     assert paces == [10.0, 15.0, 22.5, 50.0]
     await poller.leave(fast)
     assert await poller.leave(slow) and poller._task is None
+
+
+async def test_a_faster_trigger_joining_watchers_sets_the_pace_at_once(vendor: Any) -> None:
+    # A slow trigger watches two batches; a fast one joins for one of them just after a cycle, so
+    # its first read is answered from that cycle's state and it watches at once, with no read
+    # that would wake the poller. The poller's next cycle must come at the fast trigger's pace,
+    # not the slow one's hour.
+    api, MockTrigger = vendor(2, rounds=1)
+    slow = MockTrigger(batch_ids=list(api.ids), poll_interval=3600.0, max_poll_interval=3600.0)
+    slow_task = asyncio.create_task(statuses([slow]))
+    while not pollers() or not next(iter(pollers().values()))._watchers:
+        await asyncio.sleep(0.001)
+    fast = MockTrigger(batch_ids=[api.ids[1]], poll_interval=1.0, max_poll_interval=1.0)
+    # (A hang guard, not a time measured: without the fix the next cycle is an hour away.)
+    assert await asyncio.wait_for(statuses([fast]), 10) == ["success"]
+    assert await asyncio.wait_for(slow_task, 10) == ["success"]
+    assert api.listings == 2
