@@ -552,7 +552,12 @@ class SharedPoller:
         shortest, backoff, longest = self._members_pace()
         if backoff <= 1.0 or self._quiet == 0:
             return shortest
-        return min(shortest * backoff ** min(self._quiet, 64), max(longest, shortest))
+        cap = max(longest, shortest)
+        try:
+            return min(shortest * backoff ** min(self._quiet, 64), cap)
+        except OverflowError:
+            # A large backoff overflows a float long before 64 quiet cycles: it is long past the cap.
+            return cap
 
     async def _due(self) -> None:
         """Return when a cycle is due: a trigger asked to read, or watching triggers' pace has come."""

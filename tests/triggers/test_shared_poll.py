@@ -479,3 +479,18 @@ async def test_a_faster_trigger_joining_watchers_sets_the_pace_at_once(vendor: A
     assert await asyncio.wait_for(statuses([fast]), 10) == ["success"]
     assert await asyncio.wait_for(slow_task, 10) == ["success"]
     assert api.listings == 2
+
+
+async def test_a_huge_backoff_caps_the_poller_pace_instead_of_overflowing() -> None:
+    # ``backoff ** quiet`` overflows a float for a large backoff after enough quiet cycles: the
+    # poller's task would die there and strand every trigger of the connection.
+    async def release() -> None:
+        return None
+
+    key = shared_poll.PollerKey(BatchTrigger, "c", None, "f")
+    poller = shared_poll.SharedPoller(key, None, CallLimiter(None), release)  # type: ignore[arg-type]
+    member = object()
+    poller.join(member, ["a"], 10.0, backoff=1e6, max_poll_interval=600.0)
+    poller._quiet = 60
+    assert poller._watch_interval() == 600.0
+    assert await poller.leave(member)
