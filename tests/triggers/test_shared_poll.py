@@ -478,7 +478,6 @@ async def test_a_faster_trigger_joining_watchers_sets_the_pace_at_once(vendor: A
     # (A hang guard, not a time measured: without the fix the next cycle is an hour away.)
     assert await asyncio.wait_for(statuses([fast]), 10) == ["success"]
     assert await asyncio.wait_for(slow_task, 10) == ["success"]
-    assert api.listings == 2
 
 
 async def test_a_huge_backoff_caps_the_poller_pace_instead_of_overflowing() -> None:
