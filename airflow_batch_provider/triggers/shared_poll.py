@@ -338,8 +338,17 @@ class SharedPoller:
         watching triggers, keep the fastest pace among its triggers."""
         ids = tuple(batch_ids)
         longest = max(poll_interval, max_poll_interval) if max_poll_interval is not None else math.inf
-        self._members[member] = _Member(ids, poll_interval * FRESH_FRACTION, max(backoff, 1.0), longest)
-        self._pace = None
+        entry = self._members[member] = _Member(
+            ids, poll_interval * FRESH_FRACTION, max(backoff, 1.0), longest
+        )
+        if self._pace is not None:
+            # Joining can only make the pace faster: no walk over every member (10,000 joining).
+            shortest, least_backoff, longest_cap = self._pace
+            self._pace = (
+                min(shortest, poll_interval),
+                min(least_backoff, entry.backoff),
+                min(longest_cap, entry.max_interval),
+            )
         # A faster member may watch at once (its first read answered from a state just seen, so no
         # read wakes the poller): the schedule is recomputed now, not after the slower pace's wait.
         self._wakeup.set()

@@ -460,6 +460,15 @@ async def test_the_poller_keeps_the_fastest_pace_and_backs_off_while_nothing_cha
         poller._quiet = quiet
         paces.append(poller._watch_interval())
     assert paces == [10.0, 15.0, 22.5, 50.0]
+    # A faster member joining sets the pace at once; the pace is the others' again once it leaves.
+    faster = object()
+    poller.join(faster, ["c"], 4.0, backoff=3.0, max_poll_interval=8.0)
+    poller._quiet = 0
+    assert poller._watch_interval() == 4.0
+    poller._quiet = 10
+    assert poller._watch_interval() == 8.0
+    await poller.leave(faster)
+    assert poller._watch_interval() == 50.0
     await poller.leave(fast)
     assert await poller.leave(slow) and poller._task is None
 
