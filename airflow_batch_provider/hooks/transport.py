@@ -105,9 +105,14 @@ def shared_transport() -> httpx.AsyncBaseTransport:
 Secrets = str | Iterable[str] | None
 
 
+def _each(secret: Secrets) -> Iterable[str | None]:
+    """The secrets of ``secret``: one, several, or none."""
+    return (secret,) if isinstance(secret, str) or secret is None else secret
+
+
 def redact(text: str, secret: Secrets) -> str:
     """Remove a secret (or each of several) from text: a server may echo a header back."""
-    for one in (secret,) if isinstance(secret, str) or secret is None else secret:
+    for one in _each(secret):
         if one and one in text:
             text = text.replace(one, REDACTED)
     return text
@@ -142,10 +147,7 @@ def redact_json(value: Any, secret: Secrets, raw: bytes | None = None) -> Any:
 
 def _occurs(raw: bytes, secret: Secrets) -> bool:
     """Whether any secret occurs in ``raw`` as UTF-8 bytes."""
-    for one in (secret,) if isinstance(secret, str) or secret is None else secret:
-        if one and one.encode() in raw:
-            return True
-    return False
+    return any(one and one.encode() in raw for one in _each(secret))
 
 
 # ---- a deadline per call ---------------------------------------------------------------------

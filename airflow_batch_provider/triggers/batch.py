@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import time
 import weakref
 import zlib
@@ -38,12 +39,12 @@ from airflow_batch_provider.triggers.shared_poll import (
     turn_gate,
 )
 from airflow_batch_provider.waiting import (
-    DEADLINE_SLACK,
     POLL_ERRORS,
     acancel_batches,
     aread_batches,
     await_batches,
     deadline_from,
+    until_deadline,
 )
 
 if TYPE_CHECKING:
@@ -269,9 +270,9 @@ class BatchTrigger(BaseTrigger):
         if after is None:
             return await self._poller.read(self)
         deadline = self.deadline_at
-        deadline_in = None
-        if deadline is not None:
-            deadline_in = max((deadline - datetime.now(timezone.utc)).total_seconds(), 0.0) + DEADLINE_SLACK
+        # Watch until just after the deadline (as the loop's own sleep would end), or for good.
+        now = datetime.now(timezone.utc)
+        deadline_in = None if deadline is None else until_deadline(math.inf, deadline, now)
         return await self._poller.read_after(self, after, deadline_in)
 
     async def _join_shared_polling(self, lease: _HookLease) -> SharedPoller | None:

@@ -432,7 +432,7 @@ class SharedPoller:
             # are no longer wanted by this trigger.
             for batch_id, future in zip(batch_ids, futures, strict=True):
                 if future.cancel() or future.cancelled():
-                    self._drop(batch_id, future)
+                    _discard(self._waiting, batch_id, future)
 
     async def read_after(self, member: object, sleep: float, deadline_in: float | None) -> list[Batch]:
         """A joined trigger's next read, once its poll loop decided to wait ``sleep`` seconds.
@@ -470,7 +470,7 @@ class SharedPoller:
             finally:
                 future.cancel()
                 for batch_id in entry.batch_ids:
-                    self._unwatch(batch_id, future)
+                    _discard(self._watchers, batch_id, future)
         return await self.read(member)
 
     def _news(self, entry: _Member) -> bool:
@@ -479,24 +479,6 @@ class SharedPoller:
         return len(entry.given) != len(entry.batch_ids) or any(
             seen.get(b) is not g for b, g in zip(entry.batch_ids, entry.given, strict=True)
         )
-
-    def _unwatch(self, batch_id: str, future: asyncio.Future[None]) -> None:
-        watchers = self._watchers.get(batch_id)
-        if watchers is None:
-            return
-        with contextlib.suppress(ValueError):
-            watchers.remove(future)
-        if not watchers:
-            del self._watchers[batch_id]
-
-    def _drop(self, batch_id: str, future: asyncio.Future[Batch]) -> None:
-        waiters = self._waiting.get(batch_id)
-        if waiters is None:
-            return
-        with contextlib.suppress(ValueError):
-            waiters.remove(future)
-        if not waiters:
-            del self._waiting[batch_id]
 
     # ---- settling the futures ---------------------------------------------------------------
     def _settle(self, batch_id: str, batch: Batch | None = None, error: BaseException | None = None) -> int:
@@ -697,6 +679,17 @@ class SharedPoller:
     def _fail(self, wanted: set[str], exc: BaseException) -> None:
         for batch_id in wanted:
             self._settle(batch_id, error=exc)
+
+
+def _discard(futures: dict[str, list[Any]], batch_id: str, future: asyncio.Future[Any]) -> None:
+    """Take ``future`` out of ``batch_id``'s list (reads waiting, or watchers); an emptied list goes."""
+    waiting = futures.get(batch_id)
+    if waiting is None:
+        return
+    with contextlib.suppress(ValueError):
+        waiting.remove(future)
+    if not waiting:
+        del futures[batch_id]
 
 
 # ---- the registry: one poller per key and event loop -----------------------------------------
