@@ -38,8 +38,13 @@ def bind_models(namespace: dict[str, Any], *names: str) -> None:
 
 
 # What the hook can read results from. "files": the batch's output and error files;
-# "results_endpoint": a paged endpoint on the batch itself (xAI, Doubleword).
-ResultsMode = Literal["files", "results_endpoint"]
+# "results_endpoint": a paged endpoint on the batch itself (xAI, Doubleword); "results_url": one
+# JSONL stream at the URL the ended batch names (``Dialect.results_url_of``; Anthropic).
+ResultsMode = Literal["files", "results_endpoint", "results_url"]
+# How a batch is submitted. "file": the encoded shard is uploaded, and the create names the
+# file; "inline": the create call's body carries the encoded requests themselves (Anthropic),
+# streamed from the shard as ``{..., "requests": [line, line, ...]}``.
+SubmissionMode = Literal["file", "inline"]
 # Where a request's model goes. "line": each line's ``body.model`` (OpenAI); "job": one model
 # named on the create call, taken from the shard's lines (which must all name the same one).
 ModelPlacement = Literal["line", "job"]
@@ -139,6 +144,10 @@ class Dialect:
     #: ``encode_line`` into an encoded copy before uploading. False (OpenAI's shape): the staged
     #: file is uploaded as it is, with no pass over its lines.
     encodes_lines: ClassVar[bool] = False
+    #: How a batch is submitted (see ``SubmissionMode``).
+    submission_mode: ClassVar[SubmissionMode] = "file"
+    #: The key of the create body that holds the encoded requests ("inline" dialects).
+    inline_requests_key: ClassVar[str] = "requests"
 
     def __init__(self) -> None:
         bind_models(globals(), "Batch", "BatchState", "LineError", "ResultLine")
@@ -288,6 +297,16 @@ class Dialect:
         if metadata:
             body["metadata"] = dict(metadata)
         return body
+
+    def inline_create_body(
+        self, *, endpoint: str, completion_window: str, metadata: Mapping[str, str] | None, model: str | None
+    ) -> dict[str, Any]:
+        """The fields of an "inline" create body beside its requests (``inline_requests_key``)."""
+        raise NotImplementedError(f"dialect {self.name!r} submits a file, not inline requests")
+
+    def results_url_of(self, batch: Batch) -> str | None:
+        """The URL of the batch's one results stream ("results_url" dialects), None until it has one."""
+        return None
 
     def parse_batch(self, raw: Mapping[str, Any]) -> Batch:
         """Map the vendor's batch object to the normalised ``Batch``."""

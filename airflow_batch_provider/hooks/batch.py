@@ -59,11 +59,13 @@ from airflow_batch_provider.hooks.results import (
     results_body,
     results_mode,
     results_pages,
+    results_stream_url,
 )
 from airflow_batch_provider.hooks.retry import RetryPolicy
 from airflow_batch_provider.hooks.settings import BatchApiSettings, settings_from_connection
 from airflow_batch_provider.hooks.transport import (
     CallDeadline,
+    FileBody,
     PathSource,
     aiter_with_progress,
     aread_capped,
@@ -465,10 +467,13 @@ class BatchApiHook(BaseHook):
         return self._iter_jsonl(file_id, raw=True)
 
     def _iter_jsonl(
-        self, file_id: str, *, lenient: bool = False, raw: bool = False
+        self, file_id: str, *, lenient: bool = False, raw: bool = False, call: Call | None = None
     ) -> Iterator[tuple[int, Any]]:
-        """``(line number, object)``; with ``lenient`` a bad line gives its error instead of raising."""
-        lines = ResumableLines(self.get_settings(), file_id, self.log, lenient=lenient, raw=raw)
+        """``(line number, object)``; with ``lenient`` a bad line gives its error instead of raising.
+
+        :param call: the request reading the stream, when it is not the file's content.
+        """
+        lines = ResumableLines(self.get_settings(), file_id, self.log, lenient=lenient, raw=raw, call=call)
         while True:
             try:
                 lines.attempt()
@@ -494,10 +499,12 @@ class BatchApiHook(BaseHook):
             yield item
 
     async def _aiter_jsonl(
-        self, file_id: str, *, lenient: bool = False, raw: bool = False
+        self, file_id: str, *, lenient: bool = False, raw: bool = False, call: Call | None = None
     ) -> AsyncIterator[tuple[int, Any]]:
         """Async twin of ``_iter_jsonl``."""
-        lines = ResumableLines(await self.aget_settings(), file_id, self.log, lenient=lenient, raw=raw)
+        lines = ResumableLines(
+            await self.aget_settings(), file_id, self.log, lenient=lenient, raw=raw, call=call
+        )
         while True:
             try:
                 lines.attempt()
@@ -520,12 +527,13 @@ class BatchApiHook(BaseHook):
     def create_batch(
         self,
         *,
-        input_file_id: str,
+        input_file_id: str | None = None,
         endpoint: str,
         completion_window: str = "24h",
         metadata: Mapping[str, str] | None = None,
         name: str | None = None,
         model: str | None = None,
+        inline: FileBody | None = None,
     ) -> Batch:
         """Create a batch from an uploaded file, never paying twice for one call.
 
@@ -540,10 +548,21 @@ class BatchApiHook(BaseHook):
         :param metadata: tags identifying the run; also how a lost create is found again.
         :param name: a batch name, for dialects that name batches.
         :param model: the one model of the file, for dialects that put the model on the job.
+        :param inline: for a dialect whose ``submission_mode`` is "inline", the create body (the
+            encoded requests) streamed from a local file, instead of ``input_file_id``. Such a
+            vendor's batches carry no tags, so an ambiguous failure is raised, never retried.
         """
         settings = self.get_settings()
         create = BatchCreate(
-            settings, self.log, input_file_id, endpoint, completion_window, metadata, name, model=model
+            settings,
+            self.log,
+            input_file_id,
+            endpoint,
+            completion_window,
+            metadata,
+            name,
+            model=model,
+            inline=inline,
         )
         while True:
             try:
@@ -563,17 +582,26 @@ class BatchApiHook(BaseHook):
     async def acreate_batch(
         self,
         *,
-        input_file_id: str,
+        input_file_id: str | None = None,
         endpoint: str,
         completion_window: str = "24h",
         metadata: Mapping[str, str] | None = None,
         name: str | None = None,
         model: str | None = None,
+        inline: FileBody | None = None,
     ) -> Batch:
         """Async twin of ``create_batch`` (same duplicate protection)."""
         settings = await self.aget_settings()
         create = BatchCreate(
-            settings, self.log, input_file_id, endpoint, completion_window, metadata, name, model=model
+            settings,
+            self.log,
+            input_file_id,
+            endpoint,
+            completion_window,
+            metadata,
+            name,
+            model=model,
+            inline=inline,
         )
         while True:
             try:
@@ -728,7 +756,8 @@ class BatchApiHook(BaseHook):
         offers files), else pages the batch's results endpoint.
 
         :param batch: the batch or its id.
-        :param mode: force ``files`` or ``results_endpoint``.
+        :param mode: force ``files``, ``results_endpoint`` or ``results_url`` (the one JSONL
+            stream an ended batch names; resumed after a drop like a file).
         :param on_bad_line: a result file line that is not JSON, not an object or unreadable by
             the dialect: ``fail`` (raise naming it) or ``record`` (yield it as a failed line with
             code ``invalid_result_line``, the reason, file and line, and the custom_id it has, or "").
@@ -736,11 +765,20 @@ class BatchApiHook(BaseHook):
         dialect = self.dialect
         if isinstance(batch, str):
             batch = self.get_batch(batch)
-        if results_mode(dialect, batch, mode) == "files":
-            read = result_line_or_bad if on_bad_line == "record" else result_line
+        chosen = results_mode(dialect, batch, mode)
+        read = result_line_or_bad if on_bad_line == "record" else result_line
+        if chosen == "files":
             for file_id, source in result_files(batch):
                 for number, obj in self._iter_jsonl(file_id, lenient=on_bad_line == "record"):
                     yield read(dialect, obj, source, file_id, number)
+            return
+        if chosen == "results_url":
+            url = results_stream_url(self.get_settings(), batch)
+            if url is None:
+                return
+            call = calls.results_stream(url, batch.id, f"reading results of batch {batch.id}")
+            for number, obj in self._iter_jsonl(batch.id, lenient=on_bad_line == "record", call=call):
+                yield read(dialect, obj, "output", f"results of batch {batch.id}", number)
             return
         pages = results_pages(dialect, batch)
         while pages.params is not None:
@@ -755,11 +793,20 @@ class BatchApiHook(BaseHook):
         dialect = (await self.aget_settings()).dialect
         if isinstance(batch, str):
             batch = await self.aget_batch(batch)
-        if results_mode(dialect, batch, mode) == "files":
-            read = result_line_or_bad if on_bad_line == "record" else result_line
+        chosen = results_mode(dialect, batch, mode)
+        read = result_line_or_bad if on_bad_line == "record" else result_line
+        if chosen == "files":
             for file_id, source in result_files(batch):
                 async for number, obj in self._aiter_jsonl(file_id, lenient=on_bad_line == "record"):
                     yield read(dialect, obj, source, file_id, number)
+            return
+        if chosen == "results_url":
+            url = results_stream_url(await self.aget_settings(), batch)
+            if url is None:
+                return
+            call = calls.results_stream(url, batch.id, f"reading results of batch {batch.id}")
+            async for number, obj in self._aiter_jsonl(batch.id, lenient=on_bad_line == "record", call=call):
+                yield read(dialect, obj, "output", f"results of batch {batch.id}", number)
             return
         pages = results_pages(dialect, batch)
         while pages.params is not None:

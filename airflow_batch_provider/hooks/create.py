@@ -19,6 +19,7 @@ from airflow_batch_provider.exceptions import BatchApiError, ConfigurationError
 from airflow_batch_provider.hooks import calls
 from airflow_batch_provider.hooks.attempts import AmbiguousCreate, message_of, with_note
 from airflow_batch_provider.hooks.settings import BatchApiSettings
+from airflow_batch_provider.hooks.transport import FileBody
 from airflow_batch_provider.models import Batch
 
 # After an ambiguous create, how many times to look for the batch (each after a settle delay)
@@ -83,19 +84,22 @@ class BatchCreate:
     :param metadata: tags identifying the run; also how a lost create is found again.
     :param name: a batch name, for dialects that name batches.
     :param model: the file's one model, for dialects whose ``model_placement`` is "job".
+    :param inline: the body of an "inline" create (its requests), streamed from a local file;
+        ``input_file_id`` is then None.
     """
 
     def __init__(
         self,
         settings: BatchApiSettings,
         log: Any,
-        input_file_id: str,
+        input_file_id: str | None,
         endpoint: str,
         completion_window: str,
         metadata: Mapping[str, str] | None,
         name: str | None,
         *,
         model: str | None = None,
+        inline: FileBody | None = None,
     ) -> None:
         dialect = settings.dialect
         if dialect.model_placement == "job" and not model:
@@ -111,24 +115,49 @@ class BatchCreate:
                 f"{len(metadata)} metadata pairs given; "
                 f"dialect {dialect.name!r} allows {dialect.max_metadata_pairs}"
             )
+        if (dialect.submission_mode == "inline") != (inline is not None) or (
+            inline is None and not input_file_id
+        ):
+            raise ConfigurationError(
+                f"dialect {dialect.name!r} submits "
+                + (
+                    "its requests inline in the create call"
+                    if dialect.submission_mode == "inline"
+                    else "a file"
+                )
+                + ": pass "
+                + (
+                    "inline= (the submit operator builds it)"
+                    if dialect.submission_mode == "inline"
+                    else "input_file_id="
+                )
+            )
         self.settings = settings
         self.log = log
         self.input_file_id = input_file_id
-        body = dialect.create_batch_body(
-            input_file_id=input_file_id,
-            endpoint=endpoint,
-            completion_window=completion_window,
-            metadata=metadata,
-            name=name,
-            model=model,
-        )
-        self.identity = create_identity(dialect, body, metadata, name)
-        self.call = calls.create_batch(dialect, body, input_file_id)
+        self.source = f"file {input_file_id}" if input_file_id else (inline.filename if inline else "?")
+        if inline is not None:
+            # Whatever the create body holds beside the requests is the dialect's; the requests
+            # are streamed from the file, which the caller framed with these fields.
+            self.identity = None
+            self.call = calls.create_inline(dialect, inline)
+        else:
+            assert input_file_id is not None
+            body = dialect.create_batch_body(
+                input_file_id=input_file_id,
+                endpoint=endpoint,
+                completion_window=completion_window,
+                metadata=metadata,
+                name=name,
+                model=model,
+            )
+            self.identity = create_identity(dialect, body, metadata, name)
+            self.call = calls.create_batch(dialect, body, input_file_id)
         self.action = self.call.action
         self.retry = 0
 
     def created(self, batch: Batch) -> Batch:
-        self.log.info("Created batch %s from file %s", batch.id, self.input_file_id)
+        self.log.info("Created batch %s from %s", batch.id, self.source)
         return batch
 
     def failed(self, exc: AmbiguousCreate) -> dict[str, str]:
