@@ -481,3 +481,103 @@ async def test_results_endpoint_that_never_ends_is_stopped(
     await hook.aclose()
     hook.close()
     assert served["pages"] == 8
+
+
+# ---- Anthropic: the one results stream at the batch's results_url ------------------------------
+
+
+def anthropic_batch(results_url: str) -> dict[str, Any]:
+    return {
+        "id": "b1",
+        "type": "message_batch",
+        "processing_status": "ended",
+        "request_counts": {"processing": 0, "succeeded": 2, "errored": 0, "canceled": 0, "expired": 0},
+        "created_at": "2026-01-01T00:00:00Z",
+        "expires_at": "2026-01-02T00:00:00Z",
+        "ended_at": "2026-01-01T01:00:00Z",
+        "archived_at": None,
+        "cancel_initiated_at": None,
+        "results_url": results_url,
+    }
+
+
+def anthropic_line(custom_id: str) -> bytes:
+    message = {
+        "id": f"msg_{custom_id}",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude",
+        "content": [{"type": "text", "text": f"answer {custom_id}"}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 1, "output_tokens": 2},
+    }
+    return orjson.dumps({"custom_id": custom_id, "result": {"type": "succeeded", "message": message}}) + b"\n"
+
+
+async def test_results_url_on_another_origin_is_refused_without_sending_the_key(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    api, elsewhere = hostile_server(), hostile_server()
+    elsewhere.route("/results", reply(200, anthropic_line("a")))
+    api.route("/v1/messages/batches/b1", reply(200, anthropic_batch(f"{elsewhere.origin}/results")))
+    hook = hostile_hook(api, dialect="anthropic")
+    with pytest.raises(BatchApiRedirectError) as sync_error:
+        list(hook.iter_results("b1"))
+    with pytest.raises(BatchApiRedirectError) as async_error:
+        [line async for line in hook.aiter_results("b1")]
+    await hook.aclose()
+    hook.close()
+    for error in (sync_error.value, async_error.value):
+        text = str(error)
+        assert elsewhere.origin.split("://")[1] in text and "never sent there" in text, text
+        assert SECRET not in text
+    assert elsewhere.requests == []
+
+
+async def test_results_url_redirect_to_object_store_carries_no_credentials(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    api, store = hostile_server(), hostile_server()
+    content = anthropic_line("a") + anthropic_line("b")
+    store.route("/signed/results.jsonl", reply(200, content))
+    api.route(
+        "/v1/messages/batches/b1", reply(200, anthropic_batch(f"{api.base_url}/messages/batches/b1/results"))
+    )
+    api.route("/v1/messages/batches/b1/results", redirect(f"{store.origin}/signed/results.jsonl?sig=abc"))
+    hook = hostile_hook(api, dialect="anthropic")
+    assert [line.custom_id for line in hook.iter_results("b1")] == ["a", "b"]
+    assert [line.custom_id async for line in hook.aiter_results("b1")] == ["a", "b"]
+    await hook.aclose()
+    hook.close()
+    # The API got the key as x-api-key with the version; the object store got nothing of it.
+    results = api.seen("/v1/messages/batches/b1/results")
+    assert len(results) == 2 and all(r.headers["x-api-key"] == SECRET for r in results)
+    assert all(r.headers["anthropic-version"] == "2023-06-01" for r in results)
+    assert len(store.requests) == 2 and credentials_in(store) == []
+
+
+async def test_results_stream_dropped_mid_way_is_resumed_each_line_once(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    content = b"".join(anthropic_line(f"r{i}") for i in range(6))
+
+    def dropped(ex: Exchange) -> None:
+        # Promise the whole stream, send half of it (cut inside a line), then close.
+        ex.head(200, {"Content-Type": "application/binary"}, len(content))
+        ex.send(content[: len(content) // 2 + 7])
+
+    api = hostile_server()
+    api.route("/v1/messages/batches/b1", reply(200, anthropic_batch("/v1/messages/batches/b1/results")))
+    api.route(
+        "/v1/messages/batches/b1/results",
+        sequence(dropped, reply(200, content), dropped, reply(200, content)),
+    )
+    hook = hostile_hook(api, dialect="anthropic")
+    ids = [f"r{i}" for i in range(6)]
+    sync_lines = [line.custom_id for line in hook.iter_results("b1")]
+    async_lines = [line.custom_id async for line in hook.aiter_results("b1")]
+    await hook.aclose()
+    hook.close()
+    assert sync_lines == ids and async_lines == ids
+    assert len(api.seen("/v1/messages/batches/b1/results")) == 4
