@@ -581,3 +581,30 @@ async def test_results_stream_dropped_mid_way_is_resumed_each_line_once(
     hook.close()
     assert sync_lines == ids and async_lines == ids
     assert len(api.seen("/v1/messages/batches/b1/results")) == 4
+
+
+async def test_inline_create_streams_the_file_with_its_exact_length(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], tmp_path: Path
+) -> None:
+    from airflow_batch_provider.hooks.transport import FileBody
+
+    body = orjson.dumps(
+        {"requests": [{"custom_id": f"r{i}", "params": {"x": "y" * 100}} for i in range(500)]}
+    )
+    path = tmp_path / "create.json"
+    path.write_bytes(body)
+    running = {**anthropic_batch(""), "processing_status": "in_progress", "results_url": None}
+    api = hostile_server()
+    api.route("POST /v1/messages/batches", reply(200, running))
+    hook = hostile_hook(api, dialect="anthropic")
+    inline = FileBody(path, filename="create.json", size=len(body))
+    assert hook.create_batch(endpoint="/v1/chat/completions", inline=inline).id == "b1"
+    assert (await hook.acreate_batch(endpoint="/v1/chat/completions", inline=inline)).id == "b1"
+    await hook.aclose()
+    hook.close()
+    sent = api.seen("/v1/messages/batches")
+    assert len(sent) == 2
+    for seen in sent:
+        assert seen.body == body
+        assert seen.headers["content-length"] == str(len(body)) and "transfer-encoding" not in seen.headers
+        assert seen.headers["content-type"] == "application/json" and seen.headers["x-api-key"] == SECRET
