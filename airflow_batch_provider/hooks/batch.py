@@ -47,7 +47,9 @@ from airflow_batch_provider.hooks.connection_form import (
 )
 from airflow_batch_provider.hooks.create import (
     AMBIGUOUS_LOOKUPS,
+    INLINE_SCAN,
     BatchCreate,
+    InlineMatch,
     newest_created,
 )
 from airflow_batch_provider.hooks.lines import DOWNLOAD_CHUNK, ResumableLines
@@ -534,6 +536,7 @@ class BatchApiHook(BaseHook):
         name: str | None = None,
         model: str | None = None,
         inline: FileBody | None = None,
+        not_these: Iterable[str] = (),
     ) -> Batch:
         """Create a batch from an uploaded file, never paying twice for one call.
 
@@ -550,7 +553,11 @@ class BatchApiHook(BaseHook):
         :param model: the one model of the file, for dialects that put the model on the job.
         :param inline: for a dialect whose ``submission_mode`` is "inline", the create body (the
             encoded requests) streamed from a local file, instead of ``input_file_id``. Such a
-            vendor's batches carry no tags, so an ambiguous failure is raised, never retried.
+            vendor's batches carry no tags: after an ambiguous failure the batch is looked for
+            by its creation time and request count (``inline.requests``; one match is adopted,
+            several raise, none retries); without a count the failure is raised.
+        :param not_these: ids of batches known not to be this create's (the caller's other
+            shards), left out of that lookup.
         """
         settings = self.get_settings()
         create = BatchCreate(
@@ -563,6 +570,7 @@ class BatchApiHook(BaseHook):
             name,
             model=model,
             inline=inline,
+            not_these=not_these,
         )
         while True:
             try:
@@ -572,8 +580,12 @@ class BatchApiHook(BaseHook):
                 tags = create.failed(exc)
                 for _ in range(AMBIGUOUS_LOOKUPS):
                     time.sleep(create.settle(exc))
+                    match = create.inline_match()
                     try:
-                        found = self.find_created_batch(tags, input_file_id=input_file_id)
+                        if match is None:
+                            found = self.find_created_batch(tags, input_file_id=input_file_id)
+                        else:
+                            found = create.one_inline(exc, self.find_inline_batches(match))
                     except BatchApiError as lookup:
                         raise create.lookup_failed(exc, lookup) from lookup
                     if found is not None:
@@ -589,6 +601,7 @@ class BatchApiHook(BaseHook):
         name: str | None = None,
         model: str | None = None,
         inline: FileBody | None = None,
+        not_these: Iterable[str] = (),
     ) -> Batch:
         """Async twin of ``create_batch`` (same duplicate protection)."""
         settings = await self.aget_settings()
@@ -602,6 +615,7 @@ class BatchApiHook(BaseHook):
             name,
             model=model,
             inline=inline,
+            not_these=not_these,
         )
         while True:
             try:
@@ -611,8 +625,12 @@ class BatchApiHook(BaseHook):
                 tags = create.failed(exc)
                 for _ in range(AMBIGUOUS_LOOKUPS):
                     await asyncio.sleep(create.settle(exc))
+                    match = create.inline_match()
                     try:
-                        found = await self.afind_created_batch(tags, input_file_id=input_file_id)
+                        if match is None:
+                            found = await self.afind_created_batch(tags, input_file_id=input_file_id)
+                        else:
+                            found = create.one_inline(exc, await self.afind_inline_batches(match))
                     except BatchApiError as lookup:
                         raise create.lookup_failed(exc, lookup) from lookup
                     if found is not None:
@@ -737,6 +755,21 @@ class BatchApiHook(BaseHook):
     ) -> Batch | None:
         """Async twin of ``find_created_batch``."""
         return newest_created(await self.afind_batches(tags), input_file_id=input_file_id, accept=accept)
+
+    def find_inline_batches(self, match: InlineMatch) -> InlineMatch:
+        """Read the listing (newest first) into ``match`` until it is past ``match.since``: the
+        batches that may be a lost inline create (no tags: by creation time and request count)."""
+        for batch in self.list_batches(limit=INLINE_SCAN):
+            if not match.see(batch):
+                break
+        return match
+
+    async def afind_inline_batches(self, match: InlineMatch) -> InlineMatch:
+        """Async twin of ``find_inline_batches``."""
+        async for batch in self.alist_batches(limit=INLINE_SCAN):
+            if not match.see(batch):
+                break
+        return match
 
     # ---- results ---------------------------------------------------------------------------
     def _results_page(self, dialect: Dialect, pages: Pages, response: httpx.Response) -> list[ResultLine]:

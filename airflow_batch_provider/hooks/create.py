@@ -12,6 +12,8 @@ both hook loops.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from airflow_batch_provider.dialects import Dialect
@@ -26,6 +28,36 @@ from airflow_batch_provider.models import Batch
 # before sending the create again: a vendor still working on a timed-out request, or a
 # listing that lags behind creates, gets a second chance to show the batch.
 AMBIGUOUS_LOOKUPS = 2
+# A vendor's created_at is its own clock: a batch created this much before our clock said the
+# create was sent is still looked at when finding a lost inline create.
+CLOCK_SKEW = timedelta(seconds=60)
+# How many of the newest batches such a lookup reads at most.
+INLINE_SCAN = 10_000
+
+
+@dataclass
+class InlineMatch:
+    """The batches that may be a lost inline create: created since ``since``, holding exactly
+    ``requests`` requests (a vendor without tags, whose listing has no filter). Fed a listing
+    newest first, it says when the rest is older than ``since``.
+
+    :param since: when the create may first have been acted on (its intent, less the clock skew).
+    :param requests: the create's request count.
+    :param exclude: ids known to be other shards' batches.
+    """
+
+    since: datetime
+    requests: int
+    exclude: frozenset[str] = frozenset()
+    found: list[Batch] = field(default_factory=list)
+
+    def see(self, batch: Batch) -> bool:
+        """Consider one listed batch; False once the listing is past ``since`` (stop reading)."""
+        if batch.created_at is not None and batch.created_at < self.since:
+            return False
+        if batch.id not in self.exclude and batch.request_counts.total == self.requests:
+            self.found.append(batch)
+        return True
 
 
 def create_identity(
@@ -86,6 +118,7 @@ class BatchCreate:
     :param model: the file's one model, for dialects whose ``model_placement`` is "job".
     :param inline: the body of an "inline" create (its requests), streamed from a local file;
         ``input_file_id`` is then None.
+    :param not_these: batch ids that are not this create's, left out when looking for it.
     """
 
     def __init__(
@@ -100,6 +133,7 @@ class BatchCreate:
         *,
         model: str | None = None,
         inline: FileBody | None = None,
+        not_these: Iterable[str] = (),
     ) -> None:
         dialect = settings.dialect
         if dialect.model_placement == "job" and not model:
@@ -135,6 +169,10 @@ class BatchCreate:
         self.settings = settings
         self.log = log
         self.input_file_id = input_file_id
+        # An inline create of a known size can be found again by its time and request count.
+        self.inline_requests = inline.requests if inline is not None else None
+        self.since = datetime.now(timezone.utc) - CLOCK_SKEW
+        self.not_these = frozenset(not_these)
         self.source = f"file {input_file_id}" if input_file_id else (inline.filename if inline else "?")
         if inline is not None:
             # Whatever the create body holds beside the requests is the dialect's; the requests
@@ -163,6 +201,18 @@ class BatchCreate:
     def failed(self, exc: AmbiguousCreate) -> dict[str, str]:
         """Count an ambiguous failure; the tags to look for, or raise when the batch cannot be found."""
         error = exc.error
+        if self.identity is None and self.inline_requests is not None:
+            if self.retry >= self.settings.retry.max_retries:
+                raise error from exc
+            self.log.warning(
+                "Batch create failed ambiguously (%s); looking for a batch of %d request(s) created "
+                "since %s before retrying",
+                type(error).__name__,
+                self.inline_requests,
+                self.since.isoformat(),
+            )
+            self.retry += 1
+            return {}
         if self.identity is None:
             raise with_note(
                 error,
@@ -178,6 +228,24 @@ class BatchCreate:
         )
         self.retry += 1
         return self.identity
+
+    def inline_match(self) -> InlineMatch | None:
+        """The lookup of this inline create's batch, or None for a create found by its tags."""
+        if self.inline_requests is None:
+            return None
+        return InlineMatch(since=self.since, requests=self.inline_requests, exclude=self.not_these)
+
+    @staticmethod
+    def one_inline(exc: AmbiguousCreate, match: InlineMatch) -> Batch | None:
+        """The one batch the lookup found; several are not guessed between (raised with their ids)."""
+        if len(match.found) > 1:
+            raise with_note(
+                exc.error,
+                f"the batch may have been created and {len(match.found)} batches with its "
+                f"{match.requests} request(s) were created since: {', '.join(b.id for b in match.found)}; "
+                "not retried and none adopted",
+            ) from exc.error
+        return match.found[0] if match.found else None
 
     def settle(self, exc: AmbiguousCreate) -> float:
         """Seconds to let the create settle before the next look for its batch."""

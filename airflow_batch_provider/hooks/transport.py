@@ -517,12 +517,20 @@ class FileBody:
     :param filename: a name for messages; defaults to the source's name.
     :param size: the file size in bytes.
     :param content_type: the body's media type.
+    :param requests: how many batch requests the body holds (an inline create), if known.
     """
 
     def __init__(
-        self, source: PathSource, *, filename: str | None, size: int, content_type: str = "application/json"
+        self,
+        source: PathSource,
+        *,
+        filename: str | None,
+        size: int,
+        content_type: str = "application/json",
+        requests: int | None = None,
     ) -> None:
         self.source = source
+        self.requests = requests
         self.filename = filename or source_name(source)
         self.size = size
         self.body_type = content_type

@@ -79,11 +79,6 @@ STALE_POLICIES = ("cancel_and_resubmit", "fail")
 # re-attaching (cancelling counts: a killed or timed-out task's batch is on its way out).
 _BAD_END = frozenset({BatchState.FAILED, BatchState.EXPIRED, BatchState.CANCELLING, BatchState.CANCELLED})
 _PROBLEMS_SHOWN = 20
-# An "inline" vendor's batch lost in a crash was created after its intent was recorded; its
-# created_at is the vendor's clock, so batches this much older are still looked at.
-CLOCK_SKEW = timedelta(seconds=60)
-# How many of the newest batches the lookup of a lost inline create reads at most.
-_ORPHAN_SCAN = 10_000
 
 
 @dataclass(frozen=True)
@@ -142,17 +137,19 @@ class SubmitBatchOperator(BaseOperator):
     **A crash between create and recording the batch id.** The intent (with its time and, for
     a vendor taking requests inline, its request count) is durable before every create, and
     the id after it. A retry that finds an intent without an id looks for the batch before
-    creating one. Where batches carry tags (OpenAI's shape, Mistral) it adopts the newest
-    batch tagged with the shard's idempotency key and fingerprint. Where they carry none and
-    the listing cannot filter (Anthropic), it lists the batches created since the intent
+    creating one. Where batches carry tags it adopts the newest batch tagged with the shard's
+    idempotency key and fingerprint. Where they carry none and the listing cannot filter (a
+    dialect whose requests go inline in the create call), it lists the batches created since the intent
     (allowing 60 s of clock skew) with exactly the intent's request count, not taken by another
     shard of this try: one such batch is adopted; none means the create never happened and the
     shard is submitted; several raise ``AmbiguousOrphanError`` naming them, and nothing is
-    created or guessed. Not guaranteed there: a batch of another run with the same request
-    count created in that window, while this one's create was lost, is indistinguishable and
-    would be adopted; when several are named, find the one holding this shard's custom_ids
-    (its results, or the vendor's console), cancel the others, and record its id in the
-    shard's state (or delete the state to submit again, accepting a possible duplicate).
+    created or guessed. (A create that fails ambiguously, a 5xx or a dropped answer, is looked
+    for the same way at once.) Not guaranteed there: a batch of another task or run with the
+    same request count created in that window, while this one's create was lost, is
+    indistinguishable and would be adopted. When several are named, find the one holding this
+    shard's custom_ids (its results, or the vendor's console), cancel the others, and record
+    its id in the shard's state (or delete the state to submit again, accepting a possible
+    duplicate).
     """
 
     template_fields: Sequence[str] = (
@@ -456,9 +453,13 @@ class SubmitBatchOperator(BaseOperator):
                 replaced_batch_ids=replaced,
             )
             store.write(state)
-            body = FileBody(tmp, filename=f"{shard.path.name} ({count} requests)", size=size)
+            body = FileBody(tmp, filename=f"{shard.path.name} ({count} requests)", size=size, requests=count)
+            # The batches of this try's other shards are not this one's, whatever their size.
             batch = hook.create_batch(
-                endpoint=shard.endpoint, completion_window=self.completion_window, inline=body
+                endpoint=shard.endpoint,
+                completion_window=self.completion_window,
+                inline=body,
+                not_these=self._batch_ids,
             )
         finally:
             os.unlink(tmp)
@@ -471,18 +472,18 @@ class SubmitBatchOperator(BaseOperator):
     def _find_inline_orphan(self, hook: BatchApiHook, state: SubmitState) -> Batch | None:
         """The batch a lost inline create made: the one batch created since the intent (less
         ``CLOCK_SKEW``) with the intent's request count; None if there is none; several raise."""
+        from airflow_batch_provider.hooks.create import CLOCK_SKEW, InlineMatch
+
         if state.intent_at is None or state.requests is None:
             return None
-        since = state.intent_at - CLOCK_SKEW
-        found: list[Batch] = []
-        for batch in hook.list_batches(limit=_ORPHAN_SCAN):
-            if batch.created_at is not None and batch.created_at < since:
-                break  # newest first: the rest are older still
-            if batch.id in self._batch_ids or batch.request_counts.total != state.requests:
-                continue
-            if self.resubmit_failed and batch.state in _BAD_END:
-                continue
-            found.append(batch)
+        match = hook.find_inline_batches(
+            InlineMatch(
+                since=state.intent_at - CLOCK_SKEW,
+                requests=state.requests,
+                exclude=frozenset(self._batch_ids),
+            )
+        )
+        found = [b for b in match.found if not (self.resubmit_failed and b.state in _BAD_END)]
         if len(found) > 1:
             raise AmbiguousOrphanError(
                 f"shard {state.shard}: an earlier try recorded its intent at {state.intent_at.isoformat()} "

@@ -608,3 +608,59 @@ async def test_inline_create_streams_the_file_with_its_exact_length(
         assert seen.body == body
         assert seen.headers["content-length"] == str(len(body)) and "transfer-encoding" not in seen.headers
         assert seen.headers["content-type"] == "application/json" and seen.headers["x-api-key"] == SECRET
+
+
+def _now_batch(batch_id: str, requests: int) -> dict[str, Any]:
+    import datetime as dt
+
+    created = dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z")
+    return {
+        **anthropic_batch(""),
+        "id": batch_id,
+        "processing_status": "in_progress",
+        "results_url": None,
+        "ended_at": None,
+        "created_at": created,
+        "request_counts": {"processing": requests, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0},
+    }
+
+
+@pytest.mark.parametrize(
+    ("listed", "outcome"),
+    [
+        (["lost:3", "other:4"], "adopted"),  # the one batch of its size created since: the lost create
+        ([], "created"),  # nothing was created: the create is sent again, once
+        (["lost:3", "twin:3"], "refused"),  # two of its size: not guessed, not retried
+    ],
+)
+async def test_an_ambiguous_inline_create_is_found_by_its_time_and_request_count(
+    hostile_server: Callable[[], HostileServer],
+    hostile_hook: Callable[..., BatchApiHook],
+    tmp_path: Path,
+    listed: list[str],
+    outcome: str,
+) -> None:
+    from airflow_batch_provider.hooks.transport import FileBody
+
+    path = tmp_path / "create.json"
+    path.write_bytes(b'{"requests":[]}')
+    batches = [_now_batch(item.split(":")[0], int(item.split(":")[1])) for item in listed]
+    api = hostile_server()
+    api.route(
+        "GET /v1/messages/batches",
+        reply(200, {"data": batches, "has_more": False, "first_id": None, "last_id": None}),
+    )
+    api.route(
+        "POST /v1/messages/batches", sequence(reply(500, {"type": "error"}), reply(200, _now_batch("new", 3)))
+    )
+    hook = hostile_hook(api, dialect="anthropic")
+    inline = FileBody(path, filename="create.json", size=path.stat().st_size, requests=3)
+    if outcome == "refused":
+        with pytest.raises(BatchApiError, match="2 batches with its 3 request\\(s\\).*lost, twin"):
+            hook.create_batch(endpoint="/v1/chat/completions", inline=inline)
+    else:
+        made = hook.create_batch(endpoint="/v1/chat/completions", inline=inline)
+        assert made.id == {"adopted": "lost", "created": "new"}[outcome]
+    hook.close()
+    posts = [r for r in api.seen("/v1/messages/batches") if r.method == "POST"]
+    assert len(posts) == (2 if outcome == "created" else 1)
