@@ -1,7 +1,7 @@
 """custom_id from a row's key columns, and the way back from staged key values to typed Python.
 
 A custom_id must be stable across runs (the same key always gives the same id, in any
-process), at most 64 characters of ``[a-zA-Z0-9_-]`` (the strictest vendor rule, Anthropic's)
+process), at most 64 characters of ``[a-zA-Z0-9_-]`` (the strictest rule of any vendor)
 and distinct for distinct keys.
 A single integer key, or a single short string key made of safe characters, is used as is so
 ids stay readable in vendor consoles; everything else is hashed. Hashed ids start with
@@ -36,8 +36,8 @@ HASH_PREFIX = "k-"
 _HASH_CHARS = 26
 MAX_PREFIX = MAX_CUSTOM_ID - len(HASH_PREFIX) - _HASH_CHARS
 
-# Characters every vendor takes in a custom_id: Anthropic's rule ^[a-zA-Z0-9_-]{1,64}$ is the
-# strictest, so a readable id (and a prefix) uses nothing else; hashed ids are base32 after "k-".
+# Characters every vendor takes in a custom_id: the strictest rule is ^[a-zA-Z0-9_-]{1,64}$, so a
+# readable id (and a prefix) uses nothing else; hashed ids are base32 after "k-".
 _SAFE = re.compile(r"[A-Za-z0-9_-]+")
 _INTEGER_TEXT = re.compile(r"-?[0-9]+")
 

@@ -439,6 +439,19 @@ def _messages_problem(messages: Any) -> str | None:
                 return (
                     f"messages[{index}] ({role}) content part(s) {bad} not supported by Anthropic (text only)"
                 )
+        if role == "assistant":
+            for call in message.get("tool_calls") or []:
+                function = call.get("function") if isinstance(call, dict) else None
+                arguments = function.get("arguments") if isinstance(function, dict) else None
+                try:
+                    parsed = orjson.loads(arguments or "{}")
+                except (orjson.JSONDecodeError, TypeError):
+                    parsed = None
+                if not isinstance(parsed, dict) or not isinstance(function, dict) or not function.get("name"):
+                    return (
+                        f"messages[{index}] tool_calls need a function name and JSON object arguments "
+                        "(Anthropic's tool_use input is an object)"
+                    )
         if role == "user" and isinstance(content, list):
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
@@ -536,10 +549,8 @@ def _assistant_content(message: Mapping[str, Any]) -> Any:
     blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
     for call in calls:
         function = call.get("function") or {}
-        try:
-            arguments = orjson.loads(function.get("arguments") or "{}")
-        except orjson.JSONDecodeError:
-            arguments = {}
+        # Checked by ``unsupported``: the arguments are a JSON object.
+        arguments = orjson.loads(function.get("arguments") or "{}")
         blocks.append(
             {"type": "tool_use", "id": call.get("id"), "name": function.get("name"), "input": arguments}
         )

@@ -223,6 +223,26 @@ def test_encodes_a_chat_line_as_messages_params() -> None:
             },
             "image_url must be",
         ),
+        (
+            {
+                "body": {
+                    "messages": [
+                        {"role": "user", "content": "hi"},
+                        {
+                            "role": "assistant",
+                            "tool_calls": [
+                                {
+                                    "id": "c",
+                                    "type": "function",
+                                    "function": {"name": "f", "arguments": "{oops"},
+                                }
+                            ],
+                        },
+                    ]
+                }
+            },
+            "tool_calls need a function name and JSON object arguments",
+        ),
     ],
 )
 def test_what_anthropic_cannot_express_is_refused_by_name(change: dict[str, Any], named: str) -> None:
