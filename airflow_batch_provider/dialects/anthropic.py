@@ -94,6 +94,9 @@ class AnthropicDialect(Dialect):
     supports_metadata = False
     upload_purpose = None
     submission_mode = "inline"
+    # No metadata on a batch and no filter on the listing: a lost create is found by its time
+    # and request count.
+    orphan_lookup = "time_and_count"
     encodes_lines = True
     results_modes = ("results_url",)
     line_shape = None

@@ -45,6 +45,12 @@ ResultsMode = Literal["files", "results_endpoint", "results_url"]
 # file; "inline": the create call's body carries the encoded requests themselves (Anthropic),
 # streamed from the shard as ``{..., "requests": [line, line, ...]}``.
 SubmissionMode = Literal["file", "inline"]
+# How a batch whose create went unrecorded (a crash, a lost answer) is found again. "tags": by the
+# metadata (or name) it was created with, which the listing shows (and may filter by);
+# "time_and_count": the vendor keeps no tag, so by its creation time and request count (which
+# an "inline" submission records with its intent), one match adopted and several refused (the
+# submit operator's docstring states the guarantee).
+OrphanLookup = Literal["tags", "time_and_count"]
 # Where a request's model goes. "line": each line's ``body.model`` (OpenAI); "job": one model
 # named on the create call, taken from the shard's lines (which must all name the same one).
 ModelPlacement = Literal["line", "job"]
@@ -148,6 +154,8 @@ class Dialect:
     submission_mode: ClassVar[SubmissionMode] = "file"
     #: The key of the create body that holds the encoded requests ("inline" dialects).
     inline_requests_key: ClassVar[str] = "requests"
+    #: How a batch whose create went unrecorded is found again (see ``OrphanLookup``).
+    orphan_lookup: ClassVar[OrphanLookup] = "tags"
 
     def __init__(self) -> None:
         bind_models(globals(), "Batch", "BatchState", "LineError", "ResultLine")

@@ -170,7 +170,9 @@ class BatchCreate:
         self.log = log
         self.input_file_id = input_file_id
         # An inline create of a known size can be found again by its time and request count.
-        self.inline_requests = inline.requests if inline is not None else None
+        self.inline_requests = (
+            inline.requests if inline is not None and dialect.orphan_lookup == "time_and_count" else None
+        )
         self.since = datetime.now(timezone.utc) - CLOCK_SKEW
         self.not_these = frozenset(not_these)
         self.source = f"file {input_file_id}" if input_file_id else (inline.filename if inline else "?")

@@ -139,7 +139,7 @@ class SubmitBatchOperator(BaseOperator):
     the id after it. A retry that finds an intent without an id looks for the batch before
     creating one. Where batches carry tags it adopts the newest batch tagged with the shard's
     idempotency key and fingerprint. Where they carry none and the listing cannot filter (a
-    dialect whose requests go inline in the create call), it lists the batches created since the intent
+    dialect whose ``orphan_lookup`` is "time_and_count"), it lists the batches created since the intent
     (allowing 60 s of clock skew) with exactly the intent's request count, not taken by another
     shard of this try: one such batch is adopted; none means the create never happened and the
     shard is submitted; several raise ``AmbiguousOrphanError`` naming them, and nothing is
@@ -358,7 +358,7 @@ class SubmitBatchOperator(BaseOperator):
             # Intent without an id: the create may have happened before a crash. Look first.
             found = (
                 self._find_inline_orphan(hook, state)
-                if dialect.submission_mode == "inline"
+                if dialect.orphan_lookup == "time_and_count"
                 else self._find_orphan(hook, key, fingerprint, state.input_file_id)
             )
             if found is not None:

@@ -55,6 +55,7 @@ def test_registered_with_its_contract() -> None:
     d = get_dialect("anthropic")
     assert isinstance(d, AnthropicDialect)
     assert (d.submission_mode, d.encodes_lines, d.results_modes) == ("inline", True, ("results_url",))
+    assert (d.orphan_lookup, get_dialect("openai").orphan_lookup) == ("time_and_count", "tags")
     assert (d.batches_path, d.batch_path("b1"), d.cancel_path("b1")) == (
         "messages/batches",
         "messages/batches/b1",
