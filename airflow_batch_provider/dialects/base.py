@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from airflow_batch_provider.exceptions import BatchApiResponseError
-from airflow_batch_provider.ids import path_segment
+from airflow_batch_provider.ids import id_problem, path_segment
 from airflow_batch_provider.limits import MB, Limits, ValidationRules
 
 # The models are imported for type checking only; ``bind_models`` puts them into this module
@@ -236,6 +236,10 @@ class Dialect:
         file_id = raw.get("id") or raw.get("file_id")
         if not file_id:
             raise BatchApiResponseError("file upload answer has no id", body=dict(raw))
+        # The id goes into later paths (get, delete) with the key: one no vendor issues is refused.
+        problem = id_problem(str(file_id))
+        if problem is not None:
+            raise BatchApiResponseError(f"file upload answer: its id {problem}", body=dict(raw))
         return str(file_id)
 
     # ---- batches --------------------------------------------------------------------

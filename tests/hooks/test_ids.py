@@ -227,3 +227,19 @@ def test_trigger_and_merge_refuse_hostile_batch_ids() -> None:
         with pytest.raises(InvalidIdError, match="batches"):
             batches_with_shards(value)
     assert batches_with_shards({"batch_ids": ["b1", "b2"]}) == [("b1", None), ("b2", None)]
+
+
+async def test_an_upload_answer_with_a_path_file_id_is_a_response_error(
+    hostile_server: Callable[[], HostileServer], hook_for: Callable[..., BatchApiHook], tmp_path: Path
+) -> None:
+    # The uploaded file's id is used later (get, delete after a failed create) with the key.
+    api = hostile_server()
+    api.route("POST /v1/files", reply(200, {"id": "../batches/batch_victim", "object": "file"}))
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b'{"custom_id": "a"}\n')
+    hook = hook_for(api)
+    with pytest.raises(BatchApiResponseError, match="file upload answer: its id contains a dot segment"):
+        hook.upload_file(source)
+    with pytest.raises(BatchApiResponseError, match="file upload answer: its id contains a dot segment"):
+        await hook.aupload_file(source)
+    assert [seen.path for seen in api.requests] == ["/v1/files"] * 2
