@@ -9,6 +9,7 @@ A leaf module (no pydantic, no Airflow), so the models, dialects and operators c
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from typing import Any
 from urllib.parse import quote
@@ -19,10 +20,15 @@ from airflow_batch_provider.exceptions import InvalidIdError
 MAX_ID_CHARS = 256
 # Characters that end or change a path segment, or that a server or proxy may decode into one.
 _FORBIDDEN = frozenset("/\\#?%")
+# The ids vendors issue (``batch_...``, ``file-...``, UUIDs): accepted without the per-character
+# walk, and unchanged by ``quote`` (unreserved characters). Every poll and listing parse checks ids.
+_PLAIN = re.compile(r"[A-Za-z0-9_~-]+(?:\.[A-Za-z0-9_~-]+)*")
 
 
 def id_problem(value: Any) -> str | None:
     """Why ``value`` is not an id a vendor issues, or None when it is one."""
+    if isinstance(value, str) and len(value) <= MAX_ID_CHARS and _PLAIN.fullmatch(value):
+        return None
     if not isinstance(value, str):
         return f"must be a string, got {type(value).__name__}"
     if not value:
@@ -61,4 +67,6 @@ def path_segment(value: Any, what: str) -> str:
     :param value: the id.
     :param what: the parameter it came from, for the message.
     """
+    if isinstance(value, str) and len(value) <= MAX_ID_CHARS and _PLAIN.fullmatch(value):
+        return value  # nothing to encode
     return quote(check_id(value, what), safe="")
