@@ -27,6 +27,11 @@ class UnknownDialectError(ConfigurationError):
     """The connection names a dialect that is not registered."""
 
 
+class InvalidIdError(ConfigurationError, ValueError):
+    """A batch or file id is not one a vendor issues (a ``/``, ``..``, ``#``, control character,
+    empty, too long...): refused before it is placed in any URL."""
+
+
 class UnknownBatchStatusError(BatchProviderError):
     """The vendor reported a batch status this provider does not know.
 

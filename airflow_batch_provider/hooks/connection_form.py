@@ -60,7 +60,8 @@ CONN_FIELDS: dict[str, dict[str, Any]] = {
         "label": "Batch page URL template",
         "description": (
             "The web page of one batch, for the tasks' extra links: {batch_id} and {origin} are filled "
-            "in; 'none' turns the links off. Default: the vendor's console, or the local server's page."
+            "in; 'none' turns the links off. Default: the vendor's console, or the local server's page. "
+            "Only https:// (http:// for localhost or the API's own host) is linked."
         ),
         "schema": {"type": ["string", "null"]},
     },

@@ -39,6 +39,7 @@ def normalize_base_url(
     text = (host or "").strip() or default
     if "://" not in text:
         text = f"https://{text}"
+    refuse_userinfo(text, "connection host")
     parts = urlsplit(text)
     if not parts.hostname:
         raise ConfigurationError(f"connection host {host!r} is not a URL")
@@ -49,6 +50,28 @@ def normalize_base_url(
     if not path:
         path = "/" + (schema.strip("/") if schema and schema.strip("/") else "v1")
     return urlunsplit((parts.scheme, netloc, path, parts.query, ""))
+
+
+def refuse_userinfo(url: str, where: str) -> None:
+    """Refuse a URL with credentials before its host (``http://user:password@host/v1``).
+
+    Refused rather than stripped: these APIs authenticate with the dialect's key header, and
+    httpx turns userinfo into Basic auth that replaces the Bearer key. Kept, the password would
+    also show wherever the URL does (links, connection tests, 404 messages, ``repr``). The
+    message shows the URL with everything before its ``@`` masked.
+
+    :param url: the URL.
+    :param where: what the URL is, for the message (``connection host``).
+    """
+    scheme, sep, rest = url.partition("://")
+    authority = (rest if sep else scheme).split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+    if "@" not in authority:
+        return
+    shown = url.replace(authority, "***@" + authority.rsplit("@", 1)[1], 1)
+    raise ConfigurationError(
+        f"{where} {shown!r} carries credentials before its host; remove them and put the API key "
+        "in the connection's password field (it is sent in the dialect's auth header)"
+    )
 
 
 @dataclass(frozen=True)
@@ -73,6 +96,10 @@ class BatchApiSettings:
     headers: Mapping[str, str] = field(default_factory=dict, repr=False)
     timeout: float = DEFAULT_TIMEOUT
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __post_init__(self) -> None:
+        # Settings built by hand too: the base URL shows in links, messages and this repr.
+        refuse_userinfo(self.base_url, "base_url")
 
     def __repr__(self) -> str:
         key = "***" if self.api_key else None
