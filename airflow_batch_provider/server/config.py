@@ -76,8 +76,11 @@ class ServerConfig(BaseModel):
     :param max_lines: limit on lines per file (default: the dialect's).
     :param max_file_bytes: limit on file size (default: the dialect's).
     :param max_line_bytes: limit on one line (default: the dialect's).
-    :param max_storage_bytes: cap on the bytes kept under ``data_dir`` (files and work files);
-        an upload or batch that would pass it is refused with a 507 (None: no cap).
+    :param max_storage_bytes: cap on the bytes kept under ``data_dir`` (files and work files),
+        reserved as they are written (None: no cap). An upload that would pass it is refused
+        with a 507 (concurrent uploads included), as is a new batch when the store is full; a
+        running batch whose results would pass it fails with ``errors`` code
+        ``insufficient_storage`` and its partial results are discarded.
     :param max_upload_bytes: limit on one upload, answered 413 (default: the dialect's, if any).
     :param max_reported_errors: most validation problems listed on a failed batch.
     :param embedding_dim: dimension of echo embeddings when the request names none.

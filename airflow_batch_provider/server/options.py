@@ -50,7 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-file-bytes", type=int, help="override the dialect's file size limit")
     parser.add_argument("--max-line-bytes", type=int, help="override the dialect's line size limit")
     parser.add_argument(
-        "--max-storage-bytes", type=int, help="cap on bytes kept in the data dir (full: uploads get a 507)"
+        "--max-storage-bytes",
+        type=int,
+        help="cap on bytes kept in the data dir (uploads past it get a 507; a batch whose results "
+        "would pass it fails with insufficient_storage)",
     )
     faults = parser.add_argument_group("fault injection (rates are fractions 0..1)")
     faults.add_argument("--fault-429", type=float, default=0.0, help="fraction of calls answering 429")
