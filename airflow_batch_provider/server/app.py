@@ -21,6 +21,7 @@ from airflow_batch_provider.server.backends import make_backend
 from airflow_batch_provider.server.config import BATCH_FAULTS, REQUEST_FAULTS, ServerConfig
 from airflow_batch_provider.server.engine import TERMINAL, Engine, new_batch_record, validate_file
 from airflow_batch_provider.server.faults import Faults
+from airflow_batch_provider.server.hosts import HostCheckMiddleware, allowed_hosts
 from airflow_batch_provider.server.results import DoublewordResults, xai_page
 from airflow_batch_provider.server.store import Store, now
 from airflow_batch_provider.server.wire import ApiError, Wire, get_wire
@@ -105,6 +106,12 @@ def create_app(config: ServerConfig) -> FastAPI:
             state.store.close()
 
     app = FastAPI(title="airflow-batch local batch server", lifespan=lifespan, default_response_class=ORJSON)
+    # Outermost: a request naming a host this server does not serve reaches no route (DNS rebinding).
+    app.add_middleware(
+        HostCheckMiddleware,
+        allowed=allowed_hosts(config.host, config.allowed_hosts),
+        wire=get_wire(config.dialect),
+    )
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
