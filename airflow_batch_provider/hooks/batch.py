@@ -50,7 +50,7 @@ from airflow_batch_provider.hooks.create import (
     BatchCreate,
     newest_created,
 )
-from airflow_batch_provider.hooks.lines import DOWNLOAD_CHUNK, ResumableLines
+from airflow_batch_provider.hooks.lines import DOWNLOAD_CAP, LINES_PER_TURN, ResumableLines
 from airflow_batch_provider.hooks.results import (
     Pages,
     result_files,
@@ -65,11 +65,11 @@ from airflow_batch_provider.hooks.settings import BatchApiSettings, settings_fro
 from airflow_batch_provider.hooks.transport import (
     CallDeadline,
     PathSource,
-    aiter_with_progress,
+    aiter_decoded,
     aread_capped,
     arm_total_deadline,
     deadline_scope,
-    iter_with_progress,
+    iter_decoded,
     next_hop,
     parse_json_body,
     read_capped,
@@ -416,8 +416,12 @@ class BatchApiHook(BaseHook):
                     response = self._request(call)
                     written = 0
                     try:
-                        for chunk in iter_with_progress(
-                            response.iter_bytes(DOWNLOAD_CHUNK), settings.timeout
+                        for chunk in iter_decoded(
+                            response,
+                            limit=settings.max_download_bytes,
+                            action=call.action,
+                            cap=DOWNLOAD_CAP,
+                            progress=settings.timeout,
                         ):
                             handle.write(chunk)
                             written += len(chunk)
@@ -439,8 +443,12 @@ class BatchApiHook(BaseHook):
                     response = await self._arequest(call)
                     written = 0
                     try:
-                        async for chunk in aiter_with_progress(
-                            response.aiter_bytes(DOWNLOAD_CHUNK), settings.timeout
+                        async for chunk in aiter_decoded(
+                            response,
+                            limit=settings.max_download_bytes,
+                            action=call.action,
+                            cap=DOWNLOAD_CAP,
+                            progress=settings.timeout,
                         ):
                             await asyncio.to_thread(handle.write, chunk)
                             written += len(chunk)
@@ -474,8 +482,14 @@ class BatchApiHook(BaseHook):
                 lines.attempt()
                 response = self._request(lines.call)
                 try:
-                    for chunk in iter_with_progress(response.iter_bytes(DOWNLOAD_CHUNK), lines.timeout):
-                        yield from lines.feed(chunk)
+                    for piece in iter_decoded(
+                        response,
+                        limit=lines.limit,
+                        action=lines.action,
+                        cap=DOWNLOAD_CAP,
+                        progress=lines.timeout,
+                    ):
+                        yield from lines.feed(piece)
                 finally:
                     response.close()
                 yield from lines.end()
@@ -498,16 +512,27 @@ class BatchApiHook(BaseHook):
     ) -> AsyncIterator[tuple[int, Any]]:
         """Async twin of ``_iter_jsonl``."""
         lines = ResumableLines(await self.aget_settings(), file_id, self.log, lenient=lenient, raw=raw)
+        # Lines given, for the loop's turns: the consumer may not await between them.
+        given = 0
         while True:
             try:
                 lines.attempt()
                 response = await self._arequest(lines.call)
                 try:
-                    async for chunk in aiter_with_progress(
-                        response.aiter_bytes(DOWNLOAD_CHUNK), lines.timeout
+                    async for piece in aiter_decoded(
+                        response,
+                        limit=lines.limit,
+                        action=lines.action,
+                        cap=DOWNLOAD_CAP,
+                        progress=lines.timeout,
                     ):
-                        for item in lines.feed(chunk):
+                        for item in lines.feed(piece):
                             yield item
+                            given += 1
+                            if given % LINES_PER_TURN == 0:
+                                await asyncio.sleep(0)
+                        # A decoded MiB of blank or skipped lines gives nothing: a turn for the loop anyway.
+                        await asyncio.sleep(0)
                 finally:
                     await response.aclose()
                 for item in lines.end():

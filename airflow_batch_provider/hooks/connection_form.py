@@ -28,6 +28,8 @@ PROJECT_DIALECTS = tuple(n for n in DIALECT_NAMES if "project" in DIALECTS[n].re
 
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_RETRIES = 3
+# A result file of 50,000 long answers or large embeddings stays well below this; a gzip bomb does not.
+DEFAULT_MAX_DOWNLOAD_BYTES = 8 << 30
 
 CONN_FIELDS: dict[str, dict[str, Any]] = {
     "dialect": {
@@ -79,6 +81,14 @@ CONN_FIELDS: dict[str, dict[str, Any]] = {
     "max_retries": {
         "label": "Max retries",
         "schema": {"type": ["integer", "null"], "default": DEFAULT_MAX_RETRIES, "minimum": 0},
+    },
+    "max_download_bytes": {
+        "label": "Max download size (bytes)",
+        "description": (
+            "The most bytes one downloaded or streamed file (results, errors) may have once decompressed; "
+            "a larger one is refused with an error naming the file. Default 8 GiB."
+        ),
+        "schema": {"type": ["integer", "null"], "default": DEFAULT_MAX_DOWNLOAD_BYTES, "minimum": 1},
     },
 }
 UI_FIELD_BEHAVIOUR: dict[str, Any] = {

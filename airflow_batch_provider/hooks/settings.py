@@ -17,7 +17,7 @@ import orjson
 from airflow_batch_provider import __version__
 from airflow_batch_provider.dialects import Dialect, get_dialect
 from airflow_batch_provider.exceptions import ConfigurationError
-from airflow_batch_provider.hooks.connection_form import DEFAULT_TIMEOUT
+from airflow_batch_provider.hooks.connection_form import DEFAULT_MAX_DOWNLOAD_BYTES, DEFAULT_TIMEOUT
 from airflow_batch_provider.hooks.retry import RetryPolicy
 from airflow_batch_provider.hooks.transport import shared_ssl_context
 
@@ -63,6 +63,7 @@ class BatchApiSettings:
     :param headers: extra headers from the connection.
     :param timeout: seconds for reads and writes (connects use at most 10s).
     :param retry: the retry policy.
+    :param max_download_bytes: the most decoded bytes of one downloaded or streamed file.
     """
 
     conn_id: str
@@ -73,6 +74,7 @@ class BatchApiSettings:
     headers: Mapping[str, str] = field(default_factory=dict, repr=False)
     timeout: float = DEFAULT_TIMEOUT
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    max_download_bytes: int = DEFAULT_MAX_DOWNLOAD_BYTES
 
     def __repr__(self) -> str:
         key = "***" if self.api_key else None
@@ -163,6 +165,7 @@ def settings_from_connection(
         raise ConfigurationError(f"connection {conn_id!r}: {exc}") from None
     return BatchApiSettings(
         conn_id=conn_id,
+        max_download_bytes=_positive_int(extra, "max_download_bytes", DEFAULT_MAX_DOWNLOAD_BYTES, conn_id),
         base_url=normalize_base_url(
             conn.host, port=conn.port, schema=conn.schema, default=dialect.default_base_url
         ),
@@ -173,3 +176,22 @@ def settings_from_connection(
         timeout=timeout_s,
         retry=retry,
     )
+
+
+def _positive_int(extra: Mapping[str, Any], name: str, default: int, conn_id: str) -> int:
+    """The extra ``name`` as a whole number above zero (``default`` when unset)."""
+    value = extra.get(name)
+    if value is None:
+        return default
+    number: int | None = None
+    if isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        number = int(value)
+    if number is None or number < 1:
+        raise ConfigurationError(
+            f"connection {conn_id!r}: extra {name!r} must be a whole number above 0, got {value!r}"
+        )
+    return number

@@ -52,6 +52,8 @@ STALLED = 4
 BIG_FILE = "file-big"
 BIG_LINES = 1100
 BIG_DROP = 1_050_000
+# The "capped" connection's max_download_bytes: every file read through it is over the cap.
+CAPPED_DOWNLOAD = 64
 # Server counters moved by the engine in the background, not by the calls compared.
 BACKGROUND_COUNTERS = {"inference_calls", "line_failures", "simulated_crashes"}
 # Public methods with no async twin, on purpose.
@@ -102,7 +104,7 @@ class World:
         self.input_path = self.tmp / "in.jsonl"
 
     def hook(self, variant: str = "plain") -> BatchApiHook:
-        """A new hook on connection ``variant`` (plain | quota | stall | proxy); closed after the call."""
+        """A new hook on connection ``variant`` (plain, quota, stall, proxy, capped); closed after use."""
         hook = BatchApiHook(f"parity_{self.dialect}_{variant}", retry_policy=FAST)
         self.hooks.append(hook)
         return hook
@@ -184,12 +186,14 @@ def _drop_every_other(content: bytes) -> Route:
 
 
 def _connections(world: World) -> dict[str, str]:
-    """``AIRFLOW_CONN_*`` values: plain, with a forced fault header, and through the proxy."""
+    """``AIRFLOW_CONN_*`` values: plain, with a forced fault header, through the proxy, and with a
+    download cap smaller than any file."""
     plain = json.loads(world.server.connection_json())
     conns = {"plain": plain}
     for variant in ("quota", "stall"):
         conns[variant] = {**plain, "extra": {**plain["extra"], "headers": {"X-Batch-Fault": variant}}}
     conns["proxy"] = {**plain, "host": world.proxy.base_url}
+    conns["capped"] = {**plain, "extra": {**plain["extra"], "max_download_bytes": CAPPED_DOWNLOAD}}
     return {
         f"AIRFLOW_CONN_PARITY_{world.dialect.upper()}_{variant.upper()}": json.dumps(conn)
         for variant, conn in conns.items()
@@ -599,6 +603,11 @@ ROWS: list[Row] = [
     ),
     Row("download_file[dropped after a MiB]", big_download_sync, big_download_async),
     Row(
+        "download_file[over the download cap]",
+        lambda w: download_sync(w, w.readable_file, "capped"),
+        lambda w: download_async(w, w.readable_file, "capped"),
+    ),
+    Row(
         "download_file[missing]",
         lambda w: download_sync(w, MISSING_FILE),
         lambda w: download_async(w, MISSING_FILE),
@@ -608,7 +617,9 @@ ROWS: list[Row] = [
     Row("iter_file_lines[dropped after a MiB, resumed]", big_lines_sync, big_lines_async),
     Row("iter_file_lines[missing]", *twins("iter_file_lines", MISSING_FILE)),
     Row("iter_file_lines[quota]", *twins("iter_file_lines", readable, variant="quota")),
+    Row("iter_file_lines[over the download cap]", *twins("iter_file_lines", readable, variant="capped")),
     Row("iter_raw_lines", *twins("iter_raw_lines", readable)),
+    Row("iter_raw_lines[over the download cap]", *twins("iter_raw_lines", readable, variant="capped")),
     Row("iter_raw_lines[dropped mid-stream]", *twins("iter_raw_lines", readable), faults=DROP),
     # -- batches
     Row("create_batch", *twins("create_batch", **CREATE), scrub),
@@ -661,6 +672,7 @@ ROWS: list[Row] = [
         all_recorded,
     ),
     Row("iter_results[unreadable lines fail]", *twins("iter_results", misread, mode="files")),
+    Row("iter_results[over the download cap]", *twins("iter_results", done, variant="capped"), by_custom_id),
     Row("iter_results[bad mode]", *twins("iter_results", done, mode="carrier-pigeon")),
     Row("iter_results[missing]", *twins("iter_results", MISSING_BATCH)),
     Row("iter_results[quota]", *twins("iter_results", done_id, variant="quota")),
