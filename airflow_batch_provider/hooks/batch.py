@@ -3,7 +3,14 @@
 The connection (type ``batch_api``) gives the API root URL (``host``), the key
 (``password``) and, in extra, the ``dialect`` plus optional ``headers``,
 ``organization``, ``project``, ``timeout``, ``max_retries``, ``backoff_initial``,
-``backoff_max`` and ``retry_after_max``. Every vendor difference comes from the dialect.
+``backoff_max``, ``retry_after_max``, ``max_download_bytes`` and ``allow_private_redirects``.
+Every vendor difference comes from the dialect.
+
+A file's content is read in decoded pieces and refused past ``max_download_bytes`` (default
+8 GiB, after decompression). Its redirect may lead to another origin (an object store), sent
+without credentials, and only over https or to loopback http, never to a private, link-local
+or instance-metadata address (each hop, each resolved address) unless the connection sets
+``allow_private_redirects: true``.
 
 Creating a batch is not idempotent (each create is billed), so ``create_batch`` retries
 only when the request provably did not reach the server (a connection that never opened,
@@ -51,6 +58,7 @@ from airflow_batch_provider.hooks.create import (
     newest_created,
 )
 from airflow_batch_provider.hooks.lines import DOWNLOAD_CAP, LINES_PER_TURN, ResumableLines
+from airflow_batch_provider.hooks.redirects import acheck_hop, check_hop
 from airflow_batch_provider.hooks.results import (
     Pages,
     result_files,
@@ -71,6 +79,7 @@ from airflow_batch_provider.hooks.transport import (
     deadline_scope,
     iter_decoded,
     next_hop,
+    origin_of,
     parse_json_body,
     read_capped,
     redact,
@@ -308,6 +317,8 @@ class BatchApiHook(BaseHook):
                     request, response, hops=hops, action=call.action, foreign=call.foreign_redirects
                 )
                 hops += 1
+                if origin_of(request.url) != origin_of(client.base_url):
+                    check_hop(request.url, action=call.action, allow_private=settings.allow_private_redirects)
             if not (call.stream and response.is_success):
                 read_capped(response, call.max_body, call.action)
         return response
@@ -333,6 +344,13 @@ class BatchApiHook(BaseHook):
                             request, response, hops=hops, action=call.action, foreign=call.foreign_redirects
                         )
                         hops += 1
+                        # Every hop away from the connection's own origin: its host and addresses.
+                        if origin_of(request.url) != origin_of(client.base_url):
+                            await acheck_hop(
+                                request.url,
+                                action=call.action,
+                                allow_private=settings.allow_private_redirects,
+                            )
                     if not (call.stream and response.is_success):
                         await aread_capped(response, call.max_body, call.action)
         except TimeoutError:

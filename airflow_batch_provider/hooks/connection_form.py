@@ -90,6 +90,17 @@ CONN_FIELDS: dict[str, dict[str, Any]] = {
         ),
         "schema": {"type": ["integer", "null"], "default": DEFAULT_MAX_DOWNLOAD_BYTES, "minimum": 1},
     },
+    "allow_private_redirects": {
+        "label": "Allow private redirects",
+        "description": (
+            "A result file may redirect to object storage on another host: by default only over https "
+            "(or http to loopback) and never to a private, link-local or instance-metadata address "
+            "(169.254.169.254, metadata.google.internal, 10/8, 172.16/12, 192.168/16, 100.64/10, fc00::/7, "
+            "fe80::/10), checked on every hop and for every address the host name resolves to. Set true "
+            "when the store lives inside your network (then http to it is allowed too)."
+        ),
+        "schema": {"type": ["boolean", "null"], "default": False},
+    },
 }
 UI_FIELD_BEHAVIOUR: dict[str, Any] = {
     "hidden-fields": ["port", "login", "schema"],

@@ -64,6 +64,8 @@ class BatchApiSettings:
     :param timeout: seconds for reads and writes (connects use at most 10s).
     :param retry: the retry policy.
     :param max_download_bytes: the most decoded bytes of one downloaded or streamed file.
+    :param allow_private_redirects: a file's redirect may reach private, link-local and
+        instance-metadata addresses (see ``hooks.redirects``).
     """
 
     conn_id: str
@@ -75,6 +77,7 @@ class BatchApiSettings:
     timeout: float = DEFAULT_TIMEOUT
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     max_download_bytes: int = DEFAULT_MAX_DOWNLOAD_BYTES
+    allow_private_redirects: bool = False
 
     def __repr__(self) -> str:
         key = "***" if self.api_key else None
@@ -166,6 +169,7 @@ def settings_from_connection(
     return BatchApiSettings(
         conn_id=conn_id,
         max_download_bytes=_positive_int(extra, "max_download_bytes", DEFAULT_MAX_DOWNLOAD_BYTES, conn_id),
+        allow_private_redirects=_flag(extra, "allow_private_redirects", conn_id),
         base_url=normalize_base_url(
             conn.host, port=conn.port, schema=conn.schema, default=dialect.default_base_url
         ),
@@ -195,3 +199,15 @@ def _positive_int(extra: Mapping[str, Any], name: str, default: int, conn_id: st
             f"connection {conn_id!r}: extra {name!r} must be a whole number above 0, got {value!r}"
         )
     return number
+
+
+def _flag(extra: Mapping[str, Any], name: str, conn_id: str) -> bool:
+    """The extra ``name`` as a boolean (false when unset); the form may save it as text."""
+    value = extra.get(name, False)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if not isinstance(value, bool):
+        raise ConfigurationError(
+            f"connection {conn_id!r}: extra {name!r} must be true or false, got {value!r}"
+        )
+    return value

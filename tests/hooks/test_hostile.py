@@ -8,6 +8,7 @@ each through the sync and the async client, over real sockets.
 from __future__ import annotations
 
 import asyncio
+import socket
 import tracemalloc
 import zlib
 from collections.abc import Callable
@@ -141,6 +142,140 @@ async def test_result_file_redirect_to_object_store_carries_no_credentials(
     # The object store got the signed URL and nothing of the connection: no key, no custom header.
     assert credentials_in(store) == []
     assert all("authorization" not in r.headers for r in store.requests)
+
+
+# ---- 23.8: where a file's redirect may lead ------------------------------------------------
+
+SIGNATURE = "X-Amz-Signature=sig-secret-5551"
+
+
+@pytest.mark.parametrize(
+    ("target", "named", "reason"),
+    [
+        (f"https://10.1.2.3/out.jsonl?{SIGNATURE}", "https://10.1.2.3:443", "a private address"),
+        (f"https://172.16.5.4:9000/o?{SIGNATURE}", "https://172.16.5.4:9000", "a private address"),
+        (f"https://192.168.1.1/o?{SIGNATURE}", "https://192.168.1.1:443", "a private address"),
+        (f"https://100.64.0.1/o?{SIGNATURE}", "https://100.64.0.1:443", "a private address"),
+        (f"https://[fc00::5]/o?{SIGNATURE}", "https://fc00::5:443", "a private address"),
+        (f"https://[fe80::1]:8443/o?{SIGNATURE}", "https://fe80::1:8443", "a link-local address"),
+        (f"https://169.254.169.254/latest/meta-data/?{SIGNATURE}", "169.254.169.254", "instance-metadata"),
+        (f"https://[fd00:ec2::254]/latest/?{SIGNATURE}", "fd00:ec2::254", "instance-metadata"),
+        (
+            f"http://metadata.google.internal/computeMetadata/v1/?{SIGNATURE}",
+            "metadata.google.internal",
+            "metadata",
+        ),
+        (f"http://93.184.216.34/out.jsonl?{SIGNATURE}", "http://93.184.216.34:80", "plain http"),
+    ],
+)
+async def test_file_redirect_to_a_private_or_plain_http_target_is_refused(
+    hostile_server: Callable[[], HostileServer],
+    hostile_hook: Callable[..., BatchApiHook],
+    tmp_path: Path,
+    target: str,
+    named: str,
+    reason: str,
+) -> None:
+    api = hostile_server()
+    api.route("/v1/files/file-out/content", redirect(target))
+    hook = hostile_hook(api, retry=NO_RETRY, timeout=1.0)
+    errors = []
+    for read in (
+        lambda: list(hook.iter_file_lines("file-out")),
+        lambda: hook.download_file("file-out", tmp_path / "sync.jsonl"),
+    ):
+        with pytest.raises(BatchApiRedirectError) as error:
+            read()
+        errors.append(error.value)
+    with pytest.raises(BatchApiRedirectError) as error:
+        [line async for line in hook.aiter_file_lines("file-out")]
+    errors.append(error.value)
+    with pytest.raises(BatchApiRedirectError) as error:
+        await hook.adownload_file("file-out", tmp_path / "async.jsonl")
+    errors.append(error.value)
+    await hook.aclose()
+    hook.close()
+    for exc in errors:
+        text = str(exc)
+        assert "refused a redirect" in text and named in text and reason in text, text
+        # The target's path and query (a signed URL's credentials) stay out of the message.
+        assert "sig-secret" not in text and "?" not in text, text
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def private_name(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A host name that resolves to loopback and to a private address (as a rebinding name may)."""
+    name = "store.internal.test"
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        # anyio (httpx's async client) asks with the IDNA-encoded name, as bytes.
+        if (host.decode() if isinstance(host, bytes) else host) != name:
+            return real(host, port, *args, **kwargs)
+        # Loopback first, so a client that does connect reaches the test's store.
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, int(port or 0)))
+            for address in ("127.0.0.1", "10.0.0.7")
+        ]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return name
+
+
+async def test_file_redirect_to_a_name_resolving_to_a_private_address_is_refused(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], private_name: str
+) -> None:
+    api, store = hostile_server(), hostile_server()
+    store.route("/signed/out.jsonl", reply(200, b'{"custom_id": "a"}\n'))
+    api.route(
+        "/v1/files/file-out/content", redirect(f"http://{private_name}:{store.port}/signed/out.jsonl?sig=s")
+    )
+    hook = hostile_hook(api, retry=NO_RETRY)
+    refused = (
+        rf"refused a redirect to http://{private_name}:{store.port}: resolves to 10.0.0.7, a private address"
+    )
+    with pytest.raises(BatchApiRedirectError, match=refused):
+        list(hook.iter_file_lines("file-out"))
+    with pytest.raises(BatchApiRedirectError, match=refused):
+        [line async for line in hook.aiter_file_lines("file-out")]
+    await hook.aclose()
+    hook.close()
+    assert store.requests == []
+
+
+async def test_private_redirect_is_followed_when_the_connection_allows_it(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], private_name: str
+) -> None:
+    api, store = hostile_server(), hostile_server()
+    store.route("/signed/out.jsonl", reply(200, b'{"custom_id": "a"}\n'))
+    api.route(
+        "/v1/files/file-out/content", redirect(f"http://{private_name}:{store.port}/signed/out.jsonl?sig=s")
+    )
+    hook = hostile_hook(api, retry=NO_RETRY, allow_private_redirects=True)
+    assert [obj["custom_id"] for obj in hook.iter_file_lines("file-out")] == ["a"]
+    assert [obj["custom_id"] async for obj in hook.aiter_file_lines("file-out")] == ["a"]
+    await hook.aclose()
+    hook.close()
+    assert len(store.requests) == 2 and credentials_in(store) == []
+
+
+async def test_every_hop_of_a_file_redirect_is_checked(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    # The first hop (another loopback port) is allowed; the store's own redirect is not.
+    api, store = hostile_server(), hostile_server()
+    store.route("/signed/out.jsonl", redirect(f"https://10.9.9.9/out.jsonl?{SIGNATURE}"))
+    api.route("/v1/files/file-out/content", redirect(f"{store.origin}/signed/out.jsonl"))
+    hook = hostile_hook(api, retry=NO_RETRY, timeout=1.0)
+    refused = r"refused a redirect to https://10\.9\.9\.9:443: a private address"
+    with pytest.raises(BatchApiRedirectError, match=refused):
+        list(hook.iter_file_lines("file-out"))
+    with pytest.raises(BatchApiRedirectError, match=refused):
+        [line async for line in hook.aiter_file_lines("file-out")]
+    await hook.aclose()
+    hook.close()
+    assert len(store.requests) == 2
 
 
 # ---- 11: a deadline per call -----------------------------------------------------------------

@@ -30,7 +30,7 @@ from airflow_batch_provider.exceptions import BatchApiNotFoundError
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.models import Batch, BatchState
 from airflow_batch_provider.server.config import FaultConfig, ServerConfig
-from tests.fixtures.hostile import Exchange, HostileServer, Route
+from tests.fixtures.hostile import Exchange, HostileServer, Route, redirect
 from tests.fixtures.server import FAST_TIME_SCALE, BatchServerHandle
 from tests.hooks.test_batch_live import (
     DIALECTS,
@@ -51,6 +51,9 @@ STALLED = 4
 # comes after lines were already yielded, and resuming must skip them.
 BIG_FILE = "file-big"
 BIG_LINES = 1100
+# A file the proxy redirects to a private address (a signed URL's query included): refused.
+PRIVATE_FILE = "file-private"
+PRIVATE_TARGET = "https://10.1.2.3/out.jsonl?X-Amz-Signature=parity-secret"
 BIG_DROP = 1_050_000
 # The "capped" connection's max_download_bytes: every file read through it is over the cap.
 CAPPED_DOWNLOAD = 64
@@ -220,6 +223,7 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     proxy.route("POST /v1/batches", _forward(world, drop=True))
     proxy.route("GET /v1/batches", _forward(world, drop=False))
     proxy.route(f"GET {world.big_path}", _drop_every_other(_big_content()))
+    proxy.route(f"GET /v1/{get_dialect(dialect).file_content_path(PRIVATE_FILE)}", redirect(PRIVATE_TARGET))
     try:
         with pytest.MonkeyPatch.context() as mp:
             for name, value in _connections(world).items():
@@ -608,6 +612,11 @@ ROWS: list[Row] = [
         lambda w: download_async(w, w.readable_file, "capped"),
     ),
     Row(
+        "download_file[redirect to a private address]",
+        lambda w: download_sync(w, PRIVATE_FILE, "proxy"),
+        lambda w: download_async(w, PRIVATE_FILE, "proxy"),
+    ),
+    Row(
         "download_file[missing]",
         lambda w: download_sync(w, MISSING_FILE),
         lambda w: download_async(w, MISSING_FILE),
@@ -618,6 +627,10 @@ ROWS: list[Row] = [
     Row("iter_file_lines[missing]", *twins("iter_file_lines", MISSING_FILE)),
     Row("iter_file_lines[quota]", *twins("iter_file_lines", readable, variant="quota")),
     Row("iter_file_lines[over the download cap]", *twins("iter_file_lines", readable, variant="capped")),
+    Row(
+        "iter_file_lines[redirect to a private address]",
+        *twins("iter_file_lines", PRIVATE_FILE, variant="proxy"),
+    ),
     Row("iter_raw_lines", *twins("iter_raw_lines", readable)),
     Row("iter_raw_lines[over the download cap]", *twins("iter_raw_lines", readable, variant="capped")),
     Row("iter_raw_lines[dropped mid-stream]", *twins("iter_raw_lines", readable), faults=DROP),
