@@ -317,6 +317,7 @@ class BatchApiHook(BaseHook):
                     request, response, hops=hops, action=call.action, foreign=call.foreign_redirects
                 )
                 hops += 1
+                # Every hop away from the connection's own origin: its host and addresses.
                 if origin_of(request.url) != origin_of(client.base_url):
                     check_hop(request.url, action=call.action, allow_private=settings.allow_private_redirects)
             if not (call.stream and response.is_success):

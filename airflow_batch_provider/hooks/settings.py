@@ -168,8 +168,6 @@ def settings_from_connection(
         raise ConfigurationError(f"connection {conn_id!r}: {exc}") from None
     return BatchApiSettings(
         conn_id=conn_id,
-        max_download_bytes=_positive_int(extra, "max_download_bytes", DEFAULT_MAX_DOWNLOAD_BYTES, conn_id),
-        allow_private_redirects=_flag(extra, "allow_private_redirects", conn_id),
         base_url=normalize_base_url(
             conn.host, port=conn.port, schema=conn.schema, default=dialect.default_base_url
         ),
@@ -179,6 +177,8 @@ def settings_from_connection(
         headers={str(k): str(v) for k, v in headers.items()},
         timeout=timeout_s,
         retry=retry,
+        max_download_bytes=_positive_int(extra, "max_download_bytes", DEFAULT_MAX_DOWNLOAD_BYTES, conn_id),
+        allow_private_redirects=_flag(extra, "allow_private_redirects", conn_id),
     )
 
 
