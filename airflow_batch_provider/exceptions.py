@@ -109,11 +109,13 @@ class BatchApiResponseError(BatchApiError):
 
 
 class BatchApiRedirectError(BatchApiError):
-    """A redirect was not followed: to another origin (credentials stay home), or too many of them."""
+    """A redirect was not followed: to another origin (credentials stay home), too many of them, or
+    (a file's content) to plain http or a private, link-local or instance-metadata address."""
 
 
 class BatchApiResponseTooLargeError(BatchApiResponseError):
-    """A control-plane answer (batch, file, list) was larger than the cap, after decompression."""
+    """An answer was larger than its cap after decompression: a control-plane answer (batch, file,
+    list), or a downloaded or streamed file over the connection's ``max_download_bytes``."""
 
 
 class JsonlValidationError(BatchProviderError):
