@@ -109,7 +109,7 @@ class SubmitBatchOperator(BaseOperator):
     :param completion_window: the vendor completion window.
     :param metadata: extra metadata pairs for every batch (templated).
     :param model: replace ``body.model`` on every line while uploading (templated). For a
-        dialect that puts the model on the job (Mistral), this or the lines' one model is
+        dialect whose model_placement is "job", this or the lines' one model is
         named on the create call; a file naming two models, or none, fails before any upload.
     :param state_store: where each shard's intent and batch id live between tries: ``auto``
         (Airflow's task state store when the task has one, Airflow 3.3+; else files),

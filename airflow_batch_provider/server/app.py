@@ -23,7 +23,7 @@ from airflow_batch_provider.server.engine import TERMINAL, Engine, new_batch_rec
 from airflow_batch_provider.server.faults import Faults
 from airflow_batch_provider.server.results import DoublewordResults, xai_page
 from airflow_batch_provider.server.store import Store, now
-from airflow_batch_provider.server.wire import ApiError, MistralWire, Wire, get_wire
+from airflow_batch_provider.server.wire import ApiError, Wire, get_wire
 
 log = logging.getLogger(__name__)
 
@@ -453,10 +453,8 @@ def _batch_routes(r: APIRouter) -> None:
     @r.get("/batch/jobs")
     async def list_jobs(request: Request) -> dict[str, Any]:
         st = _own(request, "batch/jobs")
-        wire = st.wire
-        assert isinstance(wire, MistralWire)
-        query = wire.list_query(request.query_params, request.query_params.multi_items())
-        return await asyncio.to_thread(_job_page, st, wire, query)
+        query = st.wire.list_query(request.query_params, request.query_params.multi_items())
+        return await asyncio.to_thread(_job_page, st, query)
 
     @r.get("/batch/jobs/{batch_id}")
     async def get_job(batch_id: str, request: Request) -> dict[str, Any]:
@@ -538,8 +536,10 @@ def _own(request: Request, route: str) -> ServerState:
     return st
 
 
-def _job_page(st: ServerState, wire: MistralWire, query: dict[str, Any]) -> dict[str, Any]:
-    """One page of a filtered job listing and the count of every match (Mistral's ``total``)."""
+def _job_page(st: ServerState, query: dict[str, Any]) -> dict[str, Any]:
+    """One page of a filtered listing and the count of every match (``total``), for a wire whose
+    listing pages by number (``Wire.list_query``)."""
+    wire = st.wire
     items, _ = st.store.list_batches(after=None, limit=1 << 30)
     # Live batches are fresher in memory than in the last checkpoint.
     items = [st.engine.active.get(i["id"], i) for i in items]
