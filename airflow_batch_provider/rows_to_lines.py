@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -55,6 +55,8 @@ class BuildSpec:
     :param body: how the body is made from a row.
     :param on_null: a NULL in a column the body uses: ``reject``, ``empty`` or ``fail``.
     :param prefix: text put in front of every custom_id (already checked).
+    :param unsupported: the dialect's check of what its vendor cannot express in a line (a
+        reason, or None), run on every row; None when the dialect has nothing to refuse.
     """
 
     directory: ObjectStoragePath
@@ -65,6 +67,7 @@ class BuildSpec:
     body: BodySource
     on_null: str = "reject"
     prefix: str = ""
+    unsupported: Callable[[Mapping[str, Any]], str | None] | None = None
 
 
 @dataclasses.dataclass
@@ -116,6 +119,7 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
     prefix = spec.prefix
     build_body = builder.build
     check_object = LineValidator(spec.rules, endpoint).check_object
+    unsupported = spec.unsupported
     dumps = orjson.dumps
     newline = orjson.OPT_APPEND_NEWLINE
     custom_id_for = keymod.custom_id_for
@@ -172,6 +176,11 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                     if problems:
                         validate_all = True  # the verdict would repeat: check each row from now on
                         raise RowRejected(problems[0].code, problems[0].message, problems[0].param)
+                    if unsupported is not None:
+                        # Per row: a fixed-shape body still varies in values (n, a format...).
+                        reason = unsupported(line_obj)
+                        if reason is not None:
+                            raise RowRejected("unsupported", reason)
                     try:
                         line = dumps(line_obj)
                     except orjson.JSONEncodeError as exc:

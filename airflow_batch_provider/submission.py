@@ -151,6 +151,8 @@ class SubmitState(BaseModel):
     map_index: int = -1
     endpoint: str | None = None
     input_file_id: str | None = None
+    # The model the create call names, for a dialect that puts it on the job (from the shard).
+    model: str | None = None
     batch_id: str | None = None
     intent_at: datetime | None = None
     created_at: datetime | None = None

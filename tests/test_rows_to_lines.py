@@ -99,3 +99,30 @@ def test_custom_id_of_an_integer_key_is_one_function() -> None:
     huge = 10**40
     assert custom_id_for([huge], long_prefix).startswith(long_prefix + "k-")
     assert len(custom_id_for([huge], long_prefix)) <= 64
+
+
+def test_build_rejects_a_row_the_vendor_cannot_express_naming_feature_and_vendor(
+    sqlite_warehouse: Any, tmp_path: Path
+) -> None:
+    # The dialect's ``unsupported`` runs on every row (a fixed-shape body still varies in values):
+    # the row is rejected with the dialect's reason, the others are built.
+    sqlite_warehouse.run("CREATE TABLE t (id INTEGER, text TEXT, lp INTEGER)")
+    sqlite_warehouse.run_many("INSERT INTO t VALUES (?, ?, ?)", [(1, "a", 0), (2, "b", 3), (3, "c", 0)])
+
+    def unsupported(line: Any) -> str | None:
+        top = line["body"].get("top_logprobs")
+        return "top_logprobs is not supported by Vendor X" if top else None
+
+    spec = dataclasses.replace(
+        _spec(
+            staging.resolve_path(str(tmp_path)),
+            body_callable=lambda row: {"model": "m", "messages": [], "top_logprobs": row["lp"]},
+        ),
+        unsupported=unsupported,
+    )
+    with stream_rows(_hook(sqlite_warehouse.conn_id), "SELECT id, text, lp FROM t ORDER BY id") as rows:
+        result = build_lines(spec, rows)
+    assert (result.rows_read, result.rows_written, result.rows_rejected) == (3, 2, 1)
+    assert dict(result.reject_codes) == {"unsupported": 1}
+    (reject,) = [orjson.loads(x) for x in (tmp_path / staging.REJECTS_NAME).read_bytes().splitlines()]
+    assert reject["custom_id"] == "p-2" and reject["reason"] == "top_logprobs is not supported by Vendor X"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage
 from airflow_batch_provider.dialects.doubleword import DoublewordDialect
+from airflow_batch_provider.dialects.mistral import MistralDialect
 from airflow_batch_provider.dialects.openai import OpenAIDialect
 from airflow_batch_provider.dialects.xai import XAIDialect
 from airflow_batch_provider.dialects.zerogpu import ZeroGPUDialect
@@ -11,7 +12,7 @@ from airflow_batch_provider.exceptions import UnknownDialectError
 from airflow_batch_provider.limits import Limits, ValidationRules
 
 DIALECTS: dict[str, type[Dialect]] = {
-    cls.name: cls for cls in (OpenAIDialect, DoublewordDialect, ZeroGPUDialect, XAIDialect)
+    cls.name: cls for cls in (OpenAIDialect, DoublewordDialect, ZeroGPUDialect, XAIDialect, MistralDialect)
 }
 
 
@@ -42,6 +43,7 @@ __all__ = [
     "DoublewordDialect",
     "Limits",
     "ListPage",
+    "MistralDialect",
     "OpenAIDialect",
     "ResultsPage",
     "ValidationRules",

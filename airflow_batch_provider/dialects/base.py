@@ -41,6 +41,9 @@ def bind_models(namespace: dict[str, Any], *names: str) -> None:
 # What the hook can read results from. "files": the batch's output and error files;
 # "results_endpoint": a paged endpoint on the batch itself (xAI, Doubleword).
 ResultsMode = Literal["files", "results_endpoint"]
+# Where a request's model goes. "line": each line's ``body.model`` (OpenAI); "job": one model
+# named on the create call, taken from the shard's lines (which must all name the same one).
+ModelPlacement = Literal["line", "job"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,12 @@ class Dialect:
     #: Where the fields of a result-file line sit (see ``parse_result_line``); None when only
     #: Python can read the lines.
     line_shape: ClassVar[LineShape | None] = LineShape()
+    #: Where the model goes (see ``ModelPlacement``); "job" dialects get it in ``create_batch_body``.
+    model_placement: ClassVar[ModelPlacement] = "line"
+    #: Whether submit passes every staged (canonical) line through ``unsupported`` and
+    #: ``encode_line`` into an encoded copy before uploading. False (OpenAI's shape): the staged
+    #: file is uploaded as it is, with no pass over its lines.
+    encodes_lines: ClassVar[bool] = False
 
     def __init__(self) -> None:
         bind_models(globals(), "Batch", "BatchState", "LineError", "ResultLine")
@@ -227,6 +236,26 @@ class Dialect:
                 f"supported: {', '.join(cls.completion_windows)}"
             )
 
+    # ---- request lines ----------------------------------------------------------------
+    def unsupported(self, canonical: Mapping[str, Any]) -> str | None:
+        """What this vendor cannot express in one canonical line, named with the vendor; None if
+        nothing. Checked at build (the row is rejected with this reason) and at submit (a
+        hand-made file fails before any upload), so nothing is dropped silently at the vendor.
+
+        :param canonical: a canonical (OpenAI-shaped) line ``{custom_id, method, url, body}``.
+        """
+        return None
+
+    def encode_line(self, canonical: dict[str, Any]) -> dict[str, Any] | bytes:
+        """The vendor's upload line for one canonical line (a JSON object, or its bytes without
+        the newline). Staging keeps the canonical line; only the uploaded copy is encoded, so
+        request hashes and shard fingerprints stay vendor-neutral. Called only when
+        ``encodes_lines``; the default is the line itself.
+
+        :param canonical: a canonical line; it may be changed in place and returned.
+        """
+        return canonical
+
     # ---- files ----------------------------------------------------------------------
     def upload_form(self) -> dict[str, str]:
         """Form fields sent beside the file in ``POST files``."""
@@ -251,7 +280,13 @@ class Dialect:
         completion_window: str,
         metadata: Mapping[str, str] | None = None,
         name: str | None = None,
+        model: str | None = None,
     ) -> dict[str, Any]:
+        """The body of the create call.
+
+        :param model: the shard's one model, for a dialect whose ``model_placement`` is "job"
+            (ignored by "line" dialects: the model is on every line).
+        """
         body: dict[str, Any] = {
             "input_file_id": input_file_id,
             "endpoint": endpoint,
@@ -276,6 +311,13 @@ class Dialect:
 
     def list_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"limit": limit or self.list_page_size}
+
+    def filter_params(self, metadata: Mapping[str, str]) -> dict[str, Any]:
+        """Query parameters by which the vendor's listing keeps only batches tagged ``metadata``
+        (the orphan lookup); {} where the listing has no such filter. The caller still checks the
+        tags of every batch listed, so a server that ignores the filter costs pages, not accuracy.
+        """
+        return {}
 
     def listed_batch(self, item: Mapping[str, Any], known: Mapping[str, Batch] | None) -> Batch:
         """A batch object of a listing page: the ``known`` batch of its id when the vendor's object

@@ -91,6 +91,7 @@ class XAIDialect(Dialect):
         completion_window: str,
         metadata: Mapping[str, str] | None = None,
         name: str | None = None,
+        model: str | None = None,
     ) -> dict[str, Any]:
         # xAI takes no endpoint, window or metadata: each line names its url, and the run
         # identity is carried in the batch name.

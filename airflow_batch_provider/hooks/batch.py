@@ -569,6 +569,7 @@ class BatchApiHook(BaseHook):
         completion_window: str = "24h",
         metadata: Mapping[str, str] | None = None,
         name: str | None = None,
+        model: str | None = None,
     ) -> Batch:
         """Create a batch from an uploaded file, never paying twice for one call.
 
@@ -582,9 +583,12 @@ class BatchApiHook(BaseHook):
         :param completion_window: the vendor's window, ``24h`` by default.
         :param metadata: tags identifying the run; also how a lost create is found again.
         :param name: a batch name, for dialects that name batches.
+        :param model: the one model of the file, for dialects that put the model on the job.
         """
         settings = self.get_settings()
-        create = BatchCreate(settings, self.log, input_file_id, endpoint, completion_window, metadata, name)
+        create = BatchCreate(
+            settings, self.log, input_file_id, endpoint, completion_window, metadata, name, model=model
+        )
         while True:
             try:
                 response = self._send_once(create.call)
@@ -608,10 +612,13 @@ class BatchApiHook(BaseHook):
         completion_window: str = "24h",
         metadata: Mapping[str, str] | None = None,
         name: str | None = None,
+        model: str | None = None,
     ) -> Batch:
         """Async twin of ``create_batch`` (same duplicate protection)."""
         settings = await self.aget_settings()
-        create = BatchCreate(settings, self.log, input_file_id, endpoint, completion_window, metadata, name)
+        create = BatchCreate(
+            settings, self.log, input_file_id, endpoint, completion_window, metadata, name, model=model
+        )
         while True:
             try:
                 response = await self._asend_once(create.call)
@@ -663,6 +670,7 @@ class BatchApiHook(BaseHook):
         page_size: int | None = None,
         limit: int | None = None,
         known: Mapping[str, Batch] | None = None,
+        where: Mapping[str, str] | None = None,
     ) -> Iterator[Batch]:
         """Every batch visible to the key, newest first, following pagination.
 
@@ -670,9 +678,12 @@ class BatchApiHook(BaseHook):
         :param limit: stop after this many batches (all if None).
         :param known: batches read before, by id: one the vendor shows unchanged is given back
             as it is, not parsed again (what a poller listing the same batches each cycle wants).
+        :param where: metadata pairs the vendor's listing may filter by (``dialect.filter_params``);
+            a listing without a filter ignores it, so callers still check each batch's tags.
         """
         dialect = self.dialect
-        pages = Pages(calls.LIST_ACTION, dialect.list_params(page_size), limit=limit)
+        params = {**dialect.list_params(page_size), **(dialect.filter_params(where) if where else {})}
+        pages = Pages(calls.LIST_ACTION, params, limit=limit)
         while pages.params is not None:
             response = self._request(calls.list_batches(dialect, pages.params))
             page = dialect.parse_list_page(self._json_object(response, pages.action), pages.params, known)
@@ -685,10 +696,12 @@ class BatchApiHook(BaseHook):
         page_size: int | None = None,
         limit: int | None = None,
         known: Mapping[str, Batch] | None = None,
+        where: Mapping[str, str] | None = None,
     ) -> AsyncIterator[Batch]:
         """Async twin of ``list_batches``."""
         dialect = (await self.aget_settings()).dialect
-        pages = Pages(calls.LIST_ACTION, dialect.list_params(page_size), limit=limit)
+        params = {**dialect.list_params(page_size), **(dialect.filter_params(where) if where else {})}
+        pages = Pages(calls.LIST_ACTION, params, limit=limit)
         while pages.params is not None:
             response = await self._arequest(calls.list_batches(dialect, pages.params))
             page = dialect.parse_list_page(self._json_object(response, pages.action), pages.params, known)
@@ -704,14 +717,14 @@ class BatchApiHook(BaseHook):
         """
         if not metadata:
             return []
-        return _tagged(self.dialect, metadata, self.list_batches(limit=limit))
+        return _tagged(self.dialect, metadata, self.list_batches(limit=limit, where=metadata))
 
     async def afind_batches(self, metadata: Mapping[str, str], *, limit: int | None = 1000) -> list[Batch]:
         """Async twin of ``find_batches``."""
         if not metadata:
             return []
         dialect = (await self.aget_settings()).dialect
-        return _tagged(dialect, metadata, [b async for b in self.alist_batches(limit=limit)])
+        return _tagged(dialect, metadata, [b async for b in self.alist_batches(limit=limit, where=metadata)])
 
     def find_created_batch(
         self,

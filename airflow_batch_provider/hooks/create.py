@@ -82,6 +82,7 @@ class BatchCreate:
     :param completion_window: the vendor's window.
     :param metadata: tags identifying the run; also how a lost create is found again.
     :param name: a batch name, for dialects that name batches.
+    :param model: the file's one model, for dialects whose ``model_placement`` is "job".
     """
 
     def __init__(
@@ -93,8 +94,15 @@ class BatchCreate:
         completion_window: str,
         metadata: Mapping[str, str] | None,
         name: str | None,
+        *,
+        model: str | None = None,
     ) -> None:
         dialect = settings.dialect
+        if dialect.model_placement == "job" and not model:
+            raise ConfigurationError(
+                f"dialect {dialect.name!r} takes the model on the batch, not on each line: "
+                "pass model= (submit takes it from the file's lines)"
+            )
         dialect.check_completion_window(completion_window)
         if endpoint:
             dialect.check_endpoint(endpoint)
@@ -112,6 +120,7 @@ class BatchCreate:
             completion_window=completion_window,
             metadata=metadata,
             name=name,
+            model=model,
         )
         self.identity = create_identity(dialect, body, metadata, name)
         self.call = calls.create_batch(dialect, body, input_file_id)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import IO, TYPE_CHECKING, Any, Literal
@@ -30,7 +30,7 @@ from airflow_batch_provider.exceptions import (
     JsonlValidationError,
     StaleSubmissionStateError,
 )
-from airflow_batch_provider.jsonl import LineValidator, Problem, dumps_line, iter_raw_lines
+from airflow_batch_provider.jsonl import LineValidator, Problem, iter_raw_lines
 from airflow_batch_provider.links import batch_page_links, push_batch_ids
 from airflow_batch_provider.models import Batch, BatchState, Manifest, to_utc
 from airflow_batch_provider.staging import (
@@ -55,6 +55,7 @@ from airflow_batch_provider.submission import (
     now_utc,
 )
 from airflow_batch_provider.triggers.batch import BatchTrigger
+from airflow_batch_provider.upload_lines import ShardEncoder, needs_pass
 from airflow_batch_provider.waiting import (
     PartialPolicy,
     apply_outcome_policy,
@@ -107,7 +108,9 @@ class SubmitBatchOperator(BaseOperator):
     :param endpoint: the batch endpoint (templated); default: the manifest's, else the file's url.
     :param completion_window: the vendor completion window.
     :param metadata: extra metadata pairs for every batch (templated).
-    :param model: replace ``body.model`` on every line while uploading (templated).
+    :param model: replace ``body.model`` on every line while uploading (templated). For a
+        dialect whose model_placement is "job", this or the lines' one model is
+        named on the create call; a file naming two models, or none, fails before any upload.
     :param state_store: where each shard's intent and batch id live between tries: ``auto``
         (Airflow's task state store when the task has one, Airflow 3.3+; else files),
         ``task_state_store`` (fail without one) or ``file`` (``submit-state/`` files, see ``state_path``).
@@ -345,7 +348,9 @@ class SubmitBatchOperator(BaseOperator):
             else None
         )
         if file_id is None:
-            file_id = self._upload(hook, shard)
+            file_id, model = self._upload(hook, shard)
+        else:
+            model = self._job_model(dialect, shard, state)
         state = SubmitState(
             key=key,
             shard=shard.index,
@@ -356,6 +361,7 @@ class SubmitBatchOperator(BaseOperator):
             map_index=identity.map_index,
             endpoint=shard.endpoint,
             input_file_id=file_id,
+            model=model,
             intent_at=now_utc(),
             replaced_batch_ids=replaced,
         )
@@ -367,6 +373,7 @@ class SubmitBatchOperator(BaseOperator):
             metadata=batch_metadata(
                 identity, shard=shard.index, fingerprint=fingerprint, dialect=dialect, extra=self.metadata
             ),
+            model=model,
         )
         state.batch_id = batch.id
         state.created_at = batch.created_at or now_utc()
@@ -433,18 +440,32 @@ class SubmitBatchOperator(BaseOperator):
             return False
         return True
 
-    def _upload(self, hook: BatchApiHook, shard: ShardInput) -> str:
-        if not self.model:
-            return hook.upload_file(shard.path, filename=shard.path.name)
-        # Rewrite body.model line by line into a local temp file, then stream that up.
+    def _upload(self, hook: BatchApiHook, shard: ShardInput) -> tuple[str, str | None]:
+        """Upload the shard; (file id, the model for the create call of a job-model dialect)."""
+        dialect = hook.dialect
+        if not needs_pass(dialect, self.model):
+            return hook.upload_file(shard.path, filename=shard.path.name), None
+        # The staged shard stays canonical: the vendor's copy (override model, encoded lines) is
+        # streamed into a local temp file, then that is streamed up. A line the vendor cannot take
+        # fails here, before anything is uploaded.
+        encoder = ShardEncoder(dialect, where=str(shard.path), model=self.model)
         fd, tmp = tempfile.mkstemp(prefix="abp-submit-", suffix=".jsonl")
         try:
             with os.fdopen(fd, "wb", buffering=1 << 20) as out, open_read(shard.path) as src:
-                for line in _with_model(src, self.model):
+                for line in encoder.lines(src):
                     out.write(line)
-            return hook.upload_file(tmp, filename=shard.path.name)
+            return hook.upload_file(tmp, filename=shard.path.name), encoder.job_model
         finally:
             os.unlink(tmp)
+
+    def _job_model(self, dialect: Dialect, shard: ShardInput, state: SubmitState | None) -> str | None:
+        """The create call's model when an earlier try's upload is reused (job-model dialects only)."""
+        if dialect.model_placement != "job":
+            return None
+        if state is not None and state.model:
+            return state.model
+        with open_read(shard.path) as src:
+            return ShardEncoder(dialect, where=str(shard.path), model=self.model).drain(src)
 
     # ---- input -------------------------------------------------------------------------
     def _plan(self, dialect: Dialect) -> tuple[list[ShardInput], ObjectStoragePath, ObjectStoragePath | None]:
@@ -642,18 +663,3 @@ def _scan(path: ObjectStoragePath) -> tuple[str, str | None, int]:
                     url = None
                 first_url = url if isinstance(url, str) else None
     return digest.hexdigest(), first_url, lines
-
-
-def _with_model(stream: IO[bytes], model: str) -> Iterator[bytes]:
-    """Yield the lines of a batch file with ``body.model`` replaced, one line in memory at a time."""
-    for raw in iter_raw_lines(stream, 1 << 30):
-        if not raw.data.strip():
-            continue
-        try:
-            obj = orjson.loads(raw.data)
-        except orjson.JSONDecodeError as exc:
-            raise JsonlValidationError(f"line {raw.number}: not valid JSON: {exc}") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("body"), dict):
-            raise JsonlValidationError(f"line {raw.number}: no body object to set the model on")
-        obj["body"]["model"] = model
-        yield dumps_line(obj) + b"\n"

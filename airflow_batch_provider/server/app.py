@@ -445,7 +445,13 @@ def _files_routes(r: APIRouter) -> None:
 def _batch_routes(r: APIRouter) -> None:
     @r.post("/batches")
     async def create(request: Request) -> dict[str, Any]:
-        st = _state(request)
+        return await _create(_own(request, "batches"), request)
+
+    @r.post("/batch/jobs")
+    async def create_job(request: Request) -> dict[str, Any]:
+        return await _create(_own(request, "batch/jobs"), request)
+
+    async def _create(st: ServerState, request: Request) -> dict[str, Any]:
         wire = st.wire
         try:
             body = orjson.loads(await _read_body(st, request, _MAX_FORM_FIELD))
@@ -488,21 +494,36 @@ def _batch_routes(r: APIRouter) -> None:
 
     @r.get("/batches")
     async def list_batches(request: Request) -> dict[str, Any]:
-        st = _state(request)
+        st = _own(request, "batches")
         after, limit = st.wire.list_page_args(request.query_params)
         items, more = st.store.list_batches(after=after, limit=limit)
         # Live batches are fresher in memory than in the last checkpoint.
         items = [st.engine.active.get(i["id"], i) for i in items]
         return st.wire.render_batch_list(items, more)
 
+    @r.get("/batch/jobs")
+    async def list_jobs(request: Request) -> dict[str, Any]:
+        st = _own(request, "batch/jobs")
+        query = st.wire.list_query(request.query_params, request.query_params.multi_items())
+        return await asyncio.to_thread(_job_page, st, query)
+
+    @r.get("/batch/jobs/{batch_id}")
+    async def get_job(batch_id: str, request: Request) -> dict[str, Any]:
+        st = _own(request, "batch/jobs")
+        return st.wire.render_batch(_batch(st, batch_id))
+
+    @r.post("/batch/jobs/{batch_id}/cancel")
+    async def cancel_job(batch_id: str, request: Request) -> dict[str, Any]:
+        return _cancel(_own(request, "batch/jobs"), batch_id)
+
     @r.get("/batches/{batch_id}")
     async def get_batch(batch_id: str, request: Request) -> dict[str, Any]:
-        st = _state(request)
+        st = _own(request, "batches")
         return st.wire.render_batch(_batch(st, batch_id))
 
     @r.post("/batches/{batch_id}/cancel")
     async def cancel(batch_id: str, request: Request) -> dict[str, Any]:
-        st = _state(request)
+        st = _own(request, "batches")
         if not st.wire.is_cancel_path("cancel"):
             raise st.wire.error(
                 404, f"Unknown path; cancel with POST /v1/batches/{batch_id}:cancel.", code="not_found"
@@ -511,7 +532,7 @@ def _batch_routes(r: APIRouter) -> None:
 
     @r.post("/batches/{batch_ref}")
     async def colon_action(batch_ref: str, request: Request) -> dict[str, Any]:
-        st = _state(request)
+        st = _own(request, "batches")
         batch_id, _, action = batch_ref.rpartition(":")
         if action != "cancel" or st.wire.is_cancel_path("cancel") or not batch_id:
             raise st.wire.error(404, f"Unknown path /v1/batches/{batch_ref}.", code="not_found")
@@ -519,7 +540,7 @@ def _batch_routes(r: APIRouter) -> None:
 
     @r.get("/batches/{batch_id}/results")
     async def results(batch_id: str, request: Request) -> Response:
-        st = _state(request)
+        st = _own(request, "batches")
         wire = st.wire
         if not wire.results_endpoint:
             raise wire.error(
@@ -552,6 +573,39 @@ def _batch_routes(r: APIRouter) -> None:
             ) from None
         headers = wire.results_headers(rec, skip, data.count(b"\n"))
         return Response(data, media_type="application/x-ndjson", headers=headers)
+
+
+def _own(request: Request, route: str) -> ServerState:
+    """The server state, when ``route`` is this vendor's batch collection (else a 404 in its shape)."""
+    st = _state(request)
+    if st.wire.batches_route != route:
+        raise st.wire.error(
+            404,
+            f"Unknown path {request.url.path}; batches are under /v1/{st.wire.batches_route}.",
+            code="not_found",
+        )
+    return st
+
+
+def _job_page(st: ServerState, query: dict[str, Any]) -> dict[str, Any]:
+    """One page of a filtered listing and the count of every match (``total``), for a wire whose
+    listing pages by number (``Wire.list_query``)."""
+    wire = st.wire
+    items, _ = st.store.list_batches(after=None, limit=1 << 30)
+    # Live batches are fresher in memory than in the last checkpoint.
+    items = [st.engine.active.get(i["id"], i) for i in items]
+    wanted = query["metadata"].items()
+    found = [
+        rec
+        for rec in items
+        if wanted <= (rec.get("metadata") or {}).items()
+        and (not query["statuses"] or wire.status_of(rec) in query["statuses"])
+        and (query["model"] is None or rec.get("model") == query["model"])
+    ]
+    if query["oldest_first"]:
+        found.reverse()
+    start = query["page"] * query["page_size"]
+    return wire.render_job_list(found[start : start + query["page_size"]], len(found))
 
 
 def _batch(st: ServerState, batch_id: str) -> dict[str, Any]:

@@ -69,7 +69,7 @@ class ServerConfig(BaseModel):
     :param port: port to bind (0 picks a free one).
     :param data_dir: directory holding the SQLite metadata and the files.
     :param backend: what answers each line: ``echo`` (offline, deterministic) or ``upstream``.
-    :param dialect: vendor wire shape to speak (openai, doubleword, zerogpu, xai).
+    :param dialect: vendor wire shape to speak (openai, doubleword, zerogpu, xai, mistral).
     :param api_key: when set, every /v1 call must present it (in the dialect's auth header).
     :param time_scale: real seconds per simulated second of the lifecycle.
     :param validate_seconds: simulated time a batch spends validating.

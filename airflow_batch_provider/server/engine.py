@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
 import orjson
 
-from airflow_batch_provider.jsonl import LineValidator, Problem, iter_raw_lines
+from airflow_batch_provider.jsonl import LineValidator, Problem, RawLine, iter_raw_lines
 from airflow_batch_provider.limits import ValidationRules
 from airflow_batch_provider.server.backends import EchoBackend, UpstreamBackend, error_body
 from airflow_batch_provider.server.config import ServerConfig
@@ -69,9 +72,17 @@ def _crash_point(step: str) -> None:
 
 
 def validate_file(
-    path: Path, rules: ValidationRules, expected_url: str | None, max_errors: int
+    path: Path,
+    rules: ValidationRules,
+    expected_url: str | None,
+    max_errors: int,
+    canonical: Callable[[Any], Any] | None = None,
 ) -> tuple[int, list[dict[str, Any]]]:
-    """Run the shared validator over a stored file: (line count, first ``max_errors`` problems)."""
+    """Run the shared validator over a stored file: (line count, first ``max_errors`` problems).
+
+    :param canonical: for a vendor whose lines have their own shape, turns one parsed line into
+        the canonical line the validator checks (raises ``ValueError`` saying what is wrong).
+    """
     validator = LineValidator(rules, expected_url)
     problems: list[dict[str, Any]] = []
 
@@ -82,9 +93,25 @@ def validate_file(
 
     with open(path, "rb") as stream:
         for raw in iter_raw_lines(stream, rules.limits.max_line_bytes):
+            if canonical is not None and raw.data.strip() and not raw.oversize:
+                try:
+                    raw = _canonical_raw(raw, canonical)
+                except ValueError as exc:
+                    validator.lines += 1
+                    keep([Problem(raw.number, "invalid_line", str(exc))])
+                    continue
             keep(validator.check_raw(raw)[1])
     keep(validator.finish())
     return validator.lines, problems
+
+
+def _canonical_raw(raw: RawLine, canonical: Callable[[Any], Any]) -> RawLine:
+    """The raw line re-written in canonical form (its size stays the uploaded line's)."""
+    try:
+        obj = orjson.loads(raw.data)
+    except orjson.JSONDecodeError:
+        return raw  # the validator says what is wrong with it
+    return dataclasses.replace(raw, data=orjson.dumps(canonical(obj)))
 
 
 def new_batch_record(
@@ -102,6 +129,7 @@ def new_batch_record(
         "completion_window": created["completion_window"],
         "metadata": created["metadata"],
         "name": created["name"],
+        "model": created.get("model"),
         "status": "validating",
         "errors": None,
         "cancel_message": None,
@@ -330,8 +358,9 @@ class Engine:
                 ],
             )
             return
+        canonical = partial(self.wire.canonical_line, rec=rec) if self.wire.vendor_lines else None
         lines, problems = await asyncio.to_thread(
-            validate_file, path, self.rules, rec["endpoint"], self.config.max_reported_errors
+            validate_file, path, self.rules, rec["endpoint"], self.config.max_reported_errors, canonical
         )
         if rec["status"] == "cancelling":
             self._finish(rec, "cancelled")
@@ -408,7 +437,7 @@ class Engine:
                 else:
                     chunk = _read_chunk(src, progress, self.config.chunk_size)
                     if chunk:
-                        self._write_answers(rec, await self._answer(batch_id, chunk), out, err)
+                        self._write_answers(rec, await self._answer(rec, chunk), out, err)
                     lines = len(chunk)
                 if not lines:
                     stop = "done"
@@ -436,7 +465,7 @@ class Engine:
         chunk = _read_chunk(src, rec["progress"], self.config.chunk_size)
         answered = []
         for line_no, raw in chunk:
-            custom_id, url, body = _parse_line(raw)
+            custom_id, url, body = self._parse_line(raw, rec)
             if self.faults.line_fails(rec["id"], line_no):
                 self.faults.count("line_failures")
                 answered.append((line_no, custom_id, 500, _injected_line_error()))
@@ -487,11 +516,21 @@ class Engine:
             return "expired"
         return None
 
-    async def _answer(self, batch_id: str, chunk: list[tuple[int, bytes]]) -> list[tuple[int, str, int, Any]]:
+    def _parse_line(self, raw: bytes, rec: dict[str, Any]) -> tuple[str, str, Any]:
+        """(custom_id, url, body) of a validated input line, in canonical form."""
+        obj = orjson.loads(raw)
+        if self.wire.vendor_lines:
+            obj = self.wire.canonical_line(obj, rec)
+        return obj["custom_id"], obj["url"], obj["body"]
+
+    async def _answer(
+        self, rec: dict[str, Any], chunk: list[tuple[int, bytes]]
+    ) -> list[tuple[int, str, int, Any]]:
         """Answer a chunk through an asynchronous backend (the upstream), lines concurrently."""
+        batch_id = rec["id"]
 
         async def one(line_no: int, raw: bytes) -> tuple[int, str, int, Any]:
-            custom_id, url, body = _parse_line(raw)
+            custom_id, url, body = self._parse_line(raw, rec)
             if self.faults.line_fails(batch_id, line_no):
                 self.faults.count("line_failures")
                 return line_no, custom_id, 500, _injected_line_error()
@@ -589,12 +628,6 @@ def _line_crash_error(exc: BaseException) -> dict[str, Any]:
 
 def _tag(batch_id: str) -> str:
     return hashlib.sha256(batch_id.encode()).hexdigest()[:10]
-
-
-def _parse_line(raw: bytes) -> tuple[str, str, Any]:
-    """(custom_id, url, body) of a validated input line."""
-    obj = orjson.loads(raw)
-    return obj["custom_id"], obj["url"], obj["body"]
 
 
 def _custom_id(raw: bytes) -> str:

@@ -8,9 +8,12 @@ dialects are tested against shapes they did not produce themselves.
 from __future__ import annotations
 
 import hmac
+import uuid
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
+
+import orjson
 
 from airflow_batch_provider.dialects import get_dialect
 from airflow_batch_provider.dialects.base import Dialect
@@ -64,6 +67,10 @@ class Wire:
     results_endpoint = False
     # What a cancel of a finished batch answers.
     cancel_final_status = 400
+    # The path of the batch collection under /v1 (the other one answers 404).
+    batches_route = "batches"
+    # Whether input lines are the vendor's own shape, read through ``canonical_line``.
+    vendor_lines = False
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
@@ -239,6 +246,13 @@ class Wire:
                     param=f"metadata.{key}",
                 )
 
+    def canonical_line(self, obj: Any, rec: Mapping[str, Any]) -> Any:
+        """The canonical ``{custom_id, method, url, body}`` of one input line (``vendor_lines`` only).
+
+        :raises ValueError: the line is not in the vendor's shape (the message says why).
+        """
+        return obj
+
     def window_seconds(self, window: str | None) -> float:
         text = (window or "24h").strip()
         unit = text[-1]
@@ -301,6 +315,17 @@ class Wire:
 
     def is_cancel_path(self, tail: str) -> bool:
         return tail == "cancel"
+
+    def list_query(self, params: Mapping[str, str], multi: list[tuple[str, str]]) -> dict[str, Any]:
+        """A listing paged by number (``page``, ``page_size``) with filters: what the page wants.
+
+        Only for a wire whose ``batches_route`` lists that way (the OpenAI shape pages by cursor).
+        """
+        raise NotImplementedError(f"{self.name} lists batches by cursor (list_page_args)")
+
+    def render_job_list(self, items: list[dict[str, Any]], total: int) -> dict[str, Any]:
+        """One page of a listing paged by number, with the count of every match."""
+        raise NotImplementedError(f"{self.name} lists batches by cursor (render_batch_list)")
 
     # ---- result lines -----------------------------------------------------------------
     def response_line(
@@ -524,7 +549,206 @@ class XAIWire(Wire):
         return False
 
 
-WIRES: dict[str, type[Wire]] = {cls.name: cls for cls in (Wire, DoublewordWire, ZeroGPUWire, XAIWire)}
+class MistralWire(Wire):
+    """Mistral: ``/v1/batch/jobs`` with the model on the job, ``{custom_id, body}`` lines, UUID ids,
+    upper-case statuses, a ``page``/``page_size`` listing with ``total`` and metadata/status filters."""
+
+    name = "mistral"
+    id_style = "uuid"
+    batches_route = "batch/jobs"
+    vendor_lines = True
+
+    STATUSES = {
+        "validating": "QUEUED",
+        "in_progress": "RUNNING",
+        "finalizing": "RUNNING",
+        "completed": "SUCCESS",
+        "failed": "FAILED",
+        "expired": "TIMEOUT_EXCEEDED",
+        "cancelling": "CANCELLATION_REQUESTED",
+        "cancelled": "CANCELLED",
+    }
+    MAX_TIMEOUT_HOURS = 168
+    # Query parameters of GET /v1/batch/jobs; any other one is a metadata pair (the SDK sends the
+    # ``metadata`` filter exploded, one parameter per pair).
+    LIST_PARAMS = frozenset(
+        {
+            "page",
+            "page_size",
+            "model",
+            "agent_id",
+            "metadata",
+            "created_after",
+            "created_by_me",
+            "status",
+            "order_by",
+        }
+    )
+
+    def error(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> ApiError:
+        if status == 401:
+            # Mistral's gateway refuses a missing or wrong key with a bare message.
+            return ApiError(status, {"message": "Unauthorized", "request_id": uuid.uuid4().hex}, headers)
+        body = {"object": "error", "message": message, "type": type_, "param": param, "code": code, **extra}
+        return ApiError(status, body, headers)
+
+    def render_file(self, rec: Mapping[str, Any]) -> dict[str, Any]:
+        output = rec.get("purpose") == "batch_output"
+        kind = "batch_request"
+        if output:
+            kind = "batch_error" if str(rec["filename"]).endswith("_error.jsonl") else "batch_result"
+        return {
+            "id": rec["id"],
+            "object": "file",
+            "bytes": rec["bytes"],
+            "created_at": _ts(rec["created_at"]),
+            "filename": rec["filename"],
+            "purpose": "batch" if output else rec.get("purpose"),
+            "sample_type": kind,
+            "source": "mistral" if output else "upload",
+            "num_lines": None,
+            "mimetype": "application/jsonl",
+        }
+
+    def render_file_list(self, items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+        return {"object": "list", "data": [self.render_file(r) for r in items], "total": len(items)}
+
+    def parse_create(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, Mapping):
+            raise self.error(422, "Request body must be a JSON object.")
+        files = body.get("input_files")
+        if not isinstance(files, list) or not files or not all(isinstance(f, str) and f for f in files):
+            raise self.error(422, "input_files must be a non-empty list of file ids.", param="input_files")
+        if len(files) > 1:
+            raise self.error(422, "The local batch server takes one input file per job.", param="input_files")
+        endpoint = body.get("endpoint")
+        if endpoint not in self.dialect.endpoints:
+            raise self.error(
+                422,
+                f"Invalid endpoint {endpoint!r}; supported: {', '.join(sorted(self.dialect.endpoints))}.",
+                param="endpoint",
+            )
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise self.error(422, "model is required (the job runs one model).", param="model")
+        hours = body.get("timeout_hours", 24)
+        if not isinstance(hours, int) or isinstance(hours, bool) or not 1 <= hours <= self.MAX_TIMEOUT_HOURS:
+            raise self.error(
+                422, f"timeout_hours must be an integer 1..{self.MAX_TIMEOUT_HOURS}.", param="timeout_hours"
+            )
+        metadata = body.get("metadata")
+        if metadata is not None:
+            self._check_metadata(metadata)
+        return {
+            "input_file_id": files[0],
+            "endpoint": endpoint,
+            "completion_window": f"{hours}h",
+            "metadata": dict(metadata) if metadata else None,
+            "name": None,
+            "model": model,
+        }
+
+    def canonical_line(self, obj: Any, rec: Mapping[str, Any]) -> Any:
+        if not isinstance(obj, dict):
+            return obj
+        extra = sorted(set(obj) - {"custom_id", "body"})
+        if extra:
+            raise ValueError(
+                f"unexpected field(s) {', '.join(extra)}: a Mistral batch line is {{custom_id, body}}"
+            )
+        body = obj.get("body")
+        if isinstance(body, dict):
+            # The job names the model; the line's own model (if any) is not used.
+            body = {**body, "model": rec.get("model")}
+        return {"custom_id": obj.get("custom_id"), "method": "POST", "url": rec["endpoint"], "body": body}
+
+    def status_of(self, rec: Mapping[str, Any]) -> str:
+        return self.STATUSES[str(rec["status"])]
+
+    def render_batch(self, rec: Mapping[str, Any]) -> dict[str, Any]:
+        counts = rec["request_counts"]
+        errors = rec.get("errors") or []
+        terminal = rec["status"] in ("completed", "failed", "expired", "cancelled")
+        ended = (
+            rec.get("completed_at")
+            or rec.get("failed_at")
+            or rec.get("expired_at")
+            or rec.get("cancelled_at")
+        )
+        return {
+            "id": rec["id"],
+            "object": "batch",
+            "input_files": [rec["input_file_id"]],
+            "metadata": rec.get("metadata"),
+            "endpoint": rec["endpoint"],
+            "model": rec.get("model"),
+            "agent_id": None,
+            "output_file": rec.get("output_file_id"),
+            "error_file": rec.get("error_file_id"),
+            "errors": [{"message": str(e.get("message") or e.get("code")), "count": 1} for e in errors],
+            "status": self.status_of(rec),
+            "created_at": _ts(rec["created_at"]),
+            "total_requests": counts["total"],
+            "completed_requests": counts["completed"] + counts["failed"],
+            "succeeded_requests": counts["completed"],
+            "failed_requests": counts["failed"],
+            "started_at": _ts(rec.get("in_progress_at")),
+            "completed_at": _ts(ended) if terminal else None,
+        }
+
+    def list_query(self, params: Mapping[str, str], multi: list[tuple[str, str]]) -> dict[str, Any]:
+        """The listing's page, size, order and filters (metadata pairs, statuses, model)."""
+        page = _int_param(params.get("page"), 0, "page", self)
+        size = _int_param(params.get("page_size"), 100, "page_size", self)
+        if page < 0 or not 1 <= size <= 1000:
+            raise self.error(422, "page must be >= 0 and page_size 1..1000.", param="page_size")
+        metadata: dict[str, str] = {}
+        raw_metadata = params.get("metadata")
+        if raw_metadata:
+            try:
+                parsed = orjson.loads(raw_metadata)
+            except orjson.JSONDecodeError:
+                raise self.error(422, "metadata must be a JSON object.", param="metadata") from None
+            if not isinstance(parsed, dict):
+                raise self.error(422, "metadata must be a JSON object.", param="metadata")
+            metadata.update({str(k): str(v) for k, v in parsed.items()})
+        metadata.update({k: v for k, v in multi if k not in self.LIST_PARAMS})
+        statuses = {v for k, v in multi if k == "status"}
+        unknown = statuses - set(self.STATUSES.values())
+        if unknown:
+            raise self.error(422, f"Unknown status filter {sorted(unknown)}.", param="status")
+        order = params.get("order_by") or "-created"
+        if order not in ("created", "-created"):
+            raise self.error(422, "order_by must be 'created' or '-created'.", param="order_by")
+        return {
+            "page": page,
+            "page_size": size,
+            "metadata": metadata,
+            "statuses": statuses,
+            "model": params.get("model") or None,
+            "oldest_first": order == "created",
+        }
+
+    def render_job_list(self, items: list[dict[str, Any]], total: int) -> dict[str, Any]:
+        return {"object": "list", "data": [self.render_batch(r) for r in items], "total": total}
+
+    def is_cancel_path(self, tail: str) -> bool:
+        return tail == "cancel"
+
+
+WIRES: dict[str, type[Wire]] = {
+    cls.name: cls for cls in (Wire, DoublewordWire, ZeroGPUWire, XAIWire, MistralWire)
+}
 
 
 def get_wire(dialect_name: str) -> Wire:

@@ -41,12 +41,12 @@ def batch(status: str = "in_progress", **fields: Any) -> dict[str, Any]:
 
 
 def test_registry() -> None:
-    assert sorted(DIALECTS) == ["doubleword", "openai", "xai", "zerogpu"]
+    assert sorted(DIALECTS) == ["doubleword", "mistral", "openai", "xai", "zerogpu"]
     assert isinstance(get_dialect(None), OpenAIDialect)
     assert get_dialect(" XAI ").name == "xai"
     assert get_dialect(D) is D
     with pytest.raises(
-        UnknownDialectError, match="unknown dialect 'anthropic'.*doubleword, openai, xai, zerogpu"
+        UnknownDialectError, match="unknown dialect 'anthropic'.*doubleword, mistral, openai, xai, zerogpu"
     ):
         get_dialect("anthropic")
 

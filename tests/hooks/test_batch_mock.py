@@ -1097,7 +1097,7 @@ def test_connection_form_matches_airflow_schemas() -> None:
         "ui-field-behaviour": UI_FIELD_BEHAVIOUR,
     }
     jsonschema.validate(entry, conn_schema)
-    assert CONN_FIELDS["dialect"]["schema"]["enum"] == ["doubleword", "openai", "xai", "zerogpu"]
+    assert CONN_FIELDS["dialect"]["schema"]["enum"] == ["doubleword", "mistral", "openai", "xai", "zerogpu"]
     behaviour_schema = json.loads(
         files("airflow").joinpath("customized_form_field_behaviours.schema.json").read_text()
     )
@@ -1359,3 +1359,42 @@ async def test_upload_over_the_dialect_upload_limit_is_refused_before_sending(
         mock_hook(lambda r: calls.append(r.url.path) or json_response(200, {"id": "f"})).upload_file(big)
         == "f"
     )
+
+
+def mistral_job(job_id: str, key: str) -> dict[str, Any]:
+    return {
+        "id": job_id,
+        "object": "batch",
+        "input_files": ["f1"],
+        "metadata": {"airflow_batch_key": key},
+        "endpoint": "/v1/chat/completions",
+        "model": "m",
+        "errors": [],
+        "status": "RUNNING",
+        "created_at": 1_736_380_000,
+        "total_requests": 1,
+        "completed_requests": 0,
+        "succeeded_requests": 0,
+        "failed_requests": 0,
+    }
+
+
+def test_mistral_orphan_lookup_asks_the_listing_to_filter_by_metadata(mock_hook) -> None:
+    # Mistral's listing filters by metadata: the lookup sends its tags as the filter (one query
+    # parameter per pair, as the official SDK does) and still checks each listed job's tags.
+    seen: list[dict[str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path.endswith("/batch/jobs")
+        params = dict(request.url.params)
+        seen.append(params)
+        jobs = [mistral_job("j2", "run-a"), mistral_job("j1", "run-b")]
+        return json_response(200, {"object": "list", "data": jobs, "total": 2})
+
+    hook = mock_hook(handler, dialect="mistral")
+    assert [b.id for b in hook.find_batches({"airflow_batch_key": "run-a"})] == ["j2"]
+    assert seen == [{"page": "0", "page_size": "100", "airflow_batch_key": "run-a"}]
+    # A plain listing sends no filter.
+    seen.clear()
+    assert [b.id for b in hook.list_batches()] == ["j2", "j1"]
+    assert seen == [{"page": "0", "page_size": "100"}]

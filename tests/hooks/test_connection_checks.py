@@ -11,7 +11,7 @@ import pytest
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from tests.fixtures.hook import FAST
 
-DIALECTS = ["openai", "doubleword", "zerogpu", "xai"]
+DIALECTS = ["openai", "doubleword", "zerogpu", "xai", "mistral"]
 KEY = "sk-checks-secret-4242"
 
 
@@ -98,3 +98,26 @@ def test_a_server_error_leaves_the_dialect_unchecked(mock_hook, sleeps) -> None:
 
 def json_response(status: int, data: object) -> httpx.Response:
     return httpx.Response(status, json=data)
+
+
+def test_a_wrong_key_at_mistral_fails_authenticated_and_never_shows_a_key(batch_server, monkeypatch) -> None:
+    # Mistral refuses a wrong key with a bare {"message": "Unauthorized", "request_id"} body.
+    server = batch_server(dialect="mistral", api_key=KEY)
+    wrong = "mistral-wrong-88888"
+    ok, message = _hook(monkeypatch, server.connection_json(api_key=wrong)).test_connection()
+    assert not ok
+    assert message.startswith("BatchApiAuthError: ") and "Unauthorized" in message
+    assert "reachable: yes (HTTP 401)" in message and "authenticated: NO (HTTP 401)" in message
+    assert wrong not in message and KEY not in message
+
+
+@pytest.mark.parametrize(("configured", "spoken"), [("mistral", "openai"), ("openai", "mistral")])
+def test_mistral_and_openai_paths_are_told_apart(
+    batch_server, monkeypatch, configured: str, spoken: str
+) -> None:
+    # The two vendors keep batches under different paths: the other one's answers 404 in its shape.
+    server = batch_server(dialect=spoken)
+    connection = _with(server.connection_json(), extra={"dialect": configured})
+    ok, message = _hook(monkeypatch, connection).test_connection()
+    assert not ok
+    assert "reachable: yes (HTTP 404)" in message and "dialect: NO (HTTP 404" in message

@@ -1,0 +1,231 @@
+"""Mistral through the whole pipeline (build -> submit -> deferred wait -> merge), on PostgreSQL and DuckDB.
+
+The batch server speaks Mistral (``serve --dialect mistral``: jobs, the model on the job,
+``{custom_id, body}`` lines); the connection's dialect is ``mistral``. Every terminal outcome
+lands every row with its status, and the results table has the same columns as OpenAI's.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from airflow_batch_provider.dialects.mistral import MistralDialect
+from airflow_batch_provider.exceptions import BatchFailedError
+from airflow_batch_provider.hooks.batch import BatchApiHook
+from airflow_batch_provider.staging import resolve_path
+from airflow_batch_provider.submission import StateStore, SubmitState
+from tests.fixtures.reliability import MESSAGES, Pipeline, seed_texts
+
+ROWS = 30
+BUILD = {"table": "tickets", "key_columns": "id", "messages": MESSAGES}
+
+
+@pytest.fixture(params=["postgres", "duckdb"])
+def wh_pipeline(request: pytest.FixtureRequest, tmp_path: Path, task_context: Any) -> Pipeline:
+    warehouse = request.getfixturevalue("pg_warehouse" if request.param == "postgres" else "duckdb_warehouse")
+    return Pipeline(warehouse, tmp_path / "staging", task_context)
+
+
+def serve(batch_server: Any, monkeypatch: pytest.MonkeyPatch, dialect: str = "mistral", **config: Any) -> Any:
+    server = batch_server(dialect=dialect, **config)
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
+    return server
+
+
+def rows_of(pipeline: Pipeline, table: str = "answers") -> dict[int, tuple[str, str | None, str | None]]:
+    q = pipeline.warehouse.quote
+    return {
+        r[0]: (r[1], r[2], r[3])
+        for r in pipeline.warehouse.rows(
+            f"SELECT id, status, error_code, content FROM {q(table)} ORDER BY id"
+        )
+    }
+
+
+async def test_completed_with_mixed_rows_lands_every_row(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = serve(batch_server, monkeypatch, faults={"line_failure_rate": 0.3})
+    seed_texts(wh_pipeline.warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+    record = await wh_pipeline.run("mixed", "answers", build=BUILD, submit={"on_partial_failure": "succeed"})
+    failures = server.stats()["counters"]["line_failures"]
+    assert 0 < failures < ROWS
+    assert record.event is not None and record.event["status"] == "partial", record.event
+    assert record.submit_error is None
+    # The job named the build's model; the uploaded lines are Mistral's {custom_id, body}.
+    (batch_id,) = record.event["batch_ids"]
+    hook = BatchApiHook()
+    job = hook.get_batch(batch_id)
+    assert job.raw["model"] == "echo-1" and job.raw["status"] == "SUCCESS"
+    uploaded = list(hook.iter_file_lines(job.input_file_id or ""))
+    assert len(uploaded) == ROWS and all(set(line) == {"custom_id", "body"} for line in uploaded)
+    assert not any("model" in line["body"] for line in uploaded)
+    # Staging still holds the canonical line.
+    shard = resolve_path(record.manifest["staging_path"]) / "shard-00000.jsonl"
+    assert orjson.loads(shard.read_bytes().splitlines()[0])["url"] == "/v1/chat/completions"
+    rows = rows_of(wh_pipeline)
+    statuses = [s for s, _, _ in rows.values()]
+    assert len(rows) == ROWS and statuses.count("failed") == failures
+    assert statuses.count("succeeded") == ROWS - failures
+    assert all(
+        content == f"echo: question {key - 1}" for key, (s, _, content) in rows.items() if s == "succeeded"
+    )
+    assert all(code for s, code, _ in rows.values() if s == "failed")
+
+
+async def test_failed_job_fails_the_task_and_every_row(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serve(batch_server, monkeypatch, faults={"fail_validation": True})
+    seed_texts(wh_pipeline.warehouse, "tickets", [f"q{i}" for i in range(ROWS)])
+    record = await wh_pipeline.run("failed", "answers", build=BUILD)
+    assert isinstance(record.submit_error, BatchFailedError), record.submit_error
+    assert record.event is not None and record.event["status"] == "failed"
+    rows = rows_of(wh_pipeline)
+    assert len(rows) == ROWS and {s for s, _, _ in rows.values()} == {"failed"}
+
+
+def _partly_done(batch_id: str, at_least: int = 5) -> None:
+    hook = BatchApiHook()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done = hook.get_batch(batch_id).request_counts.completed
+        if done >= at_least:
+            assert done < ROWS, f"job {batch_id} finished before it could be interrupted"
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"job {batch_id} made no progress")
+
+
+@pytest.mark.parametrize(("how", "status"), [("expire", "expired"), ("cancel", "cancelled")])
+async def test_timeout_exceeded_and_cancelled_keep_what_was_answered(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch, how: str, status: str
+) -> None:
+    server = serve(batch_server, monkeypatch, line_seconds=50, chunk_size=5)
+    seed_texts(wh_pipeline.warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+
+    def interrupt(submission: dict[str, Any]) -> None:
+        (batch_id,) = submission["batch_ids"]
+        _partly_done(batch_id)
+        if how == "expire":
+            server.force(batch_id, "expire")  # the job ends TIMEOUT_EXCEEDED
+        else:
+            BatchApiHook().cancel_batch(batch_id)  # POST /v1/batch/jobs/{id}/cancel
+
+    record = await wh_pipeline.run(f"stop-{how}", "answers", build=BUILD, before_wait=interrupt)
+    assert record.event is not None and record.event["status"] == status, record.event
+    assert isinstance(record.submit_error, BatchFailedError)
+    (batch_id,) = record.event["batch_ids"]
+    vendor = {"expired": "TIMEOUT_EXCEEDED", "cancelled": "CANCELLED"}[status]
+    assert BatchApiHook().get_batch(batch_id).raw["status"] == vendor
+    rows = rows_of(wh_pipeline)
+    succeeded = [k for k, (s, _, _) in rows.items() if s == "succeeded"]
+    stopped = [k for k, (s, _, _) in rows.items() if s == status]
+    assert len(rows) == ROWS and len(succeeded) + len(stopped) == ROWS and succeeded and stopped
+    assert {rows[k][1] for k in stopped} == {f"batch_{status}"}
+
+
+async def test_crash_between_create_and_record_adopts_the_job_found_by_metadata(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serve(batch_server, monkeypatch)
+    seed_texts(wh_pipeline.warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+    manifest = wh_pipeline.build("crash", **BUILD)
+    real_write = StateStore.write
+
+    class Crash(Exception):
+        pass
+
+    def crash_when_recording_id(self: StateStore, state: SubmitState) -> None:
+        if state.batch_id:
+            raise Crash(state.batch_id)
+        real_write(self, state)
+
+    monkeypatch.setattr(StateStore, "write", crash_when_recording_id)
+    with pytest.raises(Crash) as crashed:
+        wh_pipeline.submit_op(manifest, wait_for_completion=False).execute(
+            wh_pipeline.context("submit", "crash")
+        )
+    monkeypatch.setattr(StateStore, "write", real_write)
+    created = str(crashed.value)
+    # A newer job of another run must not be taken for it.
+    hook = BatchApiHook()
+    decoy_file = hook.upload_file(resolve_path(manifest["staging_path"]) / "shard-00000.jsonl")
+    hook.create_batch(
+        input_file_id=decoy_file,
+        endpoint="/v1/chat/completions",
+        metadata={"airflow_batch_key": "another-run"},
+        model="echo-1",
+    )
+    filters: list[dict[str, str]] = []
+    real_filter = MistralDialect.filter_params
+
+    def spy(self: MistralDialect, metadata: Any) -> dict[str, Any]:
+        filters.append(dict(metadata))
+        return real_filter(self, metadata)
+
+    monkeypatch.setattr(MistralDialect, "filter_params", spy)
+    record = await wh_pipeline.submit_and_wait(manifest, "crash")
+    assert record.event is not None and record.event["status"] == "success", record.event
+    assert record.event["batch_ids"] == [created]
+    # The retry found the orphan through the listing's metadata filter, and created nothing.
+    assert [set(f) for f in filters] == [{"airflow_batch_key"}]
+    assert len(list(hook.list_batches())) == 2
+    merged = wh_pipeline.merge(record.submission, manifest, "answers")
+    assert merged["counts"]["succeeded"] == ROWS
+
+
+async def test_the_results_table_is_the_same_as_openais(
+    batch_server: Any, pg_warehouse: Any, tmp_path: Path, task_context: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Changing the connection's vendor changes nothing in the results table but who answered.
+    seed_texts(pg_warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+    tables: dict[str, dict[int, tuple[str, str | None, str | None]]] = {}
+    columns: dict[str, list[str]] = {}
+    for dialect in ("openai", "mistral"):
+        serve(batch_server, monkeypatch, dialect=dialect)
+        pipeline = Pipeline(pg_warehouse, tmp_path / dialect, task_context)
+        await pipeline.run(f"same-{dialect}", f"answers_{dialect}", build=BUILD)
+        tables[dialect] = rows_of(pipeline, f"answers_{dialect}")
+        columns[dialect] = [
+            r[0]
+            for r in pg_warehouse.rows(
+                "SELECT column_name FROM information_schema.columns "
+                f"WHERE table_name = 'answers_{dialect}' AND table_schema = current_schema() "
+                "ORDER BY ordinal_position"
+            )
+        ]
+    assert columns["mistral"] == columns["openai"] and "status" in columns["openai"]
+    assert tables["mistral"] == tables["openai"]
+    assert {s for s, _, _ in tables["mistral"].values()} == {"succeeded"}
+
+
+async def test_a_build_naming_two_models_rejects_the_rows_of_the_second_by_name(
+    batch_server: Any, pg_warehouse: Any, tmp_path: Path, task_context: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Mistral job runs one model: rows whose body names another model than the shard's are
+    # rejected with the reason, and the rest is submitted and merged as usual.
+    serve(batch_server, monkeypatch)
+    seed_texts(pg_warehouse, "tickets", [f"question {i}" for i in range(6)])
+    pipeline = Pipeline(pg_warehouse, tmp_path / "staging", task_context)
+
+    def body(row: dict[str, Any]) -> dict[str, Any]:
+        model = "echo-1" if row["id"] <= 4 else "echo-2"
+        return {"model": model, "messages": [{"role": "user", "content": row["text"]}]}
+
+    record = await pipeline.run(
+        "two-models",
+        "answers",
+        build={"table": "tickets", "key_columns": "id", "body_callable": body, "model": None},
+    )
+    assert record.manifest["rows_rejected"] == 2, record.manifest
+    rejects = resolve_path(record.manifest["staging_path"]) / "rejects.jsonl"
+    reasons = [orjson.loads(line) for line in rejects.read_bytes().splitlines()]
+    assert [(r["key"], r["code"]) for r in reasons] == [([5], "mismatched_model"), ([6], "mismatched_model")]
+    assert all("one model per batch file" in r["reason"] for r in reasons)
+    assert pipeline.status_counts("answers") == {"succeeded": 4, "rejected": 2}
