@@ -167,16 +167,16 @@ class Dialect:
     # Every path built from an id places it with ``path_segment``: checked, then encoded as one
     # segment, so no id (from a user, a run's conf or a vendor answer) can reach another path.
     def file_path(self, file_id: str) -> str:
-        return f"files/{path_segment(file_id, 'file_id')}"
+        return f"{self.files_path}/{path_segment(file_id, 'file_id')}"
 
     def file_content_path(self, file_id: str) -> str:
-        return f"files/{path_segment(file_id, 'file_id')}/content"
+        return f"{self.files_path}/{path_segment(file_id, 'file_id')}/content"
 
     def batch_path(self, batch_id: str) -> str:
-        return f"batches/{path_segment(batch_id, 'batch_id')}"
+        return f"{self.batches_path}/{path_segment(batch_id, 'batch_id')}"
 
     def cancel_path(self, batch_id: str) -> str:
-        return f"batches/{path_segment(batch_id, 'batch_id')}/cancel"
+        return f"{self.batches_path}/{path_segment(batch_id, 'batch_id')}/cancel"
 
     def results_path(self, batch_id: str) -> str:
         raise NotImplementedError(f"dialect {self.name!r} has no results endpoint; read the output files")
