@@ -114,7 +114,9 @@ def repeated_key(data: bytes, obj: Any) -> str | None:
         written = orjson.dumps(obj)
     except orjson.JSONEncodeError:  # orjson writes 255 levels, and reads 1024
         written = b""
-    if data.count(b'"') == written.count(b'"') and b"\\u0022" not in data:
+    # A line orjson itself wrote (compact, as this package's server and many writers do) is
+    # proved by one comparison; another by two counts and a scan (~1.3 us for 400 bytes).
+    if written == data or (data.count(b'"') == written.count(b'"') and b"\\u0022" not in data):
         return None
     key = _first_repeat(data)
     return None if key is None else f"repeats the key {key!r}"
