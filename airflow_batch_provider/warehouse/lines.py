@@ -329,17 +329,18 @@ ODD_NUMBERS = r'[:,\[][[:space:]]*("?-?[0-9]{19}|-?[0-9.]+[eE][-+]?[0-9]{3})'
 ORJSON_DEPTH = 1024
 
 
-def beyond_orjson(line: str, matches: Callable[[str, str], str]) -> str:
+def beyond_orjson(line: str, matches: Callable[[str, str], str], size: str) -> str:
     """SQL true where the text ``line`` may hold what orjson reads otherwise than a database:
     :data:`ODD_NUMBERS`, or more opening brackets than :data:`ORJSON_DEPTH` (a bound on its
     nesting, counted only in a line long enough to have it).
 
     :param matches: ``(text, pattern) -> SQL`` whether the text matches the regular expression.
+    :param size: the database's function giving a text's size in bytes (no scan, unlike its length).
     """
-    brackets = f"length({line}) - length(replace(replace({line}, '[', ''), '{{', ''))"
+    brackets = f"{size}({line}) - {size}(replace(replace({line}, '[', ''), '{{', ''))"
     return (
         f"({matches(line, literal(ODD_NUMBERS))} "
-        f"OR (length({line}) > {2 * ORJSON_DEPTH} AND {brackets} > {ORJSON_DEPTH}))"
+        f"OR ({size}({line}) > {2 * ORJSON_DEPTH} AND {brackets} > {ORJSON_DEPTH}))"
     )
 
 

@@ -65,7 +65,7 @@ class DuckDBJson(JsonSql):
         return (
             f"({repeats.format(f'json_keys({doc})')} OR COALESCE({nested}, FALSE) "
             f"OR regexp_matches({line}, 'NaN|Infinity') "
-            f"OR {beyond_orjson(line, lambda text, pattern: f'regexp_matches({text}, {pattern})')})"
+            f"OR {beyond_orjson(line, lambda text, pattern: f'regexp_matches({text}, {pattern})', 'strlen')})"
         )
 
     def digits(self, text: str) -> str:

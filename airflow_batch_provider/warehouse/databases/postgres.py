@@ -93,9 +93,10 @@ class PostgresJson(JsonSql):
         # jsonb keeps one value of a repeated key: its text has fewer string tokens, so fewer
         # quotes (a quote inside text is written \" on both sides, unless the line spelled it
         # \u0022: then Python reads it). The cost: writing each line's jsonb as text again.
-        quotes = "length({0}) - length(replace({0}, '\"', ''))"
+        # octet_length, not length: a text's length in characters scans it (UTF-8).
+        quotes = "octet_length({0}) - octet_length(replace({0}, '\"', ''))"
         fewer = f"{quotes.format(line)} <> {quotes.format(f'CAST({doc} AS text)')}"
-        odd = beyond_orjson(line, lambda text, pattern: f"({text} ~ {pattern})")
+        odd = beyond_orjson(line, lambda text, pattern: f"({text} ~ {pattern})", "octet_length")
         return f"(strpos({line}, '\\u0022') > 0 OR {fewer} OR {odd})"
 
     def leaves(self, raw: str, paths: Sequence[tuple[str | int, ...]]) -> str:
