@@ -92,7 +92,9 @@ class PostgresJson(JsonSql):
     def ambiguous(self, line: str, doc: str) -> str:
         # jsonb keeps one value of a repeated key: its text has fewer string tokens, so fewer
         # quotes (a quote inside text is written \" on both sides, unless the line spelled it
-        # \u0022: then Python reads it). The cost: writing each line's jsonb as text again.
+        # \u0022: then Python reads it). The cost: writing each line's jsonb as text again;
+        # measured on bench_merge's chat lines, the common-line SQL went from ~11 to ~21 us a
+        # line (the quote counts ~5, the regular expression ~3).
         # octet_length, not length: a text's length in characters scans it (UTF-8).
         quotes = "octet_length({0}) - octet_length(replace({0}, '\"', ''))"
         fewer = f"{quotes.format(line)} <> {quotes.format(f'CAST({doc} AS text)')}"
