@@ -35,6 +35,7 @@ from airflow_batch_provider.exceptions import (
     BatchApiServerError,
 )
 from airflow_batch_provider.hooks.retry import retry_after_seconds
+from airflow_batch_provider.jsonl import repeated_key
 
 if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
@@ -786,11 +787,15 @@ class LineSplitter:
 
 
 def parse_json_line(data: bytes, number: int, where: str) -> Any:
-    """Parse one JSONL line; bad JSON raises naming the file and line."""
+    """Parse one JSONL line; bad JSON, or an object repeating a key, raises naming the file and line."""
     try:
-        return orjson.loads(data)
+        obj = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise BatchApiResponseError(f"{where} line {number} is not valid JSON: {exc}") from None
+    ambiguous = repeated_key(data, obj)
+    if ambiguous is not None:
+        raise BatchApiResponseError(f"{where} line {number} {ambiguous}")
+    return obj
 
 
 def parse_json_body(response: httpx.Response, action: str, secret: Secrets) -> Any:
