@@ -24,14 +24,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any, ClassVar
 
 import httpx
 from airflow.sdk import BaseHook
 
 from airflow_batch_provider.constants import CONN_TYPE, DEFAULT_CONN_ID
-from airflow_batch_provider.dialects import Dialect, get_dialect
+from airflow_batch_provider.dialects import Dialect, ListPage, get_dialect
 from airflow_batch_provider.exceptions import (
     BatchApiError,
     BatchApiResponseError,
@@ -52,6 +52,7 @@ from airflow_batch_provider.hooks.create import (
 )
 from airflow_batch_provider.hooks.lines import DOWNLOAD_CHUNK, ResumableLines
 from airflow_batch_provider.hooks.results import (
+    MAX_BARREN_PAGES,
     Pages,
     result_files,
     result_line,
@@ -622,17 +623,30 @@ class BatchApiHook(BaseHook):
     ) -> Iterator[Batch]:
         """Every batch visible to the key, newest first, following pagination.
 
+        A listed item that does not parse is left out (logged), not an error of the listing.
+
         :param page_size: batches per request (the dialect's default if None).
         :param limit: stop after this many batches (all if None).
         :param known: batches read before, by id: one the vendor shows unchanged is given back
             as it is, not parsed again (what a poller listing the same batches each cycle wants).
         """
+        for page in self.list_batch_pages(page_size=page_size, limit=limit, known=known):
+            yield from page.batches
+
+    def list_batch_pages(
+        self,
+        *,
+        page_size: int | None = None,
+        limit: int | None = None,
+        known: Mapping[str, Batch] | None = None,
+    ) -> Iterator[ListPage]:
+        """The listing page by page, with the items of each that do not parse (see ``list_batches``)."""
         dialect = self.dialect
-        pages = Pages(calls.LIST_ACTION, dialect.list_params(page_size), limit=limit)
+        pages = Pages(calls.LIST_ACTION, dialect.list_params(page_size), limit=limit, barren=MAX_BARREN_PAGES)
         while pages.params is not None:
             response = self._request(calls.list_batches(dialect, pages.params))
-            page = dialect.parse_list_page(self._json_object(response, pages.action), pages.params, known)
-            yield from pages.take(page.batches, page.next_params)
+            page = dialect.parse_list_page(self._json(response, pages.action), pages.params, known)
+            yield self._listed(pages, page)
             pages.turn()
 
     async def alist_batches(
@@ -643,14 +657,41 @@ class BatchApiHook(BaseHook):
         known: Mapping[str, Batch] | None = None,
     ) -> AsyncIterator[Batch]:
         """Async twin of ``list_batches``."""
+        pages = self.alist_batch_pages(page_size=page_size, limit=limit, known=known)
+        async with aclosing(pages):  # type: ignore[type-var]
+            async for page in pages:
+                for batch in page.batches:
+                    yield batch
+
+    async def alist_batch_pages(
+        self,
+        *,
+        page_size: int | None = None,
+        limit: int | None = None,
+        known: Mapping[str, Batch] | None = None,
+    ) -> AsyncIterator[ListPage]:
+        """Async twin of ``list_batch_pages``."""
         dialect = (await self.aget_settings()).dialect
-        pages = Pages(calls.LIST_ACTION, dialect.list_params(page_size), limit=limit)
+        pages = Pages(calls.LIST_ACTION, dialect.list_params(page_size), limit=limit, barren=MAX_BARREN_PAGES)
         while pages.params is not None:
             response = await self._arequest(calls.list_batches(dialect, pages.params))
-            page = dialect.parse_list_page(self._json_object(response, pages.action), pages.params, known)
-            for batch in pages.take(page.batches, page.next_params):
-                yield batch
+            page = dialect.parse_list_page(self._json(response, pages.action), pages.params, known)
+            yield self._listed(pages, page)
             pages.turn()
+
+    def _listed(self, pages: Pages, page: ListPage) -> ListPage:
+        """The page as given (cut at the listing's limit); its unreadable items are logged."""
+        if page.unreadable:
+            first = page.unreadable[0]
+            self.log.warning(
+                "%s: %d listed item(s) could not be read and were left out (first: %s)",
+                pages.action,
+                len(page.unreadable),
+                first.error,
+            )
+        read = len(page.batches) + len(page.unreadable)
+        batches = list(pages.take(page.batches, page.next_params, read=read))
+        return ListPage(batches, pages.next_params, page.unreadable)
 
     def find_batches(self, metadata: Mapping[str, str], *, limit: int | None = 1000) -> list[Batch]:
         """Batches whose tags (``dialect.metadata_of``) contain every pair of ``metadata``.

@@ -481,3 +481,70 @@ async def test_results_endpoint_that_never_ends_is_stopped(
     await hook.aclose()
     hook.close()
     assert served["pages"] == 8
+
+
+# ---- listings end (issue #23, point 2) -----------------------------------------------------------
+
+
+def barren_listing(dialect: str) -> tuple[Callable[[Exchange], None], dict[str, int]]:
+    """A listing whose every page is empty yet names a new next page (a cursor that never repeats)."""
+    served = {"pages": 0}
+
+    def page(ex: Exchange) -> None:
+        served["pages"] += 1
+        cursor = f"cursor-{served['pages']}"
+        if dialect == "xai":
+            ex.respond(200, {"batches": [], "pagination_token": cursor})
+        else:
+            ex.respond(200, {"object": "list", "data": [], "has_more": True, "last_id": cursor})
+
+    return page, served
+
+
+@pytest.mark.parametrize("dialect", ["openai", "xai"])
+async def test_a_listing_of_empty_pages_that_never_ends_is_stopped(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], dialect: str
+) -> None:
+    from airflow_batch_provider.exceptions import BatchApiResponseError
+    from airflow_batch_provider.hooks.results import MAX_BARREN_PAGES
+
+    api = hostile_server()
+    route, served = barren_listing(dialect)
+    api.route("GET /v1/batches", route)
+    hook = hostile_hook(api, dialect=dialect)
+    endless = "pages in a row with nothing on them"
+    with pytest.raises(BatchApiResponseError, match=endless):
+        list(hook.list_batches())
+    assert served["pages"] == MAX_BARREN_PAGES + 1
+    with pytest.raises(BatchApiResponseError, match=endless):
+        [b async for b in hook.alist_batches()]
+    assert served["pages"] == 2 * (MAX_BARREN_PAGES + 1)
+    # The orphan lookup of a create (a search by tags over the listing) ends the same way.
+    with pytest.raises(BatchApiResponseError, match=endless):
+        await hook.afind_batches({"airflow_batch_key": "k"})
+    await hook.aclose()
+    hook.close()
+
+
+async def test_a_listing_whose_items_do_not_parse_goes_on_past_them(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    # Pages of unreadable items are progress, not barren: the listing reads on to the end.
+    pages = {
+        None: {"data": [5, openai_batch("bad", metadata=5)], "has_more": True, "last_id": "bad"},
+        "bad": {"data": [openai_batch("x", "queued")], "has_more": True, "last_id": "x"},
+        "x": {"data": [openai_batch("b1", metadata={"airflow_batch_key": "k"})], "has_more": False},
+    }
+    api = hostile_server()
+    api.route("GET /v1/batches", lambda ex: ex.respond(200, pages[dict(_query(ex)).get("after")]))
+    hook = hostile_hook(api)
+    assert [b.id for b in hook.list_batches()] == ["b1"]
+    assert [b.id for b in await hook.afind_batches({"airflow_batch_key": "k"})] == ["b1"]
+    await hook.aclose()
+    hook.close()
+
+
+def _query(ex: Exchange) -> list[tuple[str, str]]:
+    from urllib.parse import parse_qsl
+
+    return parse_qsl(ex.request.target.partition("?")[2])
