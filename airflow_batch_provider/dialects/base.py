@@ -91,11 +91,13 @@ class ListPage:
     :param next_params: the next page's params (None: the last page).
     :param unreadable: the items that do not parse: each fails only itself (a vendor's new
         status or field on one batch must not hide the page's other batches).
+    :param skipped: items left unparsed because the reader wants other batches.
     """
 
     batches: list[Batch]
     next_params: dict[str, Any] | None
     unreadable: list[Unreadable] = field(default_factory=list)
+    skipped: int = 0
 
 
 class Dialect:

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Container, Iterable, Iterator, Mapping
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import httpx
@@ -79,6 +80,12 @@ from airflow_batch_provider.hooks.transport import (
 )
 from airflow_batch_provider.models import Batch, ResultLine
 from airflow_batch_provider.staging import atomic_writer, resolve_path
+
+# Listing items read per turn of the event loop, so a page of 190,000 items (8 MB) never holds
+# the loop for its whole parse.
+PARSE_SLICE = 500
+# A body larger than this is decoded in a thread (orjson + secret scan of a multi-MB page).
+DECODE_IN_THREAD_BYTES = 256 << 10
 
 
 class BatchApiHook(BaseHook):
@@ -349,6 +356,16 @@ class BatchApiHook(BaseHook):
         # Every batch, file and list object is parsed here: a key the vendor echoed is removed once.
         secrets = self._settings.secrets if self._settings else ()
         return redact_json(parse_json_body(response, action, secrets), secrets, response.content)
+
+    async def _ajson(self, response: httpx.Response, action: str) -> Any:
+        """``_json`` for the event loop: a large body is decoded (and cleaned) in a thread.
+
+        CPU work on bytes already read, not a sync client: the loop keeps serving triggers while
+        a multi-MB listing page is decoded.
+        """
+        if len(response.content) > DECODE_IN_THREAD_BYTES:
+            return await asyncio.to_thread(self._json, response, action)
+        return self._json(response, action)
 
     def _json_object(self, response: httpx.Response, action: str) -> dict[str, Any]:
         data = self._json(response, action)
@@ -639,13 +656,20 @@ class BatchApiHook(BaseHook):
         page_size: int | None = None,
         limit: int | None = None,
         known: Mapping[str, Batch] | None = None,
+        wanted: Container[str] | None = None,
     ) -> Iterator[ListPage]:
-        """The listing page by page, with the items of each that do not parse (see ``list_batches``)."""
+        """The listing page by page, with the items of each that do not parse (see ``list_batches``).
+
+        :param wanted: parse only the items of these batch ids (a poller reading its triggers'
+            batches); the others are counted in ``ListPage.skipped``, not parsed (None: all).
+        """
         dialect = self.dialect
         pages = Pages(calls.LIST_ACTION, dialect.list_params(page_size), limit=limit, barren=MAX_BARREN_PAGES)
         while pages.params is not None:
             response = self._request(calls.list_batches(dialect, pages.params))
-            page = dialect.parse_list_page(self._json(response, pages.action), pages.params, known)
+            items, next_params = dialect.list_envelope(self._json(response, pages.action), pages.params)
+            page = ListPage([], next_params)
+            page = _read_items(dialect, items, known, wanted, page)
             yield self._listed(pages, page)
             pages.turn()
 
@@ -669,13 +693,26 @@ class BatchApiHook(BaseHook):
         page_size: int | None = None,
         limit: int | None = None,
         known: Mapping[str, Batch] | None = None,
+        wanted: Container[str] | None = None,
     ) -> AsyncIterator[ListPage]:
-        """Async twin of ``list_batch_pages``."""
+        """Async twin of ``list_batch_pages``: a large page is decoded in a thread and read in
+        slices, so the event loop is never held for the whole page.
+
+        :param wanted: parse only the items of these batch ids (a poller reading its triggers'
+            batches); the others are counted in ``ListPage.skipped``, not parsed (None: all).
+        """
         dialect = (await self.aget_settings()).dialect
         pages = Pages(calls.LIST_ACTION, dialect.list_params(page_size), limit=limit, barren=MAX_BARREN_PAGES)
         while pages.params is not None:
             response = await self._arequest(calls.list_batches(dialect, pages.params))
-            page = dialect.parse_list_page(self._json(response, pages.action), pages.params, known)
+            raw = await self._ajson(response, pages.action)
+            items, next_params = dialect.list_envelope(raw, pages.params)
+            page = ListPage([], next_params)
+            for start in range(0, len(items), PARSE_SLICE):
+                if start:
+                    # The triggers (and everything else on the loop) run between slices.
+                    await asyncio.sleep(0)
+                page = _read_items(dialect, items[start : start + PARSE_SLICE], known, wanted, page)
             yield self._listed(pages, page)
             pages.turn()
 
@@ -689,9 +726,9 @@ class BatchApiHook(BaseHook):
                 len(page.unreadable),
                 first.error,
             )
-        read = len(page.batches) + len(page.unreadable)
+        read = len(page.batches) + len(page.unreadable) + page.skipped
         batches = list(pages.take(page.batches, page.next_params, read=read))
-        return ListPage(batches, pages.next_params, page.unreadable)
+        return ListPage(batches, pages.next_params, page.unreadable, page.skipped)
 
     def find_batches(self, metadata: Mapping[str, str], *, limit: int | None = 1000) -> list[Batch]:
         """Batches whose tags (``dialect.metadata_of``) contain every pair of ``metadata``.
@@ -831,6 +868,25 @@ class BatchApiHook(BaseHook):
         except Exception as exc:
             ok, message = False, f"Connection test of {target} failed: {type(exc).__name__}: {exc}"
         return ok, redact(message, settings.secrets)
+
+
+def _read_items(
+    dialect: Dialect,
+    items: list[Any],
+    known: Mapping[str, Batch] | None,
+    wanted: Container[str] | None,
+    page: ListPage,
+) -> ListPage:
+    """``page`` with ``items`` read onto it: the wanted ones parsed (all if ``wanted`` is None),
+    the rest counted as skipped. Returns the same page (its lists grow in place)."""
+    skipped = 0
+    if wanted is not None:
+        kept = [item for item in items if dialect.listed_id(item) in wanted]
+        skipped, items = len(items) - len(kept), kept
+    parsed, bad = dialect.parse_list_items(items, known)
+    page.batches.extend(parsed)
+    page.unreadable.extend(bad)
+    return replace(page, skipped=page.skipped + skipped) if skipped else page
 
 
 def _tagged(dialect: Dialect, metadata: Mapping[str, str], batches: Iterable[Batch]) -> list[Batch]:

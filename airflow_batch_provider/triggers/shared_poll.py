@@ -80,6 +80,8 @@ SLACK_PAGES = 2
 WAKE_CHUNK = 16
 # A read is answered from a state seen less than this fraction of the trigger's poll interval ago.
 FRESH_FRACTION = 0.5
+# Listed batches settled per turn of the event loop (a page may hold thousands).
+SETTLE_SLICE = 500
 # Batches read by id at once when the listing did not show them.
 GET_CONCURRENCY = 8
 # Triggers let on per turn of the event loop when they wake to poll (see ``TurnGate``).
@@ -328,6 +330,7 @@ class SharedPoller:
         self.gets = 0
         self.refreshed = 0  # states of registered batches read from the vendor
         self.unreadable = 0  # listed items that did not parse, of batches no trigger here waits on
+        self.skipped = 0  # listed items of other batches, not parsed
 
     # ---- membership ------------------------------------------------------------------------
     def join(
@@ -637,26 +640,30 @@ class SharedPoller:
         forever ends. ``wanted`` is left holding the wanted ids the listing did not show; they
         are read by id. A listed item that does not parse fails only its own batch: for a batch
         a trigger waits on, it is that read's error (judged by the trigger's poll loop, like any
-        unreadable answer); for any other it is skipped and counted (``unreadable``).
+        unreadable answer). The items of batches no trigger here waits on are not parsed at
+        all: skipped and counted (``skipped``), whatever they hold.
         """
         unseen = set(self._registered) | wanted
         budget = self.page_budget(page_size)
         pages = 0
-        listing = self.hook.alist_batch_pages(page_size=page_size, known=self._seen)
+        # Only the batches of this poller's triggers are parsed: a page of thousands of other
+        # batches costs a look at each id, not a model each (nor the collector's time for them).
+        listing = self.hook.alist_batch_pages(page_size=page_size, known=self._seen, wanted=_Wanted(self))
         async with contextlib.aclosing(listing):  # type: ignore[type-var]
             async for page in listing:
                 pages += 1
                 self.list_pages += 1
                 woken = 0
-                for batch in page.batches:
+                for done, batch in enumerate(page.batches, 1):
                     if batch.id in unseen:
                         unseen.discard(batch.id)
                         wanted.discard(batch.id)
                     # A trigger that asked after the cycle began is answered too when its batch shows up.
                     woken += self._settle(batch.id, batch)
-                    if woken >= WAKE_CHUNK:
-                        # The woken triggers run before the listing goes on: the loop is never
-                        # held by all of them waking at once.
+                    if woken >= WAKE_CHUNK or done % SETTLE_SLICE == 0:
+                        # The woken triggers run before the listing goes on, and a page of
+                        # thousands of batches is settled a slice per turn: the loop is never
+                        # held by all of them at once.
                         woken = 0
                         await _sleep(0)
                 for item in page.unreadable:
@@ -666,6 +673,7 @@ class SharedPoller:
                         self._settle(item.batch_id, error=item.error)
                     else:
                         self.unreadable += 1
+                self.skipped += page.skipped
                 if not unseen:
                     return
                 # Past the pages the registered batches fill, go on only while a get for each
@@ -709,6 +717,17 @@ class SharedPoller:
     def _fail(self, wanted: set[str], exc: BaseException) -> None:
         for batch_id in wanted:
             self._settle(batch_id, error=exc)
+
+
+class _Wanted:
+    """The batch ids a poller's listing parses: those of its triggers, as they are at each look."""
+
+    def __init__(self, poller: SharedPoller) -> None:
+        self.poller = poller
+
+    def __contains__(self, batch_id: object) -> bool:
+        poller = self.poller
+        return batch_id in poller._registered or batch_id in poller._waiting
 
 
 def _discard(futures: dict[str, list[Any]], batch_id: str, future: asyncio.Future[Any]) -> None:

@@ -519,3 +519,40 @@ async def test_a_huge_backoff_caps_the_poller_pace_instead_of_overflowing() -> N
     poller._quiet = 60
     assert poller._watch_interval() == 600.0
     assert await poller.leave(member)
+
+
+async def test_a_listing_parses_only_the_batches_its_triggers_wait_on(
+    vendor: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow_batch_provider.dialects.base import Dialect
+
+    # 5,000 batches on one page (the vendor ignores ``limit``); two triggers wait on two of them.
+    api, MockTrigger = vendor(5_000, rounds=1)
+    monkeypatch.setattr(
+        api, "batch", lambda b: {"id": b, "status": "completed" if api.listings > 1 else "queued"}
+    )
+    real_list = Vendor.__call__
+
+    def one_page(self: Vendor, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/batches":
+            self.calls.append("list")
+            self.listings += 1
+            return httpx.Response(200, json={"data": [self.batch(b) for b in self.ids], "has_more": False})
+        return real_list(self, request)
+
+    monkeypatch.setattr(Vendor, "__call__", one_page)
+    parsed: list[str] = []
+    real_parse = Dialect.parse_batch
+
+    def parse_batch(self: Dialect, raw: Any) -> Any:
+        parsed.append(raw.get("id") if isinstance(raw, dict) else None)
+        return real_parse(self, raw)
+
+    monkeypatch.setattr(Dialect, "parse_batch", parse_batch)
+    waited = [api.ids[7], api.ids[4_321]]
+    trigger = MockTrigger(batch_ids=waited, poll_interval=0.05, max_consecutive_errors=1)
+    # Every batch is "queued" (unknown) at the first listing: the waited ones are a read error
+    # (one tolerated), the 4,998 others are not even parsed.
+    assert await statuses([trigger]) == ["success"]
+    assert set(parsed) == set(waited) and "get" not in api.calls
+    assert len(parsed) <= len(waited) * api.listings
