@@ -104,6 +104,13 @@ class XAIDialect(Dialect):
         batch_name = (metadata or {}).get(NAME_KEY) or name or "airflow-batch"
         return {"name": batch_name, "input_file_id": input_file_id}
 
+    def listed_id(self, item: Any) -> str | None:
+        """The ``batch_id`` of a listed item, or its ``id`` (what ``parse_batch`` reads too)."""
+        if not isinstance(item, dict):
+            return None
+        batch_id = item.get("batch_id") or item.get("id")
+        return batch_id if isinstance(batch_id, str) and batch_id else None
+
     def parse_batch(self, raw: Mapping[str, Any]) -> Batch:
         """xAI's batch object as a ``Batch``; anything unreadable is a ``BatchApiResponseError``."""
         raw = batch_object(raw)

@@ -656,3 +656,26 @@ async def test_a_big_listing_page_is_decoded_off_the_loop_and_a_small_one_on_it(
     await hook.aclose()
     # (The loop runs on the main thread.)
     assert threads == [False, True]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"metadata": 5}, {"created_at": 1e20}, {"status": "queued"}, {"id": 5}, {"request_counts": "x"}],
+    ids=repr,
+)
+async def test_an_unreadable_batch_answer_is_a_response_error(
+    hostile_server: Callable[[], HostileServer],
+    hostile_hook: Callable[..., BatchApiHook],
+    fields: dict[str, Any],
+) -> None:
+    from airflow_batch_provider.exceptions import BatchApiResponseError
+
+    api = hostile_server()
+    api.route("/v1/batches/b1", reply(200, {**BATCH, **fields}))
+    hook = hostile_hook(api)
+    with pytest.raises(BatchApiResponseError):
+        hook.get_batch("b1")
+    with pytest.raises(BatchApiResponseError):
+        await hook.aget_batch("b1")
+    await hook.aclose()
+    hook.close()
