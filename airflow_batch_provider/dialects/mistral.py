@@ -17,7 +17,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from airflow_batch_provider.dialects.base import LIST_WHAT, Dialect, bind_models, page_items, page_object
+from airflow_batch_provider.dialects.base import (
+    LIST_WHAT,
+    Dialect,
+    batch_object,
+    bind_models,
+    page_items,
+    page_object,
+)
 from airflow_batch_provider.exceptions import BatchApiResponseError, UnknownBatchStatusError
 from airflow_batch_provider.limits import MB, Limits
 
@@ -125,9 +132,15 @@ class MistralDialect(Dialect):
         return body
 
     def parse_batch(self, raw: Mapping[str, Any]) -> Batch:
+        """Mistral's job object as a ``Batch``; anything unreadable is a ``BatchApiResponseError``."""
+        raw = batch_object(raw)
         batch_id = raw.get("id")
-        if not batch_id or not isinstance(batch_id, str):
+        if not batch_id:
             raise BatchApiResponseError("batch job object has no id", body=dict(raw))
+        if not isinstance(batch_id, str):
+            raise BatchApiResponseError(
+                f"batch job object has an id that is not a string ({type(batch_id).__name__})", body=dict(raw)
+            )
         status = raw.get("status")
         mapped = STATUSES.get(status) if isinstance(status, str) else None
         if mapped is None:
@@ -163,8 +176,8 @@ class MistralDialect(Dialect):
                 ],
                 raw=dict(raw),
             )
-        except (ValueError, TypeError) as exc:
-            raise BatchApiResponseError(f"cannot read batch {batch_id}: {exc}", body=dict(raw)) from exc
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise BatchApiResponseError(f"cannot read batch {batch_id}: {exc}", body=dict(raw)) from None
 
     def list_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"page": 0, "page_size": limit or self.list_page_size}

@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
-from airflow_batch_provider.dialects import get_dialect
+from airflow_batch_provider.dialects import DIALECTS, get_dialect
 from airflow_batch_provider.exceptions import BatchApiResponseError, UnknownBatchStatusError
 
 OPENAI_SHAPED = ("openai", "doubleword", "zerogpu")
-ALL = (*OPENAI_SHAPED, "xai")
+# Every registered dialect: a new one must say here how its items look (test_every_dialect_is_covered).
+ALL = tuple(sorted(DIALECTS))
 
 
 def openai_item(batch_id: str, **fields: Any) -> dict[str, Any]:
@@ -42,13 +43,40 @@ def xai_item(batch_id: str, **fields: Any) -> dict[str, Any]:
     }
 
 
+def mistral_item(batch_id: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "id": batch_id,
+        "object": "batch",
+        "status": "RUNNING",
+        "input_files": ["f-1"],
+        "endpoint": "/v1/chat/completions",
+        "model": "mistral-small-latest",
+        "created_at": 1_736_000_000,
+        "total_requests": 2,
+        "succeeded_requests": 1,
+        "failed_requests": 0,
+        "metadata": {"airflow_batch_key": "k"},
+        "errors": [],
+        **fields,
+    }
+
+
+ITEMS: dict[str, Callable[..., dict[str, Any]]] = {
+    **dict.fromkeys(OPENAI_SHAPED, openai_item),
+    "xai": xai_item,
+    "mistral": mistral_item,
+}
+
+
 def item_of(dialect: str) -> Callable[..., dict[str, Any]]:
-    return xai_item if dialect == "xai" else openai_item
+    return ITEMS[dialect]
 
 
 def page_of(dialect: str, items: list[Any], **envelope: Any) -> dict[str, Any]:
     if dialect == "xai":
         return {"batches": items, **envelope}
+    if dialect == "mistral":
+        return {"object": "list", "data": items, "total": len(items), **envelope}
     return {"object": "list", "data": items, "has_more": False, **envelope}
 
 
@@ -79,8 +107,27 @@ XAI_FIELDS: dict[str, dict[str, Any]] = {
 }
 
 
+MISTRAL_FIELDS: dict[str, dict[str, Any]] = {
+    "metadata-number": {"metadata": 5},
+    "created-1e20": {"created_at": 1e20},
+    "started-bool": {"started_at": True},
+    "completed-garbage": {"completed_at": "yesterday-ish"},
+    "count-text": {"total_requests": "two"},
+    "count-object": {"succeeded_requests": {"n": 1}},
+    "input-files-number": {"input_files": [5]},
+    "output-file-path": {"output_file": "../admin"},
+}
+FIELDS = {"xai": XAI_FIELDS, "mistral": MISTRAL_FIELDS}
+# The status each dialect reports for a batch in progress, and one it does not know.
+UNKNOWN_STATUS = {"mistral": "PAUSED"}
+
+
 def bad_fields(dialect: str) -> list[dict[str, Any]]:
-    return list((XAI_FIELDS if dialect == "xai" else OPENAI_FIELDS).values())
+    return list(FIELDS.get(dialect, OPENAI_FIELDS).values())
+
+
+def test_every_dialect_is_covered() -> None:
+    assert set(ITEMS) == set(DIALECTS)
 
 
 def non_objects() -> list[Any]:
@@ -108,12 +155,12 @@ def test_a_batch_that_is_not_an_object_or_has_no_string_id_is_a_response_error(d
             d.parse_batch({**item_of(dialect)("b1"), key: bad_id})
 
 
-@pytest.mark.parametrize("dialect", OPENAI_SHAPED)
+@pytest.mark.parametrize("dialect", [*OPENAI_SHAPED, "mistral"])
 def test_an_unknown_status_is_a_read_error_of_its_batch(dialect: str) -> None:
     d = get_dialect(dialect)
-    for status in ("queued", 5, ["completed"]):
+    for status in (UNKNOWN_STATUS.get(dialect, "queued"), 5, ["completed"]):
         with pytest.raises(UnknownBatchStatusError, match="b-new"):
-            d.parse_batch(openai_item("b-new", status=status))
+            d.parse_batch(item_of(dialect)("b-new", status=status))
     # A read error like any unreadable answer: a poll loop judges it within its error budget.
     assert issubclass(UnknownBatchStatusError, BatchApiResponseError)
 
@@ -124,7 +171,7 @@ def test_a_listed_item_that_does_not_parse_fails_only_itself(dialect: str) -> No
     make = item_of(dialect)
     bad = [make(f"b-bad-{i}", **fields) for i, fields in enumerate(bad_fields(dialect))]
     if dialect != "xai":
-        bad.append(make("b-queued", status="queued"))
+        bad.append(make("b-queued", status=UNKNOWN_STATUS.get(dialect, "queued")))
     items = [make("b-1"), *non_objects(), *bad, make("b-2"), make(5)]
     for known in (None, {}):
         page = d.parse_list_page(page_of(dialect, items), {"limit": 100}, known)
