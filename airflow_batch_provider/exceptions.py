@@ -27,11 +27,9 @@ class UnknownDialectError(ConfigurationError):
     """The connection names a dialect that is not registered."""
 
 
-class UnknownBatchStatusError(BatchProviderError):
-    """The vendor reported a batch status this provider does not know.
-
-    Never treated as success: an unknown state could be a failure mode added by the vendor.
-    """
+class InvalidIdError(ConfigurationError, ValueError):
+    """A batch or file id is not one a vendor issues (a ``/``, ``..``, ``#``, control character,
+    empty, too long...): refused before it is placed in any URL."""
 
 
 class BatchApiError(BatchProviderError):
@@ -103,12 +101,25 @@ class BatchApiResponseError(BatchApiError):
     """The vendor answered 2xx with a body this provider cannot parse."""
 
 
+class UnknownBatchStatusError(BatchApiResponseError):
+    """The vendor reported a batch status this provider does not know.
+
+    Never treated as success: an unknown state could be a failure mode added by the vendor.
+    It is a read error like any unreadable answer: a poll loop judges it within its error
+    budget (a vendor's new status is often a brief intermediate state the next poll no longer
+    shows), and a status that stays unknown ends the watch as ``error`` once the budget is spent.
+    In a shared listing it concerns its own batch only.
+    """
+
+
 class BatchApiRedirectError(BatchApiError):
-    """A redirect was not followed: to another origin (credentials stay home), or too many of them."""
+    """A redirect was not followed: to another origin (credentials stay home), too many of them, or
+    (a file's content) to plain http or a private, link-local or instance-metadata address."""
 
 
 class BatchApiResponseTooLargeError(BatchApiResponseError):
-    """A control-plane answer (batch, file, list) was larger than the cap, after decompression."""
+    """An answer was larger than its cap after decompression: a control-plane answer (batch, file,
+    list), or a downloaded or streamed file over the connection's ``max_download_bytes``."""
 
 
 class JsonlValidationError(BatchProviderError):

@@ -36,6 +36,7 @@ from airflow_batch_provider.exceptions import (
     ConfigurationError,
     PartialFailureError,
 )
+from airflow_batch_provider.ids import check_id
 from airflow_batch_provider.models import Batch, to_utc
 from airflow_batch_provider.outcome import (
     FAILURE_STATUSES,
@@ -53,8 +54,11 @@ if TYPE_CHECKING:
 
     from airflow_batch_provider.hooks.batch import BatchApiHook
 
-# Errors worth another poll: the vendor or the network may recover. Anything else (401, 404,
-# 400, an unknown status) will not get better by asking again, so it ends the watch at once.
+# Errors worth another poll: the vendor or the network may recover. An answer that does not
+# parse is one of them (BatchApiResponseError), an unknown batch status included
+# (UnknownBatchStatusError): a vendor's new status is often a brief state the next poll no
+# longer shows, and one that stays ends the watch as error once the error budget is spent.
+# Anything else (401, 404, 400) will not get better by asking again: it ends the watch at once.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     BatchApiRateLimitError,
     BatchApiServerError,
@@ -213,7 +217,7 @@ class PollLoop:
             # Out of quota: no wait refills it (checked first: it is also a rate limit).
             return Step(event=error_event(self.batch_ids, f"cannot poll batch(es): {exc}"), fatal=True)
         if not isinstance(exc, TRANSIENT_ERRORS):
-            # Not transient (auth, not found, unknown status, unreadable config): stop now.
+            # Not transient (auth, not found, unreadable config): stop now.
             message = f"cannot poll batch(es) {ids}: {type(exc).__name__}: {exc}"
             return Step(event=error_event(self.batch_ids, message), fatal=True)
         self.errors += 1
@@ -419,7 +423,9 @@ def batch_ids_and_deadline(value: Any) -> tuple[list[str], str | None]:
             value = [part.strip() for part in text.split(",") if part.strip()]
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
         raise ConfigurationError(f"batch_ids must be one or more non-empty id strings, got {value!r}")
-    return list(value), submitted_at
+    # ``batch_ids`` may come from ``dag_run.conf``: anyone who can trigger a run chooses it, and
+    # each id is placed in a URL sent with the key. Refused here, before any call.
+    return [check_id(v, "batch_ids") for v in value], submitted_at
 
 
 def check_partial_policy(on_partial_failure: str) -> None:

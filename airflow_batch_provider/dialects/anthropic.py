@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from airflow_batch_provider.dialects.base import Dialect, ListPage, bind_models, str_or_none
+from airflow_batch_provider.dialects.base import Dialect, batch_object, bind_models, str_or_none
 from airflow_batch_provider.exceptions import BatchApiResponseError, UnknownBatchStatusError
 from airflow_batch_provider.limits import MB, Limits
 
@@ -101,6 +101,9 @@ class AnthropicDialect(Dialect):
     results_modes = ("results_url",)
     line_shape = None
     list_keys = frozenset({"data", "has_more", "first_id", "last_id"})
+    # The listing pages on with after_id (the base reads data, has_more and last_id).
+    list_cursor_param = "after_id"
+    # Batch and cancel paths are the base's under this collection, each id one encoded segment.
     batches_path = "messages/batches"
     # A cancel of an ended batch is refused as an invalid request.
     cancel_final_statuses = frozenset({400})
@@ -122,13 +125,6 @@ class AnthropicDialect(Dialect):
         if extra.get("anthropic_beta"):
             headers["anthropic-beta"] = str(extra["anthropic_beta"])
         return headers
-
-    # ---- paths ----------------------------------------------------------------------
-    def batch_path(self, batch_id: str) -> str:
-        return f"messages/batches/{batch_id}"
-
-    def cancel_path(self, batch_id: str) -> str:
-        return f"messages/batches/{batch_id}/cancel"
 
     # ---- request lines ----------------------------------------------------------------
     def unsupported(self, canonical: Mapping[str, Any]) -> str | None:
@@ -224,18 +220,28 @@ class AnthropicDialect(Dialect):
     def parse_batch(self, raw: Mapping[str, Any]) -> Batch:
         """A Message Batch; an ended one is cancelled (every request canceled), expired (every
         request expired) or completed with per-request results."""
+        raw = batch_object(raw)
         batch_id = raw.get("id")
-        if not batch_id or not isinstance(batch_id, str):
+        if not batch_id:
             raise BatchApiResponseError("message batch object has no id", body=dict(raw))
-        counts = raw.get("request_counts")
-        counts = counts if isinstance(counts, Mapping) else {}
-        try:
-            tally = {k: int(counts.get(k) or 0) for k in _COUNT_KEYS}
-        except (TypeError, ValueError):
+        if not isinstance(batch_id, str):
             raise BatchApiResponseError(
-                f"cannot read batch {batch_id}: request_counts {dict(counts)!r} are not integers",
+                f"message batch object has an id that is not a string ({type(batch_id).__name__})",
                 body=dict(raw),
-            ) from None
+            )
+        counts = raw.get("request_counts")
+        tally = _tally(counts)
+        if tally is None:
+            raise BatchApiResponseError(
+                f"cannot read batch {batch_id}: request_counts {counts!r:.200} are not five counts",
+                body=dict(raw),
+            )
+        url = raw.get("results_url")
+        if url is not None and not isinstance(url, str):
+            raise BatchApiResponseError(
+                f"cannot read batch {batch_id}: results_url is {type(url).__name__}, not a string",
+                body=dict(raw),
+            )
         state = _state(raw.get("processing_status"), tally, batch_id)
         total = sum(tally.values())
         ended = raw.get("ended_at")
@@ -258,8 +264,8 @@ class AnthropicDialect(Dialect):
                 expired_at=to_utc(ended) if state is BatchState.EXPIRED else None,
                 raw=dict(raw),
             )
-        except (ValueError, TypeError) as exc:
-            raise BatchApiResponseError(f"cannot read batch {batch_id}: {exc}", body=dict(raw)) from exc
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise BatchApiResponseError(f"cannot read batch {batch_id}: {exc}", body=dict(raw)) from None
 
     def results_url_of(self, batch: Batch) -> str | None:
         url = batch.raw.get("results_url")
@@ -267,17 +273,6 @@ class AnthropicDialect(Dialect):
 
     def list_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"limit": limit or self.list_page_size}
-
-    def parse_list_page(
-        self, raw: Mapping[str, Any], params: Mapping[str, Any], known: Mapping[str, Batch] | None = None
-    ) -> ListPage:
-        data = raw.get("data")
-        if not isinstance(data, list):
-            raise BatchApiResponseError("message batch listing has no data list", body=dict(raw))
-        batches = [self.listed_batch(item, known) for item in data]
-        last = raw.get("last_id") or (data[-1].get("id") if data and isinstance(data[-1], dict) else None)
-        next_params = {**params, "after_id": last} if raw.get("has_more") and last else None
-        return ListPage(batches=batches, next_params=next_params)
 
     # ---- results --------------------------------------------------------------------
     def parse_result_line(self, raw: Mapping[str, Any], source: ResultSource) -> ResultLine:
@@ -327,6 +322,22 @@ class AnthropicDialect(Dialect):
 
 
 _COUNT_KEYS = ("processing", "succeeded", "errored", "canceled", "expired")
+
+
+def _tally(counts: Any) -> dict[str, int] | None:
+    """The five request counts (a missing or null one is 0); None when they are not counts."""
+    if counts is None:
+        counts = {}
+    if not isinstance(counts, dict):
+        return None
+    tally: dict[str, int] = {}
+    for key in _COUNT_KEYS:
+        value = counts.get(key)
+        value = 0 if value is None else value
+        if type(value) is not int or value < 0:
+            return None
+        tally[key] = value
+    return tally
 
 
 def _state(status: Any, tally: Mapping[str, int], batch_id: str) -> BatchState:

@@ -109,7 +109,9 @@ class SubmitBatchOperator(BaseOperator):
     :param endpoint: the batch endpoint (templated); default: the manifest's, else the file's url.
     :param completion_window: the vendor completion window.
     :param metadata: extra metadata pairs for every batch (templated).
-    :param model: replace ``body.model`` on every line while uploading (templated).
+    :param model: replace ``body.model`` on every line while uploading (templated). For a
+        dialect whose model_placement is "job", this or the lines' one model is
+        named on the create call; a file naming two models, or none, fails before any upload.
     :param request_defaults: body fields given to every line that lacks them, over the
         connection extra ``request_defaults`` (templated); e.g. ``{"max_tokens": 1024}`` for a
         vendor that requires ``max_tokens``. A line that still lacks what its vendor requires

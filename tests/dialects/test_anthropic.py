@@ -116,8 +116,8 @@ def test_listing_pages_with_after_id() -> None:
     assert len(page.batches) == 2 and page.next_params == {"limit": 2, "after_id": BATCH_ID}
     last = D.parse_list_page({"data": [batch()], "has_more": False, "first_id": "a", "last_id": "a"}, {})
     assert last.next_params is None
-    with pytest.raises(BatchApiResponseError, match="no data list"):
-        D.parse_list_page({"has_more": False}, {})
+    with pytest.raises(BatchApiResponseError, match="listing batches"):
+        D.parse_list_page({"data": "x", "has_more": False}, {})
 
 
 def test_encodes_a_chat_line_as_messages_params() -> None:
