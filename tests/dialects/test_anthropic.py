@@ -19,6 +19,7 @@ from airflow_batch_provider.dialects import get_dialect
 from airflow_batch_provider.dialects.anthropic import AnthropicDialect
 from airflow_batch_provider.exceptions import BatchApiResponseError, UnknownBatchStatusError
 from airflow_batch_provider.models import BatchState
+from airflow_batch_provider.outcome import progress_line
 from airflow_batch_provider.warehouse.rows import extract_answer, extract_usage
 
 D = AnthropicDialect()
@@ -78,6 +79,8 @@ def test_running_batch_counts_everything_as_processing() -> None:
     assert (parsed.request_counts.total, parsed.request_counts.pending) == (7, 7)
     assert D.results_url_of(parsed) is None
     assert D.parse_batch(batch("canceling", processing=7)).state is BatchState.CANCELLING
+    # Nothing is counted until the end: progress says the lines are processing, not a bare 0%.
+    assert "lines 0 completed, 0 failed, 7 processing, 7 total (0.0%)" in progress_line([parsed])
 
 
 @pytest.mark.parametrize(
