@@ -932,25 +932,34 @@ async def test_an_ambiguous_inline_create_is_found_by_its_time_and_request_count
     path = tmp_path / "create.json"
     path.write_bytes(b'{"requests":[]}')
     batches = [_now_batch(item.split(":")[0], int(item.split(":")[1])) for item in listed]
-    api = hostile_server()
-    api.route(
-        "GET /v1/messages/batches",
-        reply(200, {"data": batches, "has_more": False, "first_id": None, "last_id": None}),
-    )
-    api.route(
-        "POST /v1/messages/batches", sequence(reply(500, {"type": "error"}), reply(200, _now_batch("new", 3)))
-    )
-    hook = hostile_hook(api, dialect="anthropic")
-    inline = FileBody(path, filename="create.json", size=path.stat().st_size, requests=3)
-    if outcome == "refused":
-        with pytest.raises(BatchApiError, match="2 batches with its 3 request\\(s\\).*lost, twin"):
-            hook.create_batch(endpoint="/v1/chat/completions", inline=inline)
-    else:
-        made = hook.create_batch(endpoint="/v1/chat/completions", inline=inline)
-        assert made.id == {"adopted": "lost", "created": "new"}[outcome]
-    hook.close()
-    posts = [r for r in api.seen("/v1/messages/batches") if r.method == "POST"]
-    assert len(posts) == (2 if outcome == "created" else 1)
+    for client in ("sync", "async"):
+        api = hostile_server()
+        api.route(
+            "GET /v1/messages/batches",
+            reply(200, {"data": batches, "has_more": False, "first_id": None, "last_id": None}),
+        )
+        api.route(
+            "POST /v1/messages/batches",
+            sequence(reply(500, {"type": "error"}), reply(200, _now_batch("new", 3))),
+        )
+        hook = hostile_hook(api, dialect="anthropic")
+        inline = FileBody(path, filename="create.json", size=path.stat().st_size, requests=3)
+
+        async def create() -> Any:
+            if client == "sync":
+                return hook.create_batch(endpoint="/v1/chat/completions", inline=inline)
+            return await hook.acreate_batch(endpoint="/v1/chat/completions", inline=inline)
+
+        if outcome == "refused":
+            with pytest.raises(BatchApiError, match="2 batches with its 3 request\\(s\\).*lost, twin"):
+                await create()
+        else:
+            made = await create()
+            assert made.id == {"adopted": "lost", "created": "new"}[outcome], client
+        await hook.aclose()
+        hook.close()
+        posts = [r for r in api.seen("/v1/messages/batches") if r.method == "POST"]
+        assert len(posts) == (2 if outcome == "created" else 1), client
 
 
 # ---- listings end (issue #23, point 2) -----------------------------------------------------------
