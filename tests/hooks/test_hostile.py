@@ -1158,3 +1158,29 @@ async def test_an_unreadable_batch_answer_is_a_response_error(
         await hook.aget_batch("b1")
     await hook.aclose()
     hook.close()
+
+
+async def test_an_ambiguous_inline_create_never_adopts_a_batch_of_the_callers_other_shards(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], tmp_path: Path
+) -> None:
+    # The submit's earlier shard made "shard-0", of the same size, a moment ago: it is not this one.
+    from airflow_batch_provider.hooks.transport import FileBody
+
+    path = tmp_path / "create.json"
+    path.write_bytes(b'{"requests":[]}')
+    api = hostile_server()
+    api.route(
+        "GET /v1/messages/batches",
+        reply(
+            200, {"data": [_now_batch("shard-0", 3)], "has_more": False, "first_id": None, "last_id": None}
+        ),
+    )
+    api.route(
+        "POST /v1/messages/batches", sequence(reply(500, {"type": "error"}), reply(200, _now_batch("new", 3)))
+    )
+    hook = hostile_hook(api, dialect="anthropic")
+    inline = FileBody(path, filename="create.json", size=path.stat().st_size, requests=3)
+    made = hook.create_batch(endpoint="/v1/chat/completions", inline=inline, not_these=["shard-0"])
+    hook.close()
+    assert made.id == "new"
+    assert len([r for r in api.seen("/v1/messages/batches") if r.method == "POST"]) == 2

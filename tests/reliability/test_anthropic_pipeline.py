@@ -348,3 +348,26 @@ async def test_the_results_table_is_the_same_as_openais(
     assert columns["anthropic"] == columns["openai"] and "status" in columns["openai"]
     assert tables["anthropic"] == tables["openai"]
     assert {s for s, _, _ in tables["anthropic"].values()} == {"succeeded"}
+
+
+async def test_each_shards_create_names_the_earlier_shards_batches_as_not_its_own(
+    batch_server: Any, pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Shards of one build have the same size: an ambiguous create of shard 2 must not look like
+    # shard 1's batch, so each create tells the hook which batches are the other shards'.
+    serve(batch_server, monkeypatch)
+    seed_texts(pipeline.warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+    manifest = pipeline.build("shards", **{**BUILD, "max_lines": 10})
+    seen: list[list[str]] = []
+    real_create = BatchApiHook.create_batch
+
+    def spy(self: BatchApiHook, **kwargs: Any) -> Any:
+        seen.append(list(kwargs.get("not_these") or []))
+        return real_create(self, **kwargs)
+
+    monkeypatch.setattr(BatchApiHook, "create_batch", spy)
+    result = pipeline.submit_op(manifest, wait_for_completion=False).execute(
+        pipeline.context("submit", "shards")
+    )
+    ids = result["batch_ids"]
+    assert len(ids) == 3 and seen == [[], ids[:1], ids[:2]]
