@@ -317,6 +317,8 @@ class MergeBatchResultsOperator(BaseOperator):
             create_table=self.create_table,
             session_settings=self.session_settings,
             parse_in=self.parse_in,
+            vendor=hook.dialect.name,
+            batch_conn_id=self.batch_conn_id,
         )
         self.merge_columns = [(c.name, c.type) for c in writer.target_columns]
         resubmission: dict[str, Any] = {}
