@@ -130,7 +130,11 @@ class MergeBatchResultsOperator(BaseOperator):
     Every result line of every batch (output and error files, or the vendor's results
     endpoint) is streamed through :class:`~airflow_batch_provider.hooks.batch.BatchApiHook`
     and bulk-loaded; the build manifest's keys are joined to them in the database, so a key
-    without a result is ``missing`` and a rejected row is ``rejected``.
+    without a result is ``missing`` and a rejected row is ``rejected``. Every row this merge
+    writes records ``vendor`` (the batch connection's dialect) and ``batch_conn_id``: for a
+    succeeded row, who answered it (with ``model`` from the answer); for a failed, expired,
+    cancelled or missing one, where it was sent; NULL for a rejected row (never sent). A
+    results table from an earlier version without these columns gets them added (nullable).
 
     :param target_table: the results table (created if missing; never split on dots). (templated)
     :param conn_id: connection of the warehouse (any common-sql ``DbApiHook``). (templated)
