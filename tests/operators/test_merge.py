@@ -581,3 +581,26 @@ def test_every_later_attempt_stays_on_the_fallback(
     assert attempt_3.extra["attempt"] == 3 and attempt_3.extra["batch_conn_id"] == "second_api"
     lines = [orjson.loads(x) for x in retry.parent.joinpath("shard-00000.jsonl").read_bytes().splitlines()]
     assert lines and {line["body"]["model"] for line in lines} == {"other-model"}
+
+
+def test_a_job_model_fallback_needs_one_model_per_attempt() -> None:
+    """Mistral runs one model per job: resubmitted lines naming two models are refused by name
+    unless fallback_model rewrites them all; a custom_id over the vendor's limit is refused."""
+    from airflow_batch_provider.dialects import get_dialect
+    from airflow_batch_provider.operators.merge import ResubmitTarget
+
+    def line(custom_id: str, model: str) -> dict[str, Any]:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+        return {"custom_id": custom_id, "method": "POST", "url": ENDPOINT, "body": body}
+
+    mixed = ResubmitTarget("fb", get_dialect("mistral"))
+    mixed.take(line("a", "m-1"), "shard-00000.jsonl")
+    with pytest.raises(ConfigurationError, match="'b'.*'m-2' differs from 'm-1' and Mistral runs one model"):
+        mixed.take(line("b", "m-2"), "shard-00000.jsonl")
+    rewritten = ResubmitTarget("fb", get_dialect("mistral"), model="mistral-small")
+    lines = [line("a", "m-1"), line("b", "m-2")]
+    for obj in lines:
+        rewritten.take(obj, "shard-00000.jsonl")
+    assert [obj["body"]["model"] for obj in lines] == ["mistral-small", "mistral-small"]
+    with pytest.raises(ConfigurationError, match="custom_id is longer than the 64 characters OpenAI"):
+        ResubmitTarget("fb", get_dialect("openai")).take(line("x" * 65, "m"), "shard-00000.jsonl")
