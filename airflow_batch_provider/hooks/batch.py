@@ -189,8 +189,11 @@ class BatchApiHook(BaseHook):
 
     @property
     def dialect(self) -> Dialect:
-        """The dialect: the constructor's, else the connection's ``dialect`` extra, else openai."""
-        if self._dialect_override is not None:
+        """The dialect: the constructor's, else the connection's ``dialect`` extra, else openai.
+
+        Once the connection is read, the dialect as configured by it (``Dialect.configure``).
+        """
+        if self._dialect_override is not None and self._settings is None:
             return self._dialect_override
         return self.get_settings().dialect
 
@@ -372,7 +375,7 @@ class BatchApiHook(BaseHook):
         :param source: a local path or an ``ObjectStoragePath``.
         :param filename: the name the vendor records; defaults to the source's name.
         """
-        dialect = self.dialect
+        dialect = self.get_settings().dialect
         call = calls.upload(dialect, calls.upload_body(source, filename, dialect))
         return self._uploaded(self._request(call), call)
 
