@@ -31,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key-env", metavar="VAR", help="require the API key held in this environment variable"
     )
     parser.add_argument(
+        "--bearer-token-env",
+        metavar="VAR",
+        help="also accept this environment variable's token as 'Authorization: Bearer' "
+        "(dialect azure: stands in for a Microsoft Entra ID token)",
+    )
+    parser.add_argument(
         "--upstream", metavar="URL", help="OpenAI-compatible base URL (with /v1) for --backend upstream"
     )
     parser.add_argument(
@@ -77,6 +83,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
             raise SystemExit(f"--api-key-env {args.api_key_env}: the variable is not set or empty")
+    bearer_token = None
+    if getattr(args, "bearer_token_env", None):
+        bearer_token = os.environ.get(args.bearer_token_env)
+        if not bearer_token:
+            raise SystemExit(f"--bearer-token-env {args.bearer_token_env}: the variable is not set or empty")
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -84,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         backend=args.backend,
         dialect=args.dialect,
         api_key=api_key,
+        bearer_token=bearer_token,
         time_scale=args.time_scale,
         validate_seconds=args.validate_seconds,
         finalize_seconds=args.finalize_seconds,
