@@ -789,14 +789,19 @@ class BatchApiHook(BaseHook):
             try:
                 answer = self._json_object(self._request(call), call.action)
             except BatchApiError as exc:
-                ok, message = checks.report(target, checks.checks_for_error(exc), exc)
+                ok, message = checks.report(target, checks.checks_for_error(exc, dialect.api_path), exc)
                 return ok, redact(message, settings.secrets)
             parse_error: Exception | None = None
             try:
                 dialect.parse_list_page(answer, params)
             except Exception as exc:
                 parse_error = exc
-            keyed = "the key was accepted" if settings.api_key else "no key is set and none was asked for"
+            if settings.auth is not None:
+                keyed = "the token was accepted"
+            elif settings.api_key:
+                keyed = "the key was accepted"
+            else:
+                keyed = "no key is set and none was asked for"
             found = [
                 checks.Check("reachable", True, "HTTP 200"),
                 checks.Check("authenticated", True, keyed),
