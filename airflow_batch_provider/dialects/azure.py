@@ -95,6 +95,45 @@ class AzureOpenAIDialect(Dialect):
     mixed_models = False
     quota_error_codes = frozenset({"insufficient_quota", "token_limit_exceeded"})
     batch_quota_error_codes = frozenset({"token_limit_exceeded"})
+    connection_fields = {
+        "api_version": {
+            "label": "API version (azure)",
+            "description": (
+                "Azure OpenAI: empty for the v1 API ({endpoint}/openai/v1); a version such as "
+                "2024-10-21 for the classic API ({endpoint}/openai, ?api-version= on every call). "
+                "The host is the resource endpoint, https://<resource>.openai.azure.com."
+            ),
+            "schema": {"type": ["string", "null"]},
+        },
+        "auth": {
+            "label": "Auth (azure)",
+            "description": (
+                "Azure OpenAI: 'api_key' (default; the password is the resource key, sent as api-key) "
+                "or 'entra' (a Microsoft Entra ID token; needs the [azure] extra): with tenant_id and "
+                "client_id the password is the service principal's client secret, else "
+                "DefaultAzureCredential (client_id picks a user-assigned managed identity)."
+            ),
+            "schema": {"type": ["string", "null"]},
+        },
+        "tenant_id": {
+            "label": "Entra ID tenant id (azure)",
+            "description": "Directory (tenant) id of the service principal, for auth 'entra'.",
+            "schema": {"type": ["string", "null"]},
+        },
+        "client_id": {
+            "label": "Entra ID client id (azure)",
+            "description": "Application (client) id, or a user-assigned managed identity's (auth 'entra').",
+            "schema": {"type": ["string", "null"]},
+        },
+        "file_expiry_seconds": {
+            "label": "Batch file expiry in seconds (azure)",
+            "description": (
+                "expires_after of uploaded batch files, anchored at creation: 1209600 (14 days, the "
+                "default) to 2592000 (30 days), so finished runs do not fill the resource's 500 files."
+            ),
+            "schema": {"type": ["integer", "null"], "minimum": MIN_FILE_EXPIRY, "maximum": MAX_FILE_EXPIRY},
+        },
+    }
 
     def __init__(
         self,

@@ -149,6 +149,9 @@ class Dialect:
     #: Codes of a failed batch's errors by which the vendor says a quota refused it (waiting for
     #: the queue to drain or raising the quota cures it, resubmitting at once does not).
     batch_quota_error_codes: ClassVar[frozenset[str]] = frozenset()
+    #: Connection extras only this dialect reads, as connection-form fields (``label``,
+    #: ``description``, JSON ``schema``); the form shows every dialect's.
+    connection_fields: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     def __init__(self) -> None:
         bind_models(globals(), "Batch", "BatchState", "LineError", "ResultLine")

@@ -211,3 +211,12 @@ def test_completed_batch_without_an_error_file_parses() -> None:
     )
     assert (batch.output_file_id, batch.error_file_id) == ("file-out", None)
     assert decide([batch]).status == "success"
+
+
+def test_the_connection_form_documents_the_azure_fields() -> None:
+    from airflow_batch_provider.hooks.connection_form import CONN_FIELDS
+
+    for name in ("api_version", "auth", "tenant_id", "client_id", "file_expiry_seconds"):
+        assert name in CONN_FIELDS and "(azure)" in CONN_FIELDS[name]["label"]
+    expiry = CONN_FIELDS["file_expiry_seconds"]["schema"]
+    assert (expiry["minimum"], expiry["maximum"]) == (14 * 24 * 3600, MAX_FILE_EXPIRY)
