@@ -17,9 +17,9 @@ files); what differs is where the API lives, how a request authenticates, and th
   The token is refreshed before it expires; the async client gets it from ``azure.identity.aio``.
 - **The model** of each line (``body.model``) is the deployment's name and must be the same on
   every line of a file. At most 100,000 requests and 200 MB per file.
-- **File expiry.** Uploads carry ``expires_after`` (anchor ``created_at``, extra
-  ``file_expiry_seconds``, 14 days by default, 14 to 30 days allowed), so finished runs do not
-  fill the resource's 500-file cap.
+- **File expiry.** Uploads carry ``expires_after`` and creates ``output_expires_after`` (anchor
+  ``created_at``, extra ``file_expiry_seconds``, 14 days by default, 14 to 30 days allowed), so
+  finished runs do not fill the resource's file cap (500 files without expiry, 10,000 with).
 - **Enqueued token quota.** ``token_limit_exceeded`` refuses a create (in some regions) or fails
   the batch (in others); both are reported as the quota error they are.
 """
@@ -260,6 +260,30 @@ class AzureOpenAIDialect(Dialect):
         if not isinstance(model, str) or not model.strip():
             return "Azure OpenAI needs body.model, the batch deployment's name, on every line"
         return None
+
+    # ---- batches --------------------------------------------------------------------
+    def create_batch_body(
+        self,
+        *,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: Mapping[str, str] | None = None,
+        name: str | None = None,
+        model: str | None = None,
+    ) -> dict[str, Any]:
+        """OpenAI's body, and ``output_expires_after``: the batch's output and error files count
+        against the resource's file cap too, so they expire like the input."""
+        body = super().create_batch_body(
+            input_file_id=input_file_id,
+            endpoint=endpoint,
+            completion_window=completion_window,
+            metadata=metadata,
+            name=name,
+            model=model,
+        )
+        body["output_expires_after"] = {"anchor": "created_at", "seconds": self.file_expiry_seconds}
+        return body
 
     # ---- files ----------------------------------------------------------------------
     def upload_form(self) -> dict[str, str]:

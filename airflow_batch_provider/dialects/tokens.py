@@ -120,8 +120,18 @@ class RefreshingBearerAuth(httpx.Auth):
         async with self._alock:
             return self._fresh() or self._accept(await self._afetch())
 
+    def _answered(self, token: Token | None, response: httpx.Response) -> None:
+        # A token refused before its expiry (revoked, rotated credential) is dropped, so the next
+        # call (the retry, the next poll) fetches a new one instead of sending it until it expires.
+        if token is not None and response.status_code == 401 and self._token is token:
+            self._token = None
+
     def sync_auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        yield self._signed(request, self.token() if self._wants_token(request) else None)
+        token = self.token() if self._wants_token(request) else None
+        response = yield self._signed(request, token)
+        self._answered(token, response)
 
     async def async_auth_flow(self, request: httpx.Request) -> AsyncGenerator[httpx.Request, httpx.Response]:
-        yield self._signed(request, await self.atoken() if self._wants_token(request) else None)
+        token = await self.atoken() if self._wants_token(request) else None
+        response = yield self._signed(request, token)
+        self._answered(token, response)

@@ -827,18 +827,32 @@ class AzureWire(Wire):
         seconds = fields.get("expires_after[seconds]")
         if anchor is None and seconds is None:
             return {}
+        return {"expires_after_seconds": self._expiry("expires_after", anchor, seconds)}
+
+    def _expiry(self, name: str, anchor: Any, seconds: Any) -> int:
+        """The seconds of an ``expires_after``-shaped value, checked as Azure does (14 to 30 days)."""
         if anchor != "created_at":
-            raise self.error(400, "expires_after.anchor must be 'created_at'.", param="expires_after.anchor")
-        if seconds is None or not seconds.strip().isdigit():
-            raise self.error(400, "expires_after.seconds must be an integer.", param="expires_after.seconds")
-        value = int(seconds)
-        if not self.MIN_EXPIRY <= value <= self.MAX_EXPIRY:
+            raise self.error(400, f"{name}.anchor must be 'created_at'.", param=f"{name}.anchor")
+        if isinstance(seconds, str) and seconds.strip().isdigit():
+            seconds = int(seconds)
+        if not isinstance(seconds, int) or isinstance(seconds, bool):
+            raise self.error(400, f"{name}.seconds must be an integer.", param=f"{name}.seconds")
+        if not self.MIN_EXPIRY <= seconds <= self.MAX_EXPIRY:
             raise self.error(
                 400,
-                f"expires_after.seconds must be between {self.MIN_EXPIRY} and {self.MAX_EXPIRY}.",
-                param="expires_after.seconds",
+                f"{name}.seconds must be between {self.MIN_EXPIRY} and {self.MAX_EXPIRY}.",
+                param=f"{name}.seconds",
             )
-        return {"expires_after_seconds": value}
+        return seconds
+
+    def parse_create(self, body: Any) -> dict[str, Any]:
+        created = super().parse_create(body)
+        output = body.get("output_expires_after")
+        if output is not None:
+            if not isinstance(output, Mapping):
+                raise self.error(400, "output_expires_after must be an object.", param="output_expires_after")
+            self._expiry("output_expires_after", output.get("anchor"), output.get("seconds"))
+        return created
 
     def render_file(self, rec: Mapping[str, Any]) -> dict[str, Any]:
         out = super().render_file(rec)

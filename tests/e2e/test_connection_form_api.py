@@ -67,7 +67,9 @@ def test_hook_meta_carries_the_fields_and_per_dialect_hints(cluster: AirflowClus
     extra = entry["extra_fields"]
     assert set(extra) >= {"dialect", "project", "organization", "headers", "timeout", "max_retries"}
     dialect = extra["dialect"]
-    assert dialect["schema"]["enum"] == ["doubleword", "openai", "xai", "zerogpu"]
+    assert dialect["schema"]["enum"] == ["azure", "doubleword", "mistral", "openai", "xai", "zerogpu"]
+    # Fields a single dialect reads come from that dialect (Azure's API version, auth, expiry).
+    assert set(extra) >= {"api_version", "auth", "tenant_id", "client_id", "file_expiry_seconds"}
     hint = dialect["description"]
     for url in ("https://api.openai.com/v1", "https://api.x.ai/v1", "https://api.zerogpu.ai/v1"):
         assert url in hint

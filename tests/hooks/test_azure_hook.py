@@ -247,3 +247,34 @@ def test_a_refused_token_is_an_auth_error_without_the_secret(
         hook.get_batch("batch_1")
     assert "client-secret-xyz" not in str(info.value)
     assert vendor.requests == []
+
+
+def test_a_token_refused_before_expiry_is_dropped_and_the_next_call_fetches_a_new_one(
+    azure_hook: Callable[..., Any], credentials: dict[str, Any]
+) -> None:
+    hook, _ = azure_hook(password=None, auth="entra")
+    sent: list[str] = []
+
+    def revoked_first(request: httpx.Request) -> httpx.Response:
+        sent.append(request.headers["authorization"])
+        if len(sent) == 1:
+            return json_response(401, {"error": {"code": "401", "message": "Access denied"}})
+        return json_response(200, openai_batch("batch_1"))
+
+    hook._transport = httpx.MockTransport(revoked_first)
+    with pytest.raises(BatchApiAuthError):
+        hook.get_batch("batch_1")
+    # The hour-long token was refused: the next call does not send it again.
+    assert hook.get_batch("batch_1").id == "batch_1"
+    assert sent == ["Bearer sync-token-1", "Bearer sync-token-2"]
+
+
+def test_the_create_asks_the_output_files_to_expire_too(
+    azure_hook: Callable[..., Any], tmp_path: Path
+) -> None:
+    hook, vendor = azure_hook(file_expiry_seconds=2_592_000)
+    hook.create_batch(input_file_id="file-in", endpoint="/v1/chat/completions", completion_window="24h")
+    (create,) = [r for r in vendor.requests if r.method == "POST"]
+    body = orjson.loads(create.read())
+    assert body["output_expires_after"] == {"anchor": "created_at", "seconds": 2_592_000}
+    assert body["input_file_id"] == "file-in" and body["completion_window"] == "24h"

@@ -53,6 +53,7 @@ def round_trip(client: openai.OpenAI, tmp_path: Path) -> list[str]:
         endpoint="/v1/chat/completions",
         completion_window="24h",
         metadata={"airflow_batch_key": "run-a"},
+        extra_body={"output_expires_after": {"anchor": "created_at", "seconds": FOURTEEN_DAYS}},
     )
     batch = wait(client, batch)
     assert batch.status == "completed" and batch.request_counts is not None
@@ -182,6 +183,15 @@ def test_file_expiry_outside_azures_range_is_refused(batch_server: Any, tmp_path
             file=path.open("rb"), purpose="batch", expires_after={"anchor": "created_at", "seconds": 3600}
         )
     assert "expires_after.seconds" in str(short.value)
+    uploaded = client.files.create(file=path.open("rb"), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as output:
+        client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            extra_body={"output_expires_after": {"anchor": "created_at", "seconds": 3600}},
+        )
+    assert "output_expires_after.seconds" in str(output.value)
     assert server.config.limits().max_lines == 100_000
 
 
