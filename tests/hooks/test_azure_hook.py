@@ -278,3 +278,30 @@ def test_the_create_asks_the_output_files_to_expire_too(
     body = orjson.loads(create.read())
     assert body["output_expires_after"] == {"anchor": "created_at", "seconds": 2_592_000}
     assert body["input_file_id"] == "file-in" and body["completion_window"] == "24h"
+
+
+def _completed_with_empty_error_file(request: httpx.Request) -> httpx.Response:
+    if request.url.path.endswith("/files/file-err/content"):
+        return httpx.Response(200, content=b"")  # an error file Azure wrote with no line in it
+    if request.url.path.endswith("/files/file-out/content"):
+        line = {"custom_id": "a", "response": {"status_code": 200, "body": {"choices": []}}, "error": None}
+        return httpx.Response(200, content=orjson.dumps(line) + b"\n")
+    return json_response(
+        200,
+        openai_batch(
+            "batch_1",
+            "completed",
+            output_file_id="file-out",
+            error_file_id="file-err",
+            request_counts={"total": 1, "completed": 1, "failed": 0},
+        ),
+    )
+
+
+async def test_a_completed_batch_with_an_empty_error_file_reads_its_answers(
+    azure_hook: Callable[..., Any],
+) -> None:
+    hook, _ = azure_hook()
+    hook._transport = hook._async_transport = httpx.MockTransport(_completed_with_empty_error_file)
+    assert [(r.custom_id, r.ok) for r in hook.iter_results("batch_1")] == [("a", True)]
+    assert [(r.custom_id, r.ok) async for r in hook.aiter_results("batch_1")] == [("a", True)]

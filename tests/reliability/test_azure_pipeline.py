@@ -21,6 +21,7 @@ from azure.core.credentials import AccessToken
 
 import airflow_batch_provider.dialects.azure as azure_module
 import tests.fixtures.reliability as reliability
+from airflow_batch_provider.dialects.azure import AzureOpenAIDialect
 from airflow_batch_provider.exceptions import BatchApiQuotaError, BatchFailedError, BatchQuotaExceededError
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.staging import resolve_path
@@ -265,3 +266,28 @@ async def test_entra_id_pipeline_never_puts_the_token_in_trigger_kwargs(
     assert credentials[True].calls >= 1 and credentials[False].calls >= 1
     assert serialized and not any(TOKEN in s or "client-secret-never-sent" in s for s in serialized)
     assert TOKEN not in json.dumps(record.xcom, default=str)
+
+
+async def test_a_completed_batch_with_an_empty_error_file_merges_every_row(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Azure may name an error file with no line in it on a batch where nothing failed.
+    serve(batch_server, monkeypatch)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    empty_id = BatchApiHook().upload_file(empty)
+    real_parse = AzureOpenAIDialect.parse_batch
+
+    def with_empty_error_file(self: AzureOpenAIDialect, raw: Any) -> Any:
+        batch = real_parse(self, raw)
+        if batch.state.value == "completed" and batch.error_file_id is None:
+            batch.error_file_id = empty_id
+        return batch
+
+    monkeypatch.setattr(AzureOpenAIDialect, "parse_batch", with_empty_error_file)
+    seed_texts(wh_pipeline.warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+    record = await wh_pipeline.run("empty-errors", "answers", build=BUILD)
+    assert record.event is not None and record.event["status"] == "success", record.event
+    assert record.event["batches"][0]["error_file_id"] == empty_id
+    rows = rows_of(wh_pipeline)
+    assert len(rows) == ROWS and {s for s, _, _ in rows.values()} == {"succeeded"}
