@@ -239,7 +239,20 @@ class AzureOpenAIDialect(Dialect):
                 raise _token_error(exc, client_secret) from None
             return _token(access)
 
-        return RefreshingBearerAuth(base_url, fetch, afetch, what="Microsoft Entra ID")
+        def close() -> None:
+            closing = credentials.pop(False, None)
+            if closing is not None and hasattr(closing, "close"):
+                closing.close()
+
+        async def aclose() -> None:
+            # The aio credential holds an HTTP session: closed with the hook's async client.
+            closing = credentials.pop(True, None)
+            if closing is not None and hasattr(closing, "close"):
+                await closing.close()
+
+        return RefreshingBearerAuth(
+            base_url, fetch, afetch, what="Microsoft Entra ID", close=close, aclose=aclose
+        )
 
     def is_quota_error(self, status_code: int, body: Any) -> bool:
         """Also ``token_limit_exceeded`` on a refused create (400/403/429): the enqueued token

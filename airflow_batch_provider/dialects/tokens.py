@@ -56,6 +56,8 @@ class RefreshingBearerAuth(httpx.Auth):
     :param what: names the token's source in errors (``Microsoft Entra ID``).
     :param margin: seconds before expiry at which the token is refreshed.
     :param clock: the time in epoch seconds (tests pass their own).
+    :param close: releases what ``fetch`` holds (a credential's HTTP session); None: nothing.
+    :param aclose: releases what ``afetch`` holds, awaited; None: nothing.
     """
 
     def __init__(
@@ -67,6 +69,8 @@ class RefreshingBearerAuth(httpx.Auth):
         what: str,
         margin: float = REFRESH_MARGIN,
         clock: Callable[[], float] = time.time,
+        close: Callable[[], None] | None = None,
+        aclose: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._origin = _origin(httpx.URL(origin_url))
         self._fetch = fetch
@@ -77,7 +81,19 @@ class RefreshingBearerAuth(httpx.Auth):
         self._token: Token | None = None
         self._lock = threading.Lock()
         self._alock: asyncio.Lock | None = None
+        self._close = close
+        self._aclose = aclose
         self.fetches = 0
+
+    def close(self) -> None:
+        """Release the sync fetcher's resources (the hook's ``close``); a later call fetches anew."""
+        if self._close is not None:
+            self._close()
+
+    async def aclose(self) -> None:
+        """Release the async fetcher's resources (the hook's ``aclose``) without blocking the loop."""
+        if self._aclose is not None:
+            await self._aclose()
 
     def __repr__(self) -> str:
         return f"<RefreshingBearerAuth {self._what}>"

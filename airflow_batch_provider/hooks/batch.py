@@ -220,11 +220,18 @@ class BatchApiHook(BaseHook):
         if self._client is not None:
             self._client.close()
             self._client = None
+        # A token auth's credential holds its own session (see ``Dialect.request_auth``).
+        closer = getattr(self._settings.auth, "close", None) if self._settings else None
+        if closer is not None:
+            closer()
 
     async def aclose(self) -> None:
         if self._aclient is not None:
             await self._aclient.aclose()
             self._aclient = None
+        closer = getattr(self._settings.auth, "aclose", None) if self._settings else None
+        if closer is not None:
+            await closer()
 
     def __enter__(self) -> BatchApiHook:
         return self

@@ -81,7 +81,7 @@ CONN_FIELDS: dict[str, dict[str, Any]] = {
         "schema": {"type": ["integer", "null"], "default": DEFAULT_MAX_RETRIES, "minimum": 0},
     },
 }
-# The extras a single dialect reads (Azure's API version and auth...), declared by the dialect.
+# The extras a single dialect reads (an API version, an auth mode...), declared by the dialect.
 for _cls in DIALECTS.values():
     for _name, _spec in _cls.connection_fields.items():
         CONN_FIELDS.setdefault(_name, dict(_spec))

@@ -153,11 +153,15 @@ class SyncCredential:
 
 
 class AsyncCredential:
-    """azure.identity.aio's shape: ``await get_token(*scopes) -> AccessToken``."""
+    """azure.identity.aio's shape: ``await get_token(*scopes) -> AccessToken``, ``await close()``."""
 
     def __init__(self, lifetime: float = 3600) -> None:
         self.lifetime = lifetime
         self.calls: list[tuple[str, ...]] = []
+        self.closed = 0
+
+    async def close(self) -> None:
+        self.closed += 1
 
     async def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
         self.calls.append(scopes)
@@ -189,6 +193,11 @@ async def test_entra_async_client_gets_its_bearer_from_the_aio_credential(
     assert credentials["async"].calls == [(ENTRA_SCOPE,)]
     assert credentials["sync"].calls == []
     assert credentials["built"] == [(True, "client-secret-xyz")]
+    # Closing the hook closes the aio credential's session; the hook still works after it (the
+    # cached token is still good, and a credential is built again when one is needed).
+    await hook.aclose()
+    assert credentials["async"].closed == 1
+    assert (await hook.aget_batch("batch_1")).id == "batch_1"
     # The storage redirect got no token, and the client secret never left.
     blob = [r for r in vendor.requests if r.url.host == "blob.test"]
     assert len(blob) == 1 and "authorization" not in blob[0].headers
