@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from airflow_batch_provider.dialects.base import Dialect
 from airflow_batch_provider.exceptions import BatchApiAuthError, ConfigurationError
@@ -192,6 +193,21 @@ class AzureOpenAIDialect(Dialect):
     @property
     def api_path(self) -> str:
         return "/openai" if self.api_version else "/openai/v1"
+
+    def check_base_url(self, base_url: str, conn_id: str) -> None:
+        """A host naming the path must name the one the API version picks (v1 takes no version)."""
+        path = urlsplit(base_url).path.rstrip("/")
+        where = f"connection {conn_id!r} (dialect azure)"
+        if self.api_version and path.endswith("/openai/v1"):
+            raise ConfigurationError(
+                f"{where}: the host names the v1 path ({path}), which takes no api-version, but extra "
+                f"'api_version' is {self.api_version!r}; remove it, or set the host to the resource endpoint"
+            )
+        if not self.api_version and path.endswith("/openai"):
+            raise ConfigurationError(
+                f"{where}: the host names the classic path ({path}), which needs extra 'api_version'; "
+                "set it, or end the host with /openai/v1 (or give only the resource endpoint)"
+            )
 
     @property
     def query_params(self) -> dict[str, str]:

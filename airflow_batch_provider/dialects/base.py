@@ -193,6 +193,13 @@ class Dialect:
         self.check_connection(extra, conn_id)
         return self
 
+    def check_base_url(self, base_url: str, conn_id: str) -> None:
+        """Refuse an API root this dialect, as configured, cannot call (nothing by default).
+
+        :param base_url: the API root built from the connection.
+        :param conn_id: the connection id, for error messages.
+        """
+
     @property
     def api_path(self) -> str:
         """The API root's path when the connection's URL names none (see ``default_api_path``)."""

@@ -190,6 +190,7 @@ def settings_from_connection(
         default=dialect.default_base_url,
         api_path=dialect.api_path,
     )
+    dialect.check_base_url(base_url, conn_id)
     api_key = conn.password or extra.get("api_key") or None
     return BatchApiSettings(
         conn_id=conn_id,

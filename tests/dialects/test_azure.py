@@ -92,6 +92,25 @@ def test_classic_path_sends_the_api_version_on_every_call() -> None:
     assert isinstance(s.dialect, AzureOpenAIDialect) and s.dialect.api_version == "2024-10-21"
 
 
+@pytest.mark.parametrize(
+    ("host", "extra", "expected"),
+    [
+        (f"{ENDPOINT}/openai/v1", {}, f"{ENDPOINT}/openai/v1"),
+        (f"{ENDPOINT}/openai", {"api_version": "2024-10-21"}, f"{ENDPOINT}/openai"),
+        (f"{ENDPOINT}/openai/v1", {"api_version": "2024-10-21"}, "v1 path .* takes no api-version"),
+        (f"{ENDPOINT}/openai", {}, "classic path .* needs extra 'api_version'"),
+    ],
+)
+def test_a_host_naming_the_path_must_match_the_api_version(
+    host: str, extra: dict[str, Any], expected: str
+) -> None:
+    if expected.startswith("https://"):
+        assert settings(extra, host=host).base_url == expected
+    else:
+        with pytest.raises(ConfigurationError, match=rf"azure_conn.*{expected}"):
+            settings(extra, host=host)
+
+
 def test_a_connection_without_the_resource_endpoint_is_refused() -> None:
     with pytest.raises(ConfigurationError, match=r"azure_conn.*host.*endpoint"):
         settings({}, host=None)
