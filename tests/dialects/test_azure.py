@@ -239,3 +239,24 @@ def test_the_connection_form_documents_the_azure_fields() -> None:
         assert name in CONN_FIELDS and "(azure)" in CONN_FIELDS[name]["label"]
     expiry = CONN_FIELDS["file_expiry_seconds"]["schema"]
     assert (expiry["minimum"], expiry["maximum"]) == (14 * 24 * 3600, MAX_FILE_EXPIRY)
+
+
+async def test_make_credential_builds_azure_identitys_own_credentials() -> None:
+    # Built offline (no token is asked for): the service principal, else DefaultAzureCredential.
+    import azure.identity
+    import azure.identity.aio
+
+    from airflow_batch_provider.dialects.azure import make_credential
+
+    principal = {"tenant_id": "00000000-0000-0000-0000-000000000001", "client_id": "app"}
+    sync = make_credential(principal, "s3cret", asynchronous=False)
+    asynchronous = make_credential(principal, "s3cret", asynchronous=True)
+    assert isinstance(sync, azure.identity.ClientSecretCredential)
+    assert isinstance(asynchronous, azure.identity.aio.ClientSecretCredential)
+    await asynchronous.close()
+    default = make_credential({}, None, asynchronous=False)
+    assert isinstance(default, azure.identity.DefaultAzureCredential)
+    # Without a secret the tenant and client ids name a managed identity, not a service principal.
+    assert isinstance(
+        make_credential(principal, None, asynchronous=False), azure.identity.DefaultAzureCredential
+    )
