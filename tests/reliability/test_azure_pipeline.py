@@ -234,14 +234,19 @@ class SyncCredential:
 
 
 async def test_entra_id_pipeline_never_puts_the_token_in_trigger_kwargs(
-    batch_server: Any, pg_warehouse: Any, tmp_path: Path, task_context: Any, monkeypatch: pytest.MonkeyPatch
+    batch_server: Any,
+    pg_warehouse: Any,
+    tmp_path: Path,
+    task_context: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    figures: Any,
 ) -> None:
     credentials = {True: AsyncCredential(), False: SyncCredential()}
     monkeypatch.setattr(
         azure_module, "make_credential", lambda extra, secret, *, asynchronous: credentials[asynchronous]
     )
     # The server takes only the stand-in Entra token (its key is never sent under auth entra).
-    serve(
+    server = serve(
         batch_server,
         monkeypatch,
         path="classic",
@@ -264,6 +269,15 @@ async def test_entra_id_pipeline_never_puts_the_token_in_trigger_kwargs(
     assert len(rows_of(pipeline)) == ROWS
     # The deferred wait polled with the aio credential; the trigger's kwargs hold no secret.
     assert credentials[True].calls >= 1 and credentials[False].calls >= 1
+    requests = server.stats()["counters"]["requests"]
+    figures(
+        "azure entra pipeline (30 rows, hour-long tokens)",
+        api_requests=requests,
+        sync_token_fetches=credentials[False].calls,
+        async_token_fetches=credentials[True].calls,
+    )
+    # Tokens are cached: far fewer fetches than calls (one per hook and client kind at most).
+    assert credentials[True].calls + credentials[False].calls < requests / 2
     assert serialized and not any(TOKEN in s or "client-secret-never-sent" in s for s in serialized)
     assert TOKEN not in json.dumps(record.xcom, default=str)
 
