@@ -27,6 +27,11 @@ class UnknownDialectError(ConfigurationError):
     """The connection names a dialect that is not registered."""
 
 
+class InvalidIdError(ConfigurationError, ValueError):
+    """A batch or file id is not one a vendor issues (a ``/``, ``..``, ``#``, control character,
+    empty, too long...): refused before it is placed in any URL."""
+
+
 class UnknownBatchStatusError(BatchProviderError):
     """The vendor reported a batch status this provider does not know.
 
@@ -104,11 +109,13 @@ class BatchApiResponseError(BatchApiError):
 
 
 class BatchApiRedirectError(BatchApiError):
-    """A redirect was not followed: to another origin (credentials stay home), or too many of them."""
+    """A redirect was not followed: to another origin (credentials stay home), too many of them, or
+    (a file's content) to plain http or a private, link-local or instance-metadata address."""
 
 
 class BatchApiResponseTooLargeError(BatchApiResponseError):
-    """A control-plane answer (batch, file, list) was larger than the cap, after decompression."""
+    """An answer was larger than its cap after decompression: a control-plane answer (batch, file,
+    list), or a downloaded or streamed file over the connection's ``max_download_bytes``."""
 
 
 class JsonlValidationError(BatchProviderError):

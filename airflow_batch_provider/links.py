@@ -12,6 +12,12 @@ Which page a connection's batches have, first rule that applies:
    server's page ``{origin}/ui/batches/{batch_id}``;
 4. otherwise no link.
 
+Whatever the rule, a link is given only to a web page: ``https://``, or ``http://`` to a loopback
+host or to the connection's own API host (the local server in a compose network); a template
+that yields ``javascript:``, ``data:``, ``file:`` or any other URL gives no link and a warning
+(naming the connection and the scheme, nothing more). The batch id fills one path segment,
+percent-encoded; an id no vendor issues (``..``, ``/``...) gets no link.
+
 A task has one link per batch for its first :data:`MAX_BATCH_LINKS` batches ("Batch 1", ...),
 the way providers show several runs of one task: Airflow names links per operator class, so
 each slot is a class. Further batches are listed in the task's XCom, not linked. The worker
@@ -21,12 +27,16 @@ REST API), from the batch ids the task pushed under :data:`BATCH_IDS_XCOM_KEY`.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from airflow.sdk import BaseOperatorLink
+
+from airflow_batch_provider.exceptions import InvalidIdError
+from airflow_batch_provider.ids import path_segment
 
 if TYPE_CHECKING:
     from airflow.sdk import BaseOperator
@@ -85,12 +95,69 @@ def page_template(settings: BatchApiSettings, *, probe: bool = True) -> str | No
 
 
 def batch_page_urls(settings: BatchApiSettings, batch_ids: Sequence[str], *, probe: bool = True) -> list[str]:
-    """One page URL per batch id, or an empty list when the connection has no batch page."""
+    """One page URL per batch id (``""`` for an id no vendor issues), or an empty list when the
+    connection has no batch page or its template yields no web page (see :func:`web_page`)."""
     template = page_template(settings, probe=probe) if batch_ids else None
     if template is None:
         return []
     origin = origin_of(settings.base_url)
-    return [template.format(batch_id=quote(str(b), safe=""), origin=origin) for b in batch_ids]
+    api_host = (urlsplit(settings.base_url).hostname or "").lower()
+    urls: list[str] = []
+    for batch_id in batch_ids:
+        try:
+            segment = path_segment(str(batch_id), "batch_id")
+        except InvalidIdError:
+            urls.append("")
+            continue
+        url = template.format(batch_id=segment, origin=origin)
+        if not web_page(url, api_host):
+            # The template is the connection's (or the dialect's): every id would give the same
+            # kind of URL, so no link at all. The scheme only: the URL may carry anything.
+            scheme = urlsplit(url).scheme if url.isprintable() else "?"
+            log.warning(
+                "No batch page links for connection %r: its page template gives a %r URL; links "
+                "go only to https://, or http:// on a loopback host or the API's own host",
+                settings.conn_id,
+                scheme[:20],
+            )
+            return []
+        urls.append(url)
+    return urls
+
+
+def web_page(url: str, api_host: str = "") -> bool:
+    """Whether ``url`` is a web page a link may open: ``https://``, or ``http://`` to a loopback
+    host or to ``api_host`` (the connection's own API host, which gets the key anyway).
+
+    Anything else is refused: ``javascript:``, ``data:``, ``file:``, no host, credentials before
+    the host, or whitespace and control characters (browsers drop some, turning ``java\tscript:``
+    into ``javascript:``).
+
+    :param url: the link.
+    :param api_host: the connection's API host name, lower-cased.
+    """
+    if any(ord(char) <= 0x20 or ord(char) == 0x7F for char in url):
+        return False
+    try:
+        parts = urlsplit(url)
+        host = (parts.hostname or "").lower()
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        return False
+    if not host or "@" in parts.netloc or "\\" in url:
+        return False
+    scheme = parts.scheme.lower()
+    if scheme == "https":
+        return True
+    return scheme == "http" and (_is_loopback(host) or host == api_host)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _same_host(url: str, other: str) -> bool:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, field_validator
 
 from airflow_batch_provider.exceptions import UnknownBatchStatusError
+from airflow_batch_provider.ids import check_id
 
 
 class _Response(BaseModel):
@@ -143,6 +144,13 @@ class Batch(_Response):
     @classmethod
     def _aware_utc(cls, value: Any) -> Any:
         return to_utc(value)
+
+    @field_validator("id", "input_file_id", "output_file_id", "error_file_id")
+    @classmethod
+    def _vendor_id(cls, value: str | None, info: Any) -> str | None:
+        # These ids come from the vendor's answer and are later placed in URLs that carry the key:
+        # an answer naming ``../../admin`` is refused here, as an unreadable batch.
+        return None if value is None else check_id(value, info.field_name)
 
     @field_validator("request_counts", mode="before")
     @classmethod

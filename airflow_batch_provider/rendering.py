@@ -161,6 +161,10 @@ class RowTemplate:
                     raise RowRejected(
                         "template_unsafe", f"template blocked by the sandbox: SecurityError: {exc}", cause=exc
                     ) from None
+                except orjson.JSONEncodeError:
+                    # A value's text UTF-8 cannot encode (JSON escaping in ``finalize``): the row
+                    # loop rejects the row naming the column (rendering.text_rejection).
+                    raise
                 except (TemplateError, TypeError, ValueError, ArithmeticError, LookupError) as exc:
                     # Data-dependent failures (a filter given NULL, a missing key in a JSON
                     # column) reject the row and say why.
@@ -237,6 +241,46 @@ def decode_bytes(value: Any, column: str) -> str:
             "cast or convert it in the query",
             column,
         ) from None
+
+
+def text_rejection(values: Sequence[Any], columns: Sequence[str]) -> RowRejected | None:
+    """The rejection of a row holding text that no UTF-8 line can carry, naming its column.
+
+    A lone surrogate (U+D800-U+DFFF) is a valid Python ``str`` character that UTF-8 cannot
+    encode: a PostgreSQL ``json`` value keeps ``"\\ud800"`` verbatim and the driver decodes it
+    to one. Called once a row failed (this walks the values; the row loop does not).
+
+    :param values: the row's values (text, or lists and dicts of them, as JSON columns arrive).
+    :param columns: their column names.
+    """
+    for name, value in zip(columns, values, strict=False):
+        char = _lone_surrogate(value)
+        if char is not None:
+            return RowRejected(
+                "invalid_text",
+                f"column {name!r} holds text with a lone surrogate (U+{ord(char):04X}), which UTF-8 "
+                "cannot encode; clean or cast it in the query",
+                name,
+            )
+    return None
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first character of ``value`` (text, or in a list or dict) UTF-8 cannot encode, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return value[exc.start]
+        return None
+    if isinstance(value, Mapping):
+        value = [item for pair in value.items() for item in pair]
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            char = _lone_surrogate(item)
+            if char is not None:
+                return char
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

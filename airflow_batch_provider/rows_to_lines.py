@@ -24,7 +24,13 @@ from airflow_batch_provider import staging
 from airflow_batch_provider.exceptions import BatchProviderError, ConfigurationError
 from airflow_batch_provider.jsonl import LineValidator
 from airflow_batch_provider.records import KeyRecord, RejectRecord
-from airflow_batch_provider.rendering import BodySource, RowRejected, body_builder, decode_bytes
+from airflow_batch_provider.rendering import (
+    BodySource,
+    RowRejected,
+    body_builder,
+    decode_bytes,
+    text_rejection,
+)
 from airflow_batch_provider.warehouse.read import value_type
 
 if TYPE_CHECKING:
@@ -37,6 +43,10 @@ if TYPE_CHECKING:
 ON_NULL_CHOICES = ("reject", "empty", "fail")
 _LOG_EVERY = 100_000
 _BYTES = (bytes, bytearray, memoryview)
+# Rejections a value's text that UTF-8 cannot encode may cause on the way to a line (a template
+# failing on it, JSON text that cannot be parsed, a line that cannot be written): such a row is
+# rejected as ``invalid_text`` naming the column instead (rendering.text_rejection).
+_TEXT_SUSPECTS = frozenset({"template_error", "invalid_json", "unserializable", "key_unencodable"})
 
 
 class NullValueError(BatchProviderError):
@@ -153,7 +163,10 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                             for t, v in zip(types, key_values, strict=True)
                         ]
                         types_pending = None in types
-                    cid = custom_id_for(key_values, prefix)
+                    try:
+                        cid = custom_id_for(key_values, prefix)
+                    except orjson.JSONEncodeError as exc:
+                        raise RowRejected("key_unencodable", f"key cannot be encoded: {exc}") from None
                     track(hash(cid))
                     values: Sequence[Any] = row
                     for i, _ in checked_names:
@@ -161,12 +174,18 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                         if v is None or isinstance(v, _BYTES):
                             values = _usable_values(row, checked_names, on_null, row_number, key_values)
                             break
-                    line_obj = {
-                        "custom_id": cid,
-                        "method": "POST",
-                        "url": endpoint,
-                        "body": build_body(values),
-                    }
+                    try:
+                        line_obj = {
+                            "custom_id": cid,
+                            "method": "POST",
+                            "url": endpoint,
+                            "body": build_body(values),
+                        }
+                    except orjson.JSONEncodeError as exc:
+                        # Only a plain-substitution JSON template escapes a value this way.
+                        raise RowRejected(
+                            "unserializable", f"body cannot be written as JSON: {exc}"
+                        ) from None
                     # Every line of a variable-shape body is validated. A fixed-shape body (see
                     # BodyBuilder) gets the same verdict on every row, so the validator sees the
                     # first row of each fetched batch; what does vary per row (custom_id, line
@@ -192,6 +211,8 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                             "line_too_large", f"line is {len(line):,} bytes; the limit is {max_line:,}"
                         )
                 except RowRejected as err:
+                    if err.code in _TEXT_SUSPECTS:
+                        err = text_rejection(row, columns) or err
                     rejected += 1
                     reject_codes[err.code] += 1
                     if err.cause is not None and first_cause is None:
@@ -199,7 +220,13 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                     record = RejectRecord.line(
                         row_number, jsonable_key(key_values), cid, err.code, err.reason, err.column
                     )
-                    rejects_out.write(dumps(record, option=newline))
+                    try:
+                        reject_line = dumps(record, option=newline)
+                    except orjson.JSONEncodeError:
+                        # The key itself holds such text: written with it escaped, readable.
+                        record["key"] = [_printable(v) for v in record["key"]]
+                        reject_line = dumps(record, option=newline)
+                    rejects_out.write(reject_line)
                     continue
                 shard = add_line(line)
                 write_key(dumps(KeyRecord.line(cid, stored_key(key_values), shard), option=newline))
@@ -243,6 +270,13 @@ def _usable_values(
         elif isinstance(v, _BYTES):
             values[i] = decode_bytes(v, name)
     return values
+
+
+def _printable(value: Any) -> Any:
+    """Text with what UTF-8 cannot encode (a lone surrogate) written as a ``\\udXXX`` escape."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
 
 
 def _iter_jsonl(path: ObjectStoragePath) -> Iterator[dict[str, Any]]:

@@ -37,6 +37,7 @@ from airflow_batch_provider.exceptions import (
     ConfigurationError,
     PartialFailureError,
 )
+from airflow_batch_provider.ids import check_id
 from airflow_batch_provider.models import Batch, to_utc
 from airflow_batch_provider.outcome import (
     FAILURE_STATUSES,
@@ -421,7 +422,9 @@ def batch_ids_and_deadline(value: Any) -> tuple[list[str], str | None]:
             value = [part.strip() for part in text.split(",") if part.strip()]
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
         raise ConfigurationError(f"batch_ids must be one or more non-empty id strings, got {value!r}")
-    return list(value), submitted_at
+    # ``batch_ids`` may come from ``dag_run.conf``: anyone who can trigger a run chooses it, and
+    # each id is placed in a URL sent with the key. Refused here, before any call.
+    return [check_id(v, "batch_ids") for v in value], submitted_at
 
 
 def check_partial_policy(on_partial_failure: str) -> None:

@@ -183,6 +183,15 @@ def test_batch_server_command_parses_with_the_provider_cli(
     monkeypatch.setenv(args.api_key_env, service["environment"][args.api_key_env])
     config = config_from_args(args)
     assert config.api_key == _env_example()["BATCH_API_KEY"]
+    # The host the Airflow connection names is one the server answers (it refuses other names).
+    from urllib.parse import urlsplit
+
+    from airflow_batch_provider.server.hosts import allowed_hosts, host_of
+
+    env = resolved["services"]["airflow-scheduler"]["environment"]
+    batch_host = urlsplit(orjson.loads(env["AIRFLOW_CONN_BATCH_API_DEFAULT"])["host"]).hostname or ""
+    assert batch_host == "batch-server"
+    assert host_of(batch_host) in allowed_hosts(config.host, config.allowed_hosts)
     ports = service["ports"][0]
     assert str(ports["target"]) == "8000"
 

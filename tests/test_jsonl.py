@@ -326,3 +326,80 @@ def test_iter_objects() -> None:
 
 def test_dumps_line_has_no_newline() -> None:
     assert dumps_line({"a": "é"}) == '{"a":"é"}'.encode()
+
+
+# ---- repeated keys in a result line (jsonl.repeated_key) ------------------------------------------
+
+REPEATS = [
+    (b'{"a": 1, "a": 2}', "a"),
+    (b'{"a": {"x": 1, "y": {"x": 2}}, "b": {"x": 3, "x": 4}}', "x"),
+    (b'{"custom_id": "a", "custom\\u005fid": "b"}', "custom_id"),
+    # The dropped repeat's quotes made up by a value spelling two quotes \u0022 (equal counts).
+    (b'{"a": 1, "a": "\\u0022\\u0022"}', "a"),
+    # A key followed by blanks before its colon, and a string ending in an escaped backslash.
+    (b'{"k" :"\\\\", "k"\t: 2}', "k"),
+    (b'[{"a": 1}, {"a": 2}, {"b": [{"c": 1, "c": 1}]}]', "c"),
+    # Deeper than orjson writes (255 levels), still read (1024).
+    (b'{"d": ' + b"[" * 600 + b'{"e": 1, "e": 2}' + b"]" * 600 + b"}", "e"),
+]
+NO_REPEATS = [
+    b'{"a": 1, "b": {"a": 2}, "c": [{"a": 3}, {"a": 4}]}',
+    b'{"a": "\\u0022:", "b": "say \\"a\\": 1", "c": "\\\\"}',
+    b'{"a": "x", "A": "y", "a ": "z"}',
+    b'{"d": ' + b"[" * 1000 + b'{"e": "\\u0022"}' + b"]" * 1000 + b"}",
+]
+
+
+@pytest.mark.parametrize(("line", "key"), REPEATS)
+def test_a_repeated_key_is_named(line: bytes, key: str) -> None:
+    from airflow_batch_provider.jsonl import repeated_key
+
+    assert repeated_key(line, orjson.loads(line)) == f"repeats the key {key!r}"
+
+
+@pytest.mark.parametrize("line", NO_REPEATS)
+def test_a_line_without_a_repeat_passes(line: bytes) -> None:
+    from airflow_batch_provider.jsonl import repeated_key
+
+    assert repeated_key(line, orjson.loads(line)) is None
+
+
+def test_repeated_key_agrees_with_the_json_module_on_random_lines() -> None:
+    import json
+    import random
+
+    from airflow_batch_provider.jsonl import repeated_key
+
+    def has_repeat(line: bytes) -> bool:
+        found = []
+
+        def pairs(items: list[tuple[str, object]]) -> None:
+            keys = [k for k, _ in items]
+            found.append(len(keys) != len(set(keys)))
+
+        json.loads(line, object_pairs_hook=pairs)
+        return any(found)
+
+    rng = random.Random(23)
+    keys = ["a", "b", "a\\u0062", 'q\\"', "\\\\", "\\u0022"]
+    scalars = ["1", '"s"', '"\\\\"', '"q\\":"', '"\\u0022:"', "null", "[]", "{}"]
+
+    def value(depth: int) -> str:
+        roll = rng.random()
+        if depth > 3 or roll < 0.3:
+            return rng.choice(scalars)
+        if roll < 0.5:
+            return "[" + ", ".join(value(depth + 1) for _ in range(rng.randint(0, 3))) + "]"
+        members = (
+            f'"{rng.choice(keys)}"{rng.choice(["", " ", chr(10)])}:{value(depth + 1)}'
+            for _ in range(rng.randint(0, 4))
+        )
+        return "{" + ",".join(members) + "}"
+
+    seen = {True: 0, False: 0}
+    for _ in range(3000):
+        line = value(0).encode()
+        expected = has_repeat(line)
+        seen[expected] += 1
+        assert (repeated_key(line, orjson.loads(line)) is not None) == expected, line
+    assert min(seen.values()) > 300  # both kinds of line were tried

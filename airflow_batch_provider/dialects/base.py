@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from airflow_batch_provider.exceptions import BatchApiResponseError
+from airflow_batch_provider.ids import id_problem, path_segment
 from airflow_batch_provider.limits import MB, Limits, ValidationRules
 
 # The models are imported for type checking only; ``bind_models`` puts them into this module
@@ -217,17 +218,19 @@ class Dialect:
     # which vendor's shape a server answers in, even when it lists no batch yet.
     list_keys: ClassVar[frozenset[str]] = frozenset({"data", "has_more"})
 
+    # Every path built from an id places it with ``path_segment``: checked, then encoded as one
+    # segment, so no id (from a user, a run's conf or a vendor answer) can reach another path.
     def file_path(self, file_id: str) -> str:
-        return f"files/{file_id}"
+        return f"{self.files_path}/{path_segment(file_id, 'file_id')}"
 
     def file_content_path(self, file_id: str) -> str:
-        return f"files/{file_id}/content"
+        return f"{self.files_path}/{path_segment(file_id, 'file_id')}/content"
 
     def batch_path(self, batch_id: str) -> str:
-        return f"batches/{batch_id}"
+        return f"{self.batches_path}/{path_segment(batch_id, 'batch_id')}"
 
     def cancel_path(self, batch_id: str) -> str:
-        return f"batches/{batch_id}/cancel"
+        return f"{self.batches_path}/{path_segment(batch_id, 'batch_id')}/cancel"
 
     def results_path(self, batch_id: str) -> str:
         raise NotImplementedError(f"dialect {self.name!r} has no results endpoint; read the output files")
@@ -316,6 +319,10 @@ class Dialect:
         file_id = raw.get("id") or raw.get("file_id")
         if not file_id:
             raise BatchApiResponseError("file upload answer has no id", body=dict(raw))
+        # The id goes into later paths (get, delete) with the key: one no vendor issues is refused.
+        problem = id_problem(str(file_id))
+        if problem is not None:
+            raise BatchApiResponseError(f"file upload answer: its id {problem}", body=dict(raw))
         return str(file_id)
 
     # ---- batches --------------------------------------------------------------------

@@ -15,6 +15,7 @@ import orjson
 
 from airflow_batch_provider.dialects.base import Dialect, ResultsPage, bind_models, str_or_none
 from airflow_batch_provider.exceptions import BatchApiResponseError
+from airflow_batch_provider.ids import path_segment
 from airflow_batch_provider.limits import MB, Limits
 
 if TYPE_CHECKING:  # bound at run time by bind_models (see dialects/base.py)
@@ -42,7 +43,7 @@ class DoublewordDialect(Dialect):
         bind_models(globals(), "LineError", "ResultLine")
 
     def results_path(self, batch_id: str) -> str:
-        return f"batches/{batch_id}/results"
+        return f"batches/{path_segment(batch_id, 'batch_id')}/results"
 
     def results_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"skip": 0, "limit": limit or self.results_page_size}

@@ -84,13 +84,6 @@ class MistralDialect(Dialect):
         super().__init__()
         bind_models(globals(), "Batch", "BatchError", "BatchState", "RequestCounts", "to_utc")
 
-    # ---- paths ----------------------------------------------------------------------
-    def batch_path(self, batch_id: str) -> str:
-        return f"batch/jobs/{batch_id}"
-
-    def cancel_path(self, batch_id: str) -> str:
-        return f"batch/jobs/{batch_id}/cancel"
-
     # ---- request lines ----------------------------------------------------------------
     def unsupported(self, canonical: Mapping[str, Any]) -> str | None:
         body = canonical.get("body")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage, bind_models
 from airflow_batch_provider.exceptions import BatchApiResponseError
+from airflow_batch_provider.ids import path_segment
 
 if TYPE_CHECKING:  # bound at run time by bind_models (see dialects/base.py)
     from airflow_batch_provider.models import (  # noqa: TC004
@@ -77,10 +78,10 @@ class XAIDialect(Dialect):
         )
 
     def cancel_path(self, batch_id: str) -> str:
-        return f"batches/{batch_id}:cancel"
+        return f"batches/{path_segment(batch_id, 'batch_id')}:cancel"
 
     def results_path(self, batch_id: str) -> str:
-        return f"batches/{batch_id}/results"
+        return f"batches/{path_segment(batch_id, 'batch_id')}/results"
 
     def create_batch_body(
         self,
@@ -129,18 +130,22 @@ class XAIDialect(Dialect):
             status = BatchState.VALIDATING
         name = raw.get("name")
         input_file_id = raw.get("input_file_id")
-        return Batch(
-            id=str(batch_id),
-            state=status,
-            input_file_id=str(input_file_id) if input_file_id else None,
-            request_counts=RequestCounts(total=total, completed=success, failed=failed),
-            created_at=to_utc(raw.get("create_time")),
-            expires_at=expire_time,
-            cancelled_at=cancel_time,
-            metadata={NAME_KEY: str(name), "name": str(name)} if name else {},
-            errors=errors,
-            raw=dict(raw),
-        )
+        try:
+            return Batch(
+                id=str(batch_id),
+                state=status,
+                input_file_id=str(input_file_id) if input_file_id else None,
+                request_counts=RequestCounts(total=total, completed=success, failed=failed),
+                created_at=to_utc(raw.get("create_time")),
+                expires_at=expire_time,
+                cancelled_at=cancel_time,
+                metadata={NAME_KEY: str(name), "name": str(name)} if name else {},
+                errors=errors,
+                raw=dict(raw),
+            )
+        except ValueError as exc:
+            # An id no vendor issues (``../admin``) is an unreadable answer, as in the base dialect.
+            raise BatchApiResponseError(f"cannot read batch {batch_id}: {exc}", body=dict(raw)) from None
 
     def list_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"limit": limit or self.list_page_size}

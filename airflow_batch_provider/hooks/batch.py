@@ -3,7 +3,14 @@
 The connection (type ``batch_api``) gives the API root URL (``host``), the key
 (``password``) and, in extra, the ``dialect`` plus optional ``headers``,
 ``organization``, ``project``, ``timeout``, ``max_retries``, ``backoff_initial``,
-``backoff_max`` and ``retry_after_max``. Every vendor difference comes from the dialect.
+``backoff_max``, ``retry_after_max``, ``max_download_bytes`` and ``allow_private_redirects``.
+Every vendor difference comes from the dialect.
+
+A file's content is read in decoded pieces and refused past ``max_download_bytes`` (default
+8 GiB, after decompression). Its redirect may lead to another origin (an object store), sent
+without credentials, and only over https or to loopback http, never to a private, link-local
+or instance-metadata address (each hop, each resolved address) unless the connection sets
+``allow_private_redirects: true``.
 
 Creating a batch is not idempotent (each create is billed), so ``create_batch`` retries
 only when the request provably did not reach the server (a connection that never opened,
@@ -50,7 +57,8 @@ from airflow_batch_provider.hooks.create import (
     BatchCreate,
     newest_created,
 )
-from airflow_batch_provider.hooks.lines import DOWNLOAD_CHUNK, ResumableLines
+from airflow_batch_provider.hooks.lines import DOWNLOAD_CAP, LINES_PER_TURN, ResumableLines
+from airflow_batch_provider.hooks.redirects import acheck_hop, check_hop
 from airflow_batch_provider.hooks.results import (
     Pages,
     result_files,
@@ -65,12 +73,13 @@ from airflow_batch_provider.hooks.settings import BatchApiSettings, settings_fro
 from airflow_batch_provider.hooks.transport import (
     CallDeadline,
     PathSource,
-    aiter_with_progress,
+    aiter_decoded,
     aread_capped,
     arm_total_deadline,
     deadline_scope,
-    iter_with_progress,
+    iter_decoded,
     next_hop,
+    origin_of,
     parse_json_body,
     read_capped,
     redact,
@@ -318,6 +327,9 @@ class BatchApiHook(BaseHook):
                     request, response, hops=hops, action=call.action, foreign=call.foreign_redirects
                 )
                 hops += 1
+                # Every hop away from the connection's own origin: its host and addresses.
+                if origin_of(request.url) != origin_of(client.base_url):
+                    check_hop(request.url, action=call.action, allow_private=settings.allow_private_redirects)
             if not (call.stream and response.is_success):
                 read_capped(response, call.max_body, call.action)
         return response
@@ -343,6 +355,13 @@ class BatchApiHook(BaseHook):
                             request, response, hops=hops, action=call.action, foreign=call.foreign_redirects
                         )
                         hops += 1
+                        # Every hop away from the connection's own origin: its host and addresses.
+                        if origin_of(request.url) != origin_of(client.base_url):
+                            await acheck_hop(
+                                request.url,
+                                action=call.action,
+                                allow_private=settings.allow_private_redirects,
+                            )
                     if not (call.stream and response.is_success):
                         await aread_capped(response, call.max_body, call.action)
         except TimeoutError:
@@ -426,8 +445,12 @@ class BatchApiHook(BaseHook):
                     response = self._request(call)
                     written = 0
                     try:
-                        for chunk in iter_with_progress(
-                            response.iter_bytes(DOWNLOAD_CHUNK), settings.timeout
+                        for chunk in iter_decoded(
+                            response,
+                            limit=settings.max_download_bytes,
+                            action=call.action,
+                            cap=DOWNLOAD_CAP,
+                            progress=settings.timeout,
                         ):
                             handle.write(chunk)
                             written += len(chunk)
@@ -449,8 +472,12 @@ class BatchApiHook(BaseHook):
                     response = await self._arequest(call)
                     written = 0
                     try:
-                        async for chunk in aiter_with_progress(
-                            response.aiter_bytes(DOWNLOAD_CHUNK), settings.timeout
+                        async for chunk in aiter_decoded(
+                            response,
+                            limit=settings.max_download_bytes,
+                            action=call.action,
+                            cap=DOWNLOAD_CAP,
+                            progress=settings.timeout,
                         ):
                             await asyncio.to_thread(handle.write, chunk)
                             written += len(chunk)
@@ -484,8 +511,14 @@ class BatchApiHook(BaseHook):
                 lines.attempt()
                 response = self._request(lines.call)
                 try:
-                    for chunk in iter_with_progress(response.iter_bytes(DOWNLOAD_CHUNK), lines.timeout):
-                        yield from lines.feed(chunk)
+                    for piece in iter_decoded(
+                        response,
+                        limit=lines.limit,
+                        action=lines.action,
+                        cap=DOWNLOAD_CAP,
+                        progress=lines.timeout,
+                    ):
+                        yield from lines.feed(piece)
                 finally:
                     response.close()
                 yield from lines.end()
@@ -508,16 +541,27 @@ class BatchApiHook(BaseHook):
     ) -> AsyncIterator[tuple[int, Any]]:
         """Async twin of ``_iter_jsonl``."""
         lines = ResumableLines(await self.aget_settings(), file_id, self.log, lenient=lenient, raw=raw)
+        # Lines given, for the loop's turns: the consumer may not await between them.
+        given = 0
         while True:
             try:
                 lines.attempt()
                 response = await self._arequest(lines.call)
                 try:
-                    async for chunk in aiter_with_progress(
-                        response.aiter_bytes(DOWNLOAD_CHUNK), lines.timeout
+                    async for piece in aiter_decoded(
+                        response,
+                        limit=lines.limit,
+                        action=lines.action,
+                        cap=DOWNLOAD_CAP,
+                        progress=lines.timeout,
                     ):
-                        for item in lines.feed(chunk):
+                        for item in lines.feed(piece):
                             yield item
+                            given += 1
+                            if given % LINES_PER_TURN == 0:
+                                await asyncio.sleep(0)
+                        # A decoded MiB of blank or skipped lines gives nothing: a turn for the loop anyway.
+                        await asyncio.sleep(0)
                 finally:
                     await response.aclose()
                 for item in lines.end():

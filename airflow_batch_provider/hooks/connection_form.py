@@ -28,6 +28,8 @@ PROJECT_DIALECTS = tuple(n for n in DIALECT_NAMES if "project" in DIALECTS[n].re
 
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MAX_RETRIES = 3
+# A result file of 50,000 long answers or large embeddings stays well below this; a gzip bomb does not.
+DEFAULT_MAX_DOWNLOAD_BYTES = 8 << 30
 
 CONN_FIELDS: dict[str, dict[str, Any]] = {
     "dialect": {
@@ -60,7 +62,8 @@ CONN_FIELDS: dict[str, dict[str, Any]] = {
         "label": "Batch page URL template",
         "description": (
             "The web page of one batch, for the tasks' extra links: {batch_id} and {origin} are filled "
-            "in; 'none' turns the links off. Default: the vendor's console, or the local server's page."
+            "in; 'none' turns the links off. Default: the vendor's console, or the local server's page. "
+            "Only https:// (http:// for localhost or the API's own host) is linked."
         ),
         "schema": {"type": ["string", "null"]},
     },
@@ -79,6 +82,25 @@ CONN_FIELDS: dict[str, dict[str, Any]] = {
     "max_retries": {
         "label": "Max retries",
         "schema": {"type": ["integer", "null"], "default": DEFAULT_MAX_RETRIES, "minimum": 0},
+    },
+    "max_download_bytes": {
+        "label": "Max download size (bytes)",
+        "description": (
+            "The most bytes one downloaded or streamed file (results, errors) may have once decompressed; "
+            "a larger one is refused with an error naming the file. Default 8 GiB."
+        ),
+        "schema": {"type": ["integer", "null"], "default": DEFAULT_MAX_DOWNLOAD_BYTES, "minimum": 1},
+    },
+    "allow_private_redirects": {
+        "label": "Allow private redirects",
+        "description": (
+            "A result file may redirect to object storage on another host: by default only over https "
+            "(or http to loopback) and never to a private, link-local or instance-metadata address "
+            "(169.254.169.254, metadata.google.internal, 10/8, 172.16/12, 192.168/16, 100.64/10, fc00::/7, "
+            "fe80::/10), checked on every hop and for every address the host name resolves to. Set true "
+            "when the store lives inside your network (then http to it is allowed too)."
+        ),
+        "schema": {"type": ["boolean", "null"], "default": False},
     },
 }
 # The extras a single dialect reads (an API version, an auth mode...), declared by the dialect.

@@ -21,7 +21,11 @@ from airflow_batch_provider.hooks.calls import MAX_RESULT_LINE_BYTES
 from airflow_batch_provider.hooks.settings import BatchApiSettings
 from airflow_batch_provider.hooks.transport import REDACTED, LineSplitter, parse_json_line
 
-DOWNLOAD_CHUNK = 1 << 20
+# How the download cap is named in its error, so the user knows what to raise.
+DOWNLOAD_CAP = " (the connection extra 'max_download_bytes')"
+# An async reader gives the event loop a turn after this many lines (and after every decoded
+# MiB), so one large or hostile file never holds the triggerer's other coroutines.
+LINES_PER_TURN = 256
 # The custom_id of a line too damaged to parse (truncated, say) when it is still legible.
 CUSTOM_ID_TEXT = re.compile(rb'"custom_id"\s*:\s*"([^"\\]{1,64})"')
 
@@ -85,6 +89,7 @@ class ResumableLines:
         self.action = f"reading file {file_id}"
         self.call = calls.file_content(settings.dialect, file_id, self.action)
         self.timeout = settings.timeout
+        self.limit = settings.max_download_bytes
         self._restarts = Restarts(settings, self.action, log)
         self._hidden = tuple(secret.encode() for secret in settings.secrets)
         self._lenient = lenient

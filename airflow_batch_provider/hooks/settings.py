@@ -17,7 +17,7 @@ import orjson
 from airflow_batch_provider import __version__
 from airflow_batch_provider.dialects import Dialect, get_dialect
 from airflow_batch_provider.exceptions import ConfigurationError
-from airflow_batch_provider.hooks.connection_form import DEFAULT_TIMEOUT
+from airflow_batch_provider.hooks.connection_form import DEFAULT_MAX_DOWNLOAD_BYTES, DEFAULT_TIMEOUT
 from airflow_batch_provider.hooks.retry import RetryPolicy
 from airflow_batch_provider.hooks.transport import shared_ssl_context
 
@@ -45,6 +45,7 @@ def normalize_base_url(
     text = (host or "").strip() or default
     if "://" not in text:
         text = f"https://{text}"
+    refuse_userinfo(text, "connection host")
     parts = urlsplit(text)
     if not parts.hostname:
         raise ConfigurationError(f"connection host {host!r} is not a URL")
@@ -55,6 +56,28 @@ def normalize_base_url(
     if not path:
         path = "/" + (schema.strip("/") if schema and schema.strip("/") else api_path.strip("/"))
     return urlunsplit((parts.scheme, netloc, path, parts.query, ""))
+
+
+def refuse_userinfo(url: str, where: str) -> None:
+    """Refuse a URL with credentials before its host (``http://user:password@host/v1``).
+
+    Refused rather than stripped: these APIs authenticate with the dialect's key header, and
+    httpx turns userinfo into Basic auth that replaces the Bearer key. Kept, the password would
+    also show wherever the URL does (links, connection tests, 404 messages, ``repr``). The
+    message shows the URL with everything before its ``@`` masked.
+
+    :param url: the URL.
+    :param where: what the URL is, for the message (``connection host``).
+    """
+    scheme, sep, rest = url.partition("://")
+    authority = (rest if sep else scheme).split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+    if "@" not in authority:
+        return
+    shown = url.replace(authority, "***@" + authority.rsplit("@", 1)[1], 1)
+    raise ConfigurationError(
+        f"{where} {shown!r} carries credentials before its host; remove them and put the API key "
+        "in the connection's password field (it is sent in the dialect's auth header)"
+    )
 
 
 @dataclass(frozen=True)
@@ -69,6 +92,9 @@ class BatchApiSettings:
     :param headers: extra headers from the connection.
     :param timeout: seconds for reads and writes (connects use at most 10s).
     :param retry: the retry policy.
+    :param max_download_bytes: the most decoded bytes of one downloaded or streamed file.
+    :param allow_private_redirects: a file's redirect may reach private, link-local and
+        instance-metadata addresses (see ``hooks.redirects``).
     :param auth: signs each request when the dialect authenticates by a token fetched at run time
         (None: ``auth_headers`` carry the key).
     """
@@ -81,7 +107,13 @@ class BatchApiSettings:
     headers: Mapping[str, str] = field(default_factory=dict, repr=False)
     timeout: float = DEFAULT_TIMEOUT
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    max_download_bytes: int = DEFAULT_MAX_DOWNLOAD_BYTES
+    allow_private_redirects: bool = False
     auth: httpx.Auth | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        # Settings built by hand too: the base URL shows in links, messages and this repr.
+        refuse_userinfo(self.base_url, "base_url")
 
     def __repr__(self) -> str:
         key = "***" if self.api_key else None
@@ -201,5 +233,38 @@ def settings_from_connection(
         headers={str(k): str(v) for k, v in headers.items()},
         timeout=timeout_s,
         retry=retry,
+        max_download_bytes=_positive_int(extra, "max_download_bytes", DEFAULT_MAX_DOWNLOAD_BYTES, conn_id),
+        allow_private_redirects=_flag(extra, "allow_private_redirects", conn_id),
         auth=dialect.request_auth(api_key, extra, base_url, conn_id),
     )
+
+
+def _positive_int(extra: Mapping[str, Any], name: str, default: int, conn_id: str) -> int:
+    """The extra ``name`` as a whole number above zero (``default`` when unset)."""
+    value = extra.get(name)
+    if value is None:
+        return default
+    number: int | None = None
+    if isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        number = int(value)
+    if number is None or number < 1:
+        raise ConfigurationError(
+            f"connection {conn_id!r}: extra {name!r} must be a whole number above 0, got {value!r}"
+        )
+    return number
+
+
+def _flag(extra: Mapping[str, Any], name: str, conn_id: str) -> bool:
+    """The extra ``name`` as a boolean (false when unset); the form may save it as text."""
+    value = extra.get(name, False)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if not isinstance(value, bool):
+        raise ConfigurationError(
+            f"connection {conn_id!r}: extra {name!r} must be true or false, got {value!r}"
+        )
+    return value

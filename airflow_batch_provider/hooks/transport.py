@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import contextvars
 import os
+import re
 import secrets
 import ssl
 import time
@@ -34,6 +35,7 @@ from airflow_batch_provider.exceptions import (
     BatchApiServerError,
 )
 from airflow_batch_provider.hooks.retry import retry_after_seconds
+from airflow_batch_provider.jsonl import repeated_key
 
 if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
@@ -309,15 +311,37 @@ async def aiter_with_progress(chunks: AsyncIterator[bytes], seconds: float) -> A
 MAX_CONTROL_BODY = 8 << 20
 
 
-class _BodyReader:
-    """Collect a response body up to ``limit`` decoded bytes, inflating gzip with bounded output."""
+class BodyDecoder:
+    """A response body's content-encoding undone with bounded output, piece by piece.
 
-    def __init__(self, response: httpx.Response, limit: int, action: str) -> None:
+    zlib inflates into at most ``piece`` bytes per call, so a gzip bomb never expands in memory
+    beyond that, and more than ``limit`` decoded bytes in all is refused.
+
+    :param response: the response (its ``content-encoding`` says how to decode).
+    :param limit: the most decoded bytes accepted.
+    :param action: what is being read, for messages (``reading file file-abc``).
+    :param piece: the most bytes of one decoded piece (None: ``limit`` + 1).
+    :param cap: how the limit is named in the error (e.g. the connection extra that sets it).
+    :param decoded: the body is decoded already (a transport that answered with ready content).
+    """
+
+    def __init__(
+        self,
+        response: httpx.Response,
+        limit: int,
+        action: str,
+        *,
+        piece: int | None = None,
+        cap: str = "",
+        decoded: bool = False,
+    ) -> None:
         self.limit = limit
         self.action = action
-        self.body = bytearray()
+        self.piece = piece
+        self.cap = cap
+        self.total = 0
         self.started = False
-        encoding = response.headers.get("content-encoding", "").strip().lower()
+        encoding = "" if decoded else response.headers.get("content-encoding", "").strip().lower()
         self.encoding = encoding
         if encoding in ("gzip", "x-gzip"):
             self.inflater: Any = zlib.decompressobj(16 + zlib.MAX_WBITS)
@@ -330,42 +354,69 @@ class _BodyReader:
                 f"{action}: the server answered with content-encoding {encoding!r}, which was not asked for"
             )
 
-    def _too_large(self) -> BatchApiResponseTooLargeError:
-        how = " decompressed" if self.inflater is not None else ""
-        return BatchApiResponseTooLargeError(
-            f"{self.action}: the answer is larger than {self.limit:,} bytes{how}; refused"
-        )
+    def _counted(self, data: bytes) -> bytes:
+        self.total += len(data)
+        if self.total > self.limit:
+            how = " decompressed" if self.inflater is not None else ""
+            raise BatchApiResponseTooLargeError(
+                f"{self.action}: the answer is larger than {self.limit:,} bytes{how}{self.cap}; refused"
+            )
+        return data
 
-    def feed(self, raw: bytes) -> None:
+    def _room(self) -> int:
+        room = self.limit - self.total + 1
+        return room if self.piece is None else min(self.piece, room)
+
+    def feed(self, raw: bytes) -> Iterator[bytes]:
+        """The decoded pieces of the raw bytes ``raw``; raises past the limit."""
         if self.inflater is None:
-            self.body += raw
-        else:
-            data = raw
-            while data:
-                room = self.limit - len(self.body) + 1
-                try:
-                    self.body += self.inflater.decompress(data, room)
-                except zlib.error as exc:
-                    if self.encoding == "deflate" and not self.started:
-                        # Some servers send "deflate" without its zlib wrapper (as httpx accepts too).
-                        self.inflater = zlib.decompressobj(-zlib.MAX_WBITS)
-                        self.started = True
-                        continue
-                    raise BatchApiResponseError(
-                        f"{self.action}: the {self.encoding} body is corrupt ({exc})"
-                    ) from None
-                self.started = True
-                if len(self.body) > self.limit:
-                    break
-                data = self.inflater.unconsumed_tail
-        if len(self.body) > self.limit:
-            raise self._too_large()
+            step = self.piece or len(raw) or 1
+            for at in range(0, len(raw), step):
+                yield self._counted(raw[at : at + step])
+            return
+        data = raw
+        while True:
+            room = self._room()
+            try:
+                out = self.inflater.decompress(data, room)
+            except zlib.error as exc:
+                if self.encoding == "deflate" and not self.started:
+                    # Some servers send "deflate" without its zlib wrapper (as httpx accepts too).
+                    self.inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+                    self.started = True
+                    continue
+                raise BatchApiResponseError(
+                    f"{self.action}: the {self.encoding} body is corrupt ({exc})"
+                ) from None
+            self.started = True
+            if out:
+                yield self._counted(out)
+            data = self.inflater.unconsumed_tail
+            # A full piece may leave output inside zlib even with no input left: ask again.
+            if not data and len(out) < room:
+                return
 
-    def finish(self) -> bytes:
+    def finish(self) -> None:
+        """The body ended: a compressed one must have reached its end marker."""
         if self.inflater is not None and not self.inflater.eof:
             raise BatchApiResponseError(
                 f"{self.action}: the {self.encoding} body ended before its end marker"
             )
+
+
+class _BodyReader:
+    """Collect a response body up to ``limit`` decoded bytes, inflating gzip with bounded output."""
+
+    def __init__(self, response: httpx.Response, limit: int, action: str) -> None:
+        self.decoder = BodyDecoder(response, limit, action)
+        self.body = bytearray()
+
+    def feed(self, raw: bytes) -> None:
+        for piece in self.decoder.feed(raw):
+            self.body += piece
+
+    def finish(self) -> bytes:
+        self.decoder.finish()
         return bytes(self.body)
 
 
@@ -405,6 +456,61 @@ async def aread_capped(response: httpx.Response, limit: int, action: str) -> Non
         response._content = reader.finish()
     finally:
         await response.aclose()
+
+
+# ---- streamed bodies -------------------------------------------------------------------------
+# A result file is read in decoded pieces of at most DOWNLOAD_CHUNK bytes: httpx's own decoder
+# inflates a whole network read at once (64 KB of gzip -> 64 MB), so the hook decodes itself.
+DOWNLOAD_CHUNK = 1 << 20
+
+
+def _ready_content(response: httpx.Response) -> bytes | None:
+    """The body when the transport answered with it already read and decoded (else None)."""
+    try:
+        return response.content
+    except httpx.ResponseNotRead:
+        return None
+
+
+def iter_decoded(
+    response: httpx.Response, *, limit: int, action: str, cap: str, progress: float
+) -> Iterator[bytes]:
+    """A streamed body, decoded, in pieces of at most ``DOWNLOAD_CHUNK`` bytes, ``limit`` in all.
+
+    Each network read must arrive within ``progress`` seconds (``iter_with_progress``).
+
+    :param response: an open streamed response.
+    :param limit: the most decoded bytes; past it a ``BatchApiResponseTooLargeError``.
+    :param action: what is read, for messages.
+    :param cap: how the limit is named in that error.
+    :param progress: seconds each read may take.
+    """
+    ready = _ready_content(response)
+    decoder = BodyDecoder(response, limit, action, piece=DOWNLOAD_CHUNK, cap=cap, decoded=ready is not None)
+    raw = (
+        iter((ready,))
+        if ready is not None
+        else iter_with_progress(response.iter_raw(DOWNLOAD_CHUNK), progress)
+    )
+    for chunk in raw:
+        yield from decoder.feed(chunk)
+    decoder.finish()
+
+
+async def aiter_decoded(
+    response: httpx.Response, *, limit: int, action: str, cap: str, progress: float
+) -> AsyncIterator[bytes]:
+    """Async twin of ``iter_decoded``."""
+    ready = _ready_content(response)
+    decoder = BodyDecoder(response, limit, action, piece=DOWNLOAD_CHUNK, cap=cap, decoded=ready is not None)
+    if ready is not None:
+        for piece in decoder.feed(ready):
+            yield piece
+    else:
+        async for chunk in aiter_with_progress(response.aiter_raw(DOWNLOAD_CHUNK), progress):
+            for piece in decoder.feed(chunk):
+                yield piece
+    decoder.finish()
 
 
 # ---- redirects -------------------------------------------------------------------------------
@@ -595,8 +701,18 @@ class MultipartUpload:
         yield self.tail
 
 
+# A run of blank lines (whitespace only): skipped in one regex match, not line by line in Python.
+_BLANK_RUN = re.compile(rb"[ \t\r\f\v\n]*\n")
+_SPACE = frozenset(b" \t\r\f\v\n")
+#: Most blank lines in a row a file may have: a real JSONL file has none, a newline bomb millions.
+MAX_BLANK_RUN = 10_000
+
+
 class LineSplitter:
-    """Split a byte stream into numbered physical lines, holding at most one line in memory.
+    """Split a byte stream into numbered non-blank lines, holding at most one line in memory.
+
+    Blank (whitespace-only) lines are counted in the numbering but not given; a run of them is
+    skipped at C speed, and more than ``MAX_BLANK_RUN`` in a row is an error.
 
     :param max_line_bytes: longest line accepted; a longer one raises instead of growing the buffer.
     :param where: what is being read, for error messages (e.g. ``file 'file-abc'``).
@@ -607,20 +723,32 @@ class LineSplitter:
         self.where = where
         self.number = 0
         self._buffer = bytearray()
+        # The buffer's first bytes, known to hold no newline: not searched again.
+        self._searched = 0
+        self._blank_run = 0
 
     def feed(self, chunk: bytes) -> Iterator[tuple[int, bytes]]:
-        self._buffer += chunk
+        buffer = self._buffer
+        buffer += chunk
         start = 0
         while True:
-            end = self._buffer.find(b"\n", start)
+            end = buffer.find(b"\n", max(start, self._searched))
             if end < 0:
                 break
+            if buffer[start] in _SPACE:
+                run = _BLANK_RUN.match(buffer, start)
+                if run is not None:
+                    self._blank(buffer.count(b"\n", start, run.end()))
+                    start = run.end()
+                    continue
             self.number += 1
-            yield self.number, self._line(bytes(self._buffer[start:end]))
+            self._blank_run = 0
+            yield self.number, self._line(bytes(buffer[start:end]))
             start = end + 1
         if start:
-            del self._buffer[:start]
-        if len(self._buffer) > self.max_line_bytes:
+            del buffer[:start]
+        self._searched = len(buffer)
+        if len(buffer) > self.max_line_bytes:
             raise BatchApiResponseError(
                 f"{self.where} line {self.number + 1} is longer than {self.max_line_bytes:,} bytes"
             )
@@ -630,7 +758,20 @@ class LineSplitter:
             self.number += 1
             data = bytes(self._buffer)
             self._buffer.clear()
-            yield self.number, self._line(data)
+            self._searched = 0
+            if data.strip():
+                yield self.number, self._line(data)
+
+    def _blank(self, count: int) -> None:
+        """``count`` blank lines in a row: numbered, not given; too many in a row raise."""
+        first = self.number - self._blank_run + 1
+        self.number += count
+        self._blank_run += count
+        if self._blank_run > MAX_BLANK_RUN:
+            raise BatchApiResponseError(
+                f"{self.where} has more than {MAX_BLANK_RUN:,} blank lines in a row (from line {first:,}); "
+                "not a JSONL file, stopped reading"
+            )
 
     def _line(self, data: bytes) -> bytes:
         if data.endswith(b"\r"):
@@ -646,11 +787,15 @@ class LineSplitter:
 
 
 def parse_json_line(data: bytes, number: int, where: str) -> Any:
-    """Parse one JSONL line; bad JSON raises naming the file and line."""
+    """Parse one JSONL line; bad JSON, or an object repeating a key, raises naming the file and line."""
     try:
-        return orjson.loads(data)
+        obj = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise BatchApiResponseError(f"{where} line {number} is not valid JSON: {exc}") from None
+    ambiguous = repeated_key(data, obj)
+    if ambiguous is not None:
+        raise BatchApiResponseError(f"{where} line {number} {ambiguous}")
+    return obj
 
 
 def parse_json_body(response: httpx.Response, action: str, secret: Secrets) -> Any:

@@ -13,6 +13,7 @@ from airflow.sdk import BaseHook, BaseOperator
 from airflow_batch_provider.assets import attach_outlet_extra, merge_event_extra
 from airflow_batch_provider.constants import DEFAULT_CONN_ID, SHARD_TAG
 from airflow_batch_provider.exceptions import BatchProviderError, ConfigurationError
+from airflow_batch_provider.ids import check_id
 from airflow_batch_provider.jsonl import iter_objects
 from airflow_batch_provider.models import BatchState, Manifest, ResultLine
 from airflow_batch_provider.records import KeyRecord
@@ -47,7 +48,7 @@ def batches_with_shards(value: Any) -> list[tuple[str, int | None]]:
                 return batches_with_shards(ast.literal_eval(text))
             except (ValueError, SyntaxError):
                 raise ConfigurationError(f"batches: cannot read {text[:200]!r}") from None
-        return [(text, None)] if text else []
+        return [(check_id(text, "batches"), None)] if text else []
     if isinstance(value, Mapping):
         entries = value.get("batches")
         if isinstance(entries, Sequence) and not isinstance(entries, str) and entries:
@@ -115,6 +116,8 @@ def manifest_reference(value: Any) -> Any:
 def _unique(pairs: list[tuple[str, int | None]]) -> list[tuple[str, int | None]]:
     seen: dict[str, int | None] = {}
     for batch_id, shard in pairs:
+        # The ids may come from ``dag_run.conf`` and are placed in URLs sent with the key.
+        check_id(batch_id, "batches")
         if batch_id not in seen or seen[batch_id] is None:
             seen[batch_id] = shard
     return list(seen.items())

@@ -108,7 +108,9 @@ class SubmitBatchOperator(BaseOperator):
     :param endpoint: the batch endpoint (templated); default: the manifest's, else the file's url.
     :param completion_window: the vendor completion window.
     :param metadata: extra metadata pairs for every batch (templated).
-    :param model: replace ``body.model`` on every line while uploading (templated).
+    :param model: replace ``body.model`` on every line while uploading (templated). For a
+        dialect whose model_placement is "job", this or the lines' one model is
+        named on the create call; a file naming two models, or none, fails before any upload.
     :param state_store: where each shard's intent and batch id live between tries: ``auto``
         (Airflow's task state store when the task has one, Airflow 3.3+; else files),
         ``task_state_store`` (fail without one) or ``file`` (``submit-state/`` files, see ``state_path``).

@@ -21,15 +21,18 @@ from airflow_batch_provider.server.backends import make_backend
 from airflow_batch_provider.server.config import BATCH_FAULTS, REQUEST_FAULTS, ServerConfig
 from airflow_batch_provider.server.engine import TERMINAL, Engine, new_batch_record, validate_file
 from airflow_batch_provider.server.faults import Faults
+from airflow_batch_provider.server.hosts import HostCheckMiddleware, allowed_hosts
 from airflow_batch_provider.server.results import DoublewordResults, xai_page
 from airflow_batch_provider.server.store import Store, now
-from airflow_batch_provider.server.wire import ApiError, MistralWire, Wire, get_wire
+from airflow_batch_provider.server.wire import ApiError, Wire, get_wire
 
 log = logging.getLogger(__name__)
 
 FAULT_HEADER = "x-batch-fault"
 _DOWNLOAD_CHUNK = 1 << 16
-_MAX_FORM_FIELD = 1 << 16
+_MAX_FORM_FIELD = 1 << 16  # bytes of one form field (the file part aside)
+# An upload is a file and a few fields (purpose, expires_after[...]); thousands of fields are refused.
+_MAX_FORM_PARTS = 16
 # After refusing an oversized body, read (and discard) at most this much more of it so the
 # client, still sending, gets the error answer instead of a reset connection.
 _MAX_DRAIN = 64 << 20
@@ -47,7 +50,7 @@ class ServerState:
         self.config = config
         self.wire: Wire = get_wire(config.dialect)
         self.wire.bearer_token = config.bearer_token
-        self.store = Store(config.data_dir)
+        self.store = Store(config.data_dir, config.max_storage_bytes)
         self.faults = Faults(config.faults.model_copy())
         self.backend = make_backend(config)
         self.engine = Engine(self.store, config, self.faults, self.backend, self.wire)
@@ -105,6 +108,12 @@ def create_app(config: ServerConfig) -> FastAPI:
             state.store.close()
 
     app = FastAPI(title="airflow-batch local batch server", lifespan=lifespan, default_response_class=ORJSON)
+    # Outermost: a request naming a host this server does not serve reaches no route (DNS rebinding).
+    app.add_middleware(
+        HostCheckMiddleware,
+        allowed=allowed_hosts(config.host, config.allowed_hosts),
+        wire=get_wire(config.dialect),
+    )
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -145,24 +154,39 @@ def create_app(config: ServerConfig) -> FastAPI:
 
 # ---- files ---------------------------------------------------------------------------
 class _UploadSink:
-    """Receives a multipart body chunk by chunk, writing the file part straight to disk."""
+    """Receives a multipart body chunk by chunk, writing the file part straight to disk.
 
-    def __init__(self, dest: Any) -> None:
+    Every byte of the file is reserved under the storage cap before it is written, and the
+    form is bounded (parts, field bytes): the first bound passed sets
+    ``refused`` and nothing more is kept; the caller stops reading and answers the refusal.
+
+    :param store: where the file's bytes are reserved (``reserved`` bytes to give back on failure).
+    :param dest: the temporary file the file part goes to.
+    :param limit: largest file accepted (``max_file_bytes``).
+    """
+
+    def __init__(self, store: Store, dest: Any, limit: int) -> None:
+        self.store = store
         self.dest = dest
+        self.limit = limit
         self.fields: dict[str, str] = {}
         self.filename: str | None = None
         self.size = 0
+        self.reserved = 0
+        self.parts = 0
+        # "file_too_large" | "storage_full" | a message about the form (a 400).
+        self.refused: str | None = None
         self._fh: Any = None
         self._headers: dict[bytes, bytes] = {}
         self._hname = b""
         self._hvalue = b""
         self._name: str | None = None
         self._buffer = bytearray()
-        self.error: str | None = None
 
     def callbacks(self) -> dict[str, Any]:
         return {
             "on_part_begin": self._begin,
+            # python-multipart bounds header lines (4 KiB) and their count (8) per part itself.
             "on_header_field": lambda d, s, e: setattr(self, "_hname", self._hname + d[s:e]),
             "on_header_value": lambda d, s, e: setattr(self, "_hvalue", self._hvalue + d[s:e]),
             "on_header_end": self._header_end,
@@ -171,7 +195,14 @@ class _UploadSink:
             "on_part_end": self._end,
         }
 
+    def _refuse(self, reason: str) -> None:
+        if self.refused is None:
+            self.refused = reason
+
     def _begin(self) -> None:
+        self.parts += 1
+        if self.parts > _MAX_FORM_PARTS:
+            self._refuse(f"The form has more than {_MAX_FORM_PARTS} parts (a file and a few fields).")
         self._headers = {}
         self._name = None
         self._buffer = bytearray()
@@ -181,31 +212,52 @@ class _UploadSink:
         self._hname = self._hvalue = b""
 
     def _headers_done(self) -> None:
+        if self.refused is not None:
+            return
         _, params = parse_options_header(self._headers.get(b"content-disposition", b""))
         self._name = params.get(b"name", b"").decode("utf-8", "replace")
         if self._name == "file":
             if self._fh is not None:
-                self.error = "only one file part is allowed"
+                self._refuse("Only one file part is allowed.")
                 return
             self.filename = params.get(b"filename", b"upload.jsonl").decode("utf-8", "replace")
             self._fh = open(self.dest, "wb")  # noqa: SIM115 - closed in _end/close
 
     def _data(self, data: bytes, start: int, end: int) -> None:
-        if self._name == "file" and self._fh is not None:
-            self._fh.write(data[start:end])
-            self.size += end - start
-        elif len(self._buffer) < _MAX_FORM_FIELD:
+        if self.refused is not None:
+            return
+        size = end - start
+        if self._name == "file" and self._fh is not None and not self._fh.closed:
+            if self.size + size > self.limit:
+                self._refuse("file_too_large")
+            elif not self.store.reserve(size):
+                # Reserved as it streams: concurrent uploads cannot pass the cap between them.
+                self._refuse("storage_full")
+            else:
+                self.reserved += size
+                self._fh.write(data[start:end])
+                self.size += size
+        elif len(self._buffer) + size > _MAX_FORM_FIELD:
+            self._refuse(f"Form field {self._name!r} is larger than {_MAX_FORM_FIELD:,} bytes.")
+        else:
             self._buffer += data[start:end]
 
     def _end(self) -> None:
         if self._name == "file" and self._fh is not None:
             self._fh.close()
-        elif self._name:
+        elif self._name and self.refused is None:
             self.fields[self._name] = self._buffer.decode("utf-8", "replace")
 
     def close(self) -> None:
         if self._fh is not None and not self._fh.closed:
             self._fh.close()
+
+    def discard(self) -> None:
+        """Remove the partial file and give its reserved bytes back (a refused or broken upload)."""
+        self.close()
+        self.dest.unlink(missing_ok=True)
+        self.store.release(self.reserved)
+        self.reserved = 0
 
 
 def _content_disposition(filename: str) -> str:
@@ -214,15 +266,11 @@ def _content_disposition(filename: str) -> str:
     return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(filename, safe='')}"
 
 
-def _storage_room(st: ServerState) -> int | None:
-    """Bytes left under ``max_storage_bytes`` (None without a cap); a full store is a 507."""
-    cap = st.config.max_storage_bytes
-    if cap is None:
-        return None
-    room = cap - st.store.usage()
-    if room <= 0:
+def _storage_room(st: ServerState) -> None:
+    """Refuse with a 507 when nothing more can be stored (writers still reserve what they write)."""
+    room = st.store.room()
+    if room is not None and room <= 0:
         raise _storage_full(st)
-    return room
 
 
 def _storage_full(st: ServerState) -> Exception:
@@ -269,53 +317,56 @@ def _files_routes(r: APIRouter) -> None:
         if ctype != b"multipart/form-data" or not boundary:
             raise wire.error(400, "Upload must be multipart/form-data with a 'file' part.", param="file")
         limit = st.config.limits().max_file_bytes
-        room = _storage_room(st)
-        allowed = limit if room is None else min(limit, room)
+        _storage_room(st)
         file_id = st.store.new_id("file-", wire.id_style)
         temp = st.store.temp_path(file_id)
-        sink = _UploadSink(temp)
+        sink = _UploadSink(st.store, temp, limit)
         parser = MultipartParser(boundary, cast(Any, sink.callbacks()))
         stream = request.stream()
         try:
             async for chunk in stream:
                 parser.write(chunk)
-                if sink.size > allowed:
+                if sink.refused is not None:
                     break
             else:
                 parser.finalize()
+        except asyncio.CancelledError:
+            sink.discard()
+            raise
         except Exception as exc:
-            sink.close()
-            temp.unlink(missing_ok=True)
+            sink.discard()
             raise wire.error(400, f"Could not read the multipart body: {exc}", param="file") from None
         sink.close()
-        if sink.size > allowed:
-            temp.unlink(missing_ok=True)
+        if sink.refused is not None:
+            sink.discard()
             await _drain(stream)
-            if sink.size > limit:
+            if sink.refused == "file_too_large":
                 raise wire.error(
                     413,
                     f"File is larger than the limit of {limit:,} bytes.",
                     code="file_too_large",
                     param="file",
                 )
-            raise _storage_full(st)
+            if sink.refused == "storage_full":
+                raise _storage_full(st)
+            raise wire.error(400, sink.refused, param="file")
         if parser.state != MultipartState.END:
-            temp.unlink(missing_ok=True)
+            sink.discard()
             raise wire.error(
                 400,
                 "The multipart body ends before its closing boundary: the upload is incomplete.",
                 param="file",
             )
-        if sink.error or sink.filename is None:
-            temp.unlink(missing_ok=True)
-            raise wire.error(400, sink.error or "Missing required parameter: 'file'.", param="file")
+        if sink.filename is None:
+            sink.discard()
+            raise wire.error(400, "Missing required parameter: 'file'.", param="file")
         upload_limit = st.config.limits().max_upload_bytes
         if upload_limit is not None and sink.size > upload_limit:
-            temp.unlink(missing_ok=True)
+            sink.discard()
             raise wire.upload_too_large(upload_limit)
         purpose = sink.fields.get("purpose")
         if wire.upload_requires_purpose and not purpose:
-            temp.unlink(missing_ok=True)
+            sink.discard()
             raise wire.error(400, "Missing required parameter: 'purpose'.", param="purpose")
         os.replace(temp, st.store.file_path(file_id))
         rec = {
@@ -467,10 +518,8 @@ def _batch_routes(r: APIRouter) -> None:
     @r.get("/batch/jobs")
     async def list_jobs(request: Request) -> dict[str, Any]:
         st = _own(request, "batch/jobs")
-        wire = st.wire
-        assert isinstance(wire, MistralWire)
-        query = wire.list_query(request.query_params, request.query_params.multi_items())
-        return await asyncio.to_thread(_job_page, st, wire, query)
+        query = st.wire.list_query(request.query_params, request.query_params.multi_items())
+        return await asyncio.to_thread(_job_page, st, query)
 
     @r.get("/batch/jobs/{batch_id}")
     async def get_job(batch_id: str, request: Request) -> dict[str, Any]:
@@ -552,8 +601,10 @@ def _own(request: Request, route: str) -> ServerState:
     return st
 
 
-def _job_page(st: ServerState, wire: MistralWire, query: dict[str, Any]) -> dict[str, Any]:
-    """One page of a filtered job listing and the count of every match (Mistral's ``total``)."""
+def _job_page(st: ServerState, query: dict[str, Any]) -> dict[str, Any]:
+    """One page of a filtered listing and the count of every match (``total``), for a wire whose
+    listing pages by number (``Wire.list_query``)."""
+    wire = st.wire
     items, _ = st.store.list_batches(after=None, limit=1 << 30)
     # Live batches are fresher in memory than in the last checkpoint.
     items = [st.engine.active.get(i["id"], i) for i in items]
@@ -690,6 +741,12 @@ def _admin_router() -> APIRouter:
         st = _state(request)
         out = st.faults.stats()
         out["active_batches"] = len(st.engine.active)
+        # Bytes held or reserved under the data dir, the most ever held since start, and the cap.
+        out["storage"] = {
+            "used_bytes": st.store.used,
+            "peak_bytes": st.store.peak_used,
+            "max_bytes": st.store.max_bytes,
+        }
         return out
 
     @r.post("/batches/{batch_id}/force")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import itertools
 import math
 import os
 import re
@@ -26,14 +27,21 @@ from airflow_batch_provider.server.config import ServerConfig
 _T = TypeVar("_T")
 _WORD = re.compile(r"\S+")
 _RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
+_SMALL_TEXT = 1 << 16  # characters below which building a list of the words costs nothing
 
 # What one echo answer may generate (a clear 400, or an error line in a batch, beyond these):
 # a small request must not be able to cost seconds of CPU or megabytes of answer.
 ECHO_MAX_N = 128  # choices of one chat completion
 ECHO_MAX_OUTPUT_CHARS = 4_000_000  # characters of generated text in one answer (all choices)
 ECHO_MAX_SCHEMA_VALUES = 10_000  # JSON values (objects, array items, scalars) of one structured answer
-ECHO_MAX_EMBEDDING_INPUTS = 2_048  # inputs of one embeddings request
+ECHO_MAX_INPUTS = 2_048  # items of a list input (embeddings, moderations, completion prompts)
+ECHO_MAX_EMBEDDING_INPUTS = ECHO_MAX_INPUTS  # inputs of one embeddings request
 ECHO_MAX_EMBEDDING_VALUES = 524_288  # inputs x dimensions of one embeddings request
+# What one request may carry into the echo model (its "context"), checked on every endpoint before
+# any answer is built: the answer echoes the input, so bounding the input bounds the answer and
+# the work (a 10-million-item moderation input answered 550 MB before this bound).
+ECHO_MAX_INPUT_CHARS = ECHO_MAX_OUTPUT_CHARS  # characters of strings (keys included) in one body
+ECHO_MAX_REQUEST_VALUES = 300_000  # JSON values (objects, list items, scalars) in one body
 
 
 class Backend(Protocol):
@@ -53,7 +61,47 @@ def error_body(
 
 def count_tokens(text: str) -> int:
     """The echo model's tokenizer: one token per whitespace-separated word (honest and cheap)."""
-    return len(_WORD.findall(text))
+    if len(text) <= _SMALL_TEXT:
+        return len(_WORD.findall(text))  # quickest for the usual short text
+    # A long text is counted without a list of its words (one string object per word).
+    return sum(1 for _ in _WORD.finditer(text))
+
+
+def check_request_size(body: Mapping[str, Any]) -> None:
+    """Refuse a body carrying more than the echo model reads, whatever the endpoint.
+
+    Walks the body iteratively and stops as soon as a limit is passed, so the check costs at
+    most ``ECHO_MAX_REQUEST_VALUES`` steps however large the body is.
+
+    :param body: the request body (one batch line's ``body`` or a synchronous request).
+    :raises _BadRequest: naming the top-level field that carries too much (the 400's ``param``).
+    """
+    values = 1  # every value is counted once, when the container holding it is opened
+    chars = 0
+    # (value, the top-level field it sits in); the body's own fields name themselves.
+    stack: list[tuple[Any, str | None]] = [(dict(body), None)]
+    while stack:
+        value, param = stack.pop()
+        # Bodies come from JSON: dict, list and str (concrete-type checks are much quicker than ABCs).
+        if isinstance(value, str):
+            chars += len(value)
+        elif isinstance(value, (dict, list)):
+            # A container too large for what is left is refused before its items are looked at.
+            values += len(value)
+            if values <= ECHO_MAX_REQUEST_VALUES:
+                if isinstance(value, dict):
+                    for key, item in value.items():
+                        chars += len(key) if isinstance(key, str) else 0
+                        stack.append((item, param if param is not None else str(key)))
+                else:
+                    stack.extend((item, param) for item in value)
+        if values > ECHO_MAX_REQUEST_VALUES or chars > ECHO_MAX_INPUT_CHARS:
+            raise _BadRequest(
+                f"the request is larger than the echo backend reads: at most {ECHO_MAX_INPUT_CHARS:,} "
+                f"characters of text and {ECHO_MAX_REQUEST_VALUES:,} JSON values per request "
+                f"(field {param!r} passes the limit)",
+                param,
+            )
 
 
 def _digest(*parts: str) -> bytes:
@@ -126,6 +174,7 @@ class EchoBackend:
         if model is not None and not isinstance(model, str):
             return 400, error_body("model must be a string", param="model")
         try:
+            check_request_size(body)
             return 200, handler(body, f"echo:{model or 'default'}")
         except _BadRequest as exc:
             return 400, error_body(str(exc), param=exc.param)
@@ -187,6 +236,7 @@ class EchoBackend:
 
     def _completions(self, body: Mapping[str, Any], model: str) -> dict[str, Any]:
         prompt = body.get("prompt")
+        _check_inputs(prompt, "prompt")
         text = prompt if isinstance(prompt, str) else " ".join(p for p in prompt or [] if isinstance(p, str))
         content, finish = self._reply(text, body)
         pt, ct = count_tokens(text), count_tokens(content)
@@ -234,6 +284,7 @@ class EchoBackend:
 
     def _moderations(self, body: Mapping[str, Any], model: str) -> dict[str, Any]:
         raw = body.get("input")
+        _check_inputs(raw, "input")
         inputs = raw if isinstance(raw, list) else [raw]
         return {
             "id": "modr-echo-" + _digest(model, orjson.dumps(raw).decode()).hex()[:24],
@@ -254,11 +305,7 @@ class EchoBackend:
         dim = body["dimensions"] if body.get("dimensions") is not None else self.embedding_dim
         if not isinstance(dim, int) or not 1 <= dim <= 8192:
             raise _BadRequest("dimensions must be an integer between 1 and 8192", "dimensions")
-        if len(inputs) > ECHO_MAX_EMBEDDING_INPUTS:
-            raise _BadRequest(
-                f"{len(inputs):,} inputs exceed the echo backend's limit of {ECHO_MAX_EMBEDDING_INPUTS:,}",
-                "input",
-            )
+        _check_inputs(inputs, "input")
         if len(inputs) * dim > ECHO_MAX_EMBEDDING_VALUES:
             raise _BadRequest(
                 f"{len(inputs):,} inputs x {dim:,} dimensions exceed the echo backend's limit of "
@@ -295,10 +342,19 @@ class EchoBackend:
         content = f"echo: {text}"
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
         if isinstance(limit, int) and limit > 0:
-            words = content.split()
+            # The first ``limit + 1`` words only: split() made one string per word of the prompt.
+            words = [m.group() for m in itertools.islice(_WORD.finditer(content), limit + 1)]
             if len(words) > limit:
                 return " ".join(words[:limit]), "length"
         return content, "stop"
+
+
+def _check_inputs(raw: Any, param: str) -> None:
+    """A list input (embeddings, moderations, completion prompts) holds at most ``ECHO_MAX_INPUTS`` items."""
+    if isinstance(raw, list) and len(raw) > ECHO_MAX_INPUTS:
+        raise _BadRequest(
+            f"{len(raw):,} inputs exceed the echo backend's limit of {ECHO_MAX_INPUTS:,}", param
+        )
 
 
 class _BadRequest(ValueError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from airflow_batch_provider.dialects import DIALECTS, get_dialect
 from airflow_batch_provider.limits import Limits
@@ -65,6 +65,9 @@ class ServerConfig(BaseModel):
     the same way, so ``time_scale=0.001`` runs a day-long window in 86 seconds.
 
     :param host: interface to bind.
+    :param allowed_hosts: names, besides ``localhost``, ``127.0.0.1``, ``[::1]`` and ``host``, that
+        requests may carry in their ``Host`` header (any port); ``*`` allows every name. Other
+        names are answered 421 on every route (the defence against DNS rebinding).
     :param port: port to bind (0 picks a free one).
     :param data_dir: directory holding the SQLite metadata and the files.
     :param backend: what answers each line: ``echo`` (offline, deterministic) or ``upstream``.
@@ -80,8 +83,11 @@ class ServerConfig(BaseModel):
     :param max_lines: limit on lines per file (default: the dialect's).
     :param max_file_bytes: limit on file size (default: the dialect's).
     :param max_line_bytes: limit on one line (default: the dialect's).
-    :param max_storage_bytes: cap on the bytes kept under ``data_dir`` (files and work files);
-        an upload or batch that would pass it is refused with a 507 (None: no cap).
+    :param max_storage_bytes: cap on the bytes kept under ``data_dir`` (files and work files),
+        reserved as they are written (None: no cap). An upload that would pass it is refused
+        with a 507 (concurrent uploads included), as is a new batch when the store is full; a
+        running batch whose results would pass it fails with ``errors`` code
+        ``insufficient_storage`` and its partial results are discarded.
     :param max_upload_bytes: limit on one upload, answered 413 (default: the dialect's, if any).
     :param max_reported_errors: most validation problems listed on a failed batch.
     :param embedding_dim: dimension of echo embeddings when the request names none.
@@ -97,6 +103,7 @@ class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     host: str = "127.0.0.1"
+    allowed_hosts: list[str] = Field(default_factory=list)
     port: int = 8000
     data_dir: Path
     backend: Literal["echo", "upstream"] = "echo"
@@ -122,6 +129,20 @@ class ServerConfig(BaseModel):
     upstream_timeout: float = Field(60.0, gt=0)
     upstream_max_backoff: float = Field(5.0, ge=0)
     faults: FaultConfig = Field(default_factory=FaultConfig)
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, names: list[str]) -> list[str]:
+        # A port given with a name is dropped (any port is served); junk is refused here, at start.
+        from airflow_batch_provider.server.hosts import ANY_HOST, host_of
+
+        cleaned = []
+        for name in names:
+            host = ANY_HOST if name.strip() == ANY_HOST else host_of(name)
+            if not host or any(c.isspace() or c in "/@?#" for c in host):
+                raise ValueError(f"allowed host {name!r} is not a host name (use NAME, an IP, or '*')")
+            cleaned.append(host)
+        return cleaned
 
     def model_post_init(self, __context: object) -> None:
         if self.dialect not in DIALECTS:

@@ -54,6 +54,17 @@ CRASH_STEPS = (
 )
 
 
+class _StorageFull(Exception):
+    """A result line did not fit under ``max_storage_bytes`` (``_process`` fails the batch).
+
+    :param line: the input line whose result did not fit.
+    """
+
+    def __init__(self, line: int) -> None:
+        super().__init__(f"storage full at input line {line}")
+        self.line = line
+
+
 class SimulatedCrash(BaseException):
     """Raised at a crash point named with ``:raise``; no handler of the engine catches it."""
 
@@ -304,6 +315,9 @@ class Engine:
                 ],
             )
         finally:
+            if rec["status"] == "failed":
+                # A failed batch publishes nothing: its work files would only hold storage.
+                self.store.discard_work(batch_id)
             if rec["status"] in TERMINAL:
                 self.active.pop(batch_id, None)
                 self._tasks.pop(batch_id, None)
@@ -360,13 +374,48 @@ class Engine:
 
     async def _process(self, rec: dict[str, Any]) -> None:
         progress = rec["progress"]
+        try:
+            stop = await self._run_lines(rec)
+        except _StorageFull as full:
+            # As a vendor fails a batch it cannot finish: failed, with the reason in ``errors``.
+            # Its partial results are dropped (``_run`` removes the work files), freeing the space.
+            self._fail(rec, [self._storage_error(full.line)])
+            stop = "failed"
+        progress["stop"] = stop
+        if stop == "failed":
+            self.save(rec)
+            return
+        if stop == "expired":
+            rec["expires_at"] = min(rec["expires_at"], now())
+        rec["status"] = "cancelling" if stop == "cancelled" else "finalizing"
+        if stop != "cancelled":
+            rec["finalizing_at"] = now()
+        self.save(rec)
+
+    def _storage_error(self, line: int) -> dict[str, Any]:
+        """The ``errors`` entry of a batch whose results did not fit under ``max_storage_bytes``."""
+        return {
+            "code": "insufficient_storage",
+            "line": None,
+            "message": (
+                "The batch's results would pass the server's storage limit of "
+                f"{self.config.max_storage_bytes or 0:,} bytes (reached at input line {line}); its "
+                "partial results were discarded. Delete files to make room and submit it again."
+            ),
+            "param": None,
+        }
+
+    async def _run_lines(self, rec: dict[str, Any]) -> str | None:
+        """Answer lines from the checkpoint on until done or stopped; returns why it stopped.
+
+        :raises _StorageFull: when a result line does not fit under the storage cap.
+        """
+        progress = rec["progress"]
         batch_id = rec["id"]
-        out_path = self.store.work_path(batch_id, "output")
-        err_path = self.store.work_path(batch_id, "error")
         echo = isinstance(self.backend, EchoBackend)
         with (
-            _open_at(out_path, progress["out"]) as out,
-            _open_at(err_path, progress["err"]) as err,
+            _open_at(self.store, self.store.work_path(batch_id, "output"), progress["out"]) as out,
+            _open_at(self.store, self.store.work_path(batch_id, "error"), progress["err"]) as err,
             # Local-disk line reads are short; a thread hop per chunk would cost more.
             open(self.store.file_path(rec["input_file_id"]), "rb") as src,  # noqa: ASYNC230
         ):
@@ -402,16 +451,13 @@ class Engine:
                 await asyncio.to_thread(self._close_remaining, rec, stop, src, err)
                 err.flush()
                 progress["err"] = err.tell()
-        progress["stop"] = stop
-        if stop == "failed":
-            self.save(rec)
-            return
-        if stop == "expired":
-            rec["expires_at"] = min(rec["expires_at"], now())
-        rec["status"] = "cancelling" if stop == "cancelled" else "finalizing"
-        if stop != "cancelled":
-            rec["finalizing_at"] = now()
-        self.save(rec)
+        return stop
+
+    def _put(self, fh: IO[bytes], data: bytes, line_no: int) -> None:
+        """Write one result line, its bytes reserved under the storage cap first."""
+        if not self.store.reserve(len(data)):
+            raise _StorageFull(line_no)
+        fh.write(data)
 
     def _echo_chunk(self, rec: dict[str, Any], src: IO[bytes], out: IO[bytes], err: IO[bytes]) -> int:
         """Read, answer and write one chunk with the echo model (runs in a worker thread)."""
@@ -441,12 +487,10 @@ class Engine:
         for line_no, custom_id, status, body in answered:
             line_id = f"batch_req_{tag}_{line_no:08d}"
             ok, result = self.wire.response_line(line_id, custom_id, status, body, f"req_{tag}{line_no:08d}")
-            data = orjson.dumps(result) + b"\n"
+            self._put(out if ok else err, orjson.dumps(result) + b"\n", line_no)
             if ok:
-                out.write(data)
                 counts["completed"] += 1
             else:
-                err.write(data)
                 counts["failed"] += 1
 
     def _close_remaining(self, rec: dict[str, Any], stop: str, src: IO[bytes], err: IO[bytes]) -> None:
@@ -457,7 +501,8 @@ class Engine:
         while chunk := _read_chunk(src, progress, 4096):
             for line_no, raw in chunk:
                 line_id = f"batch_req_{tag}_{line_no:08d}"
-                err.write(orjson.dumps(self.wire.system_line(line_id, _custom_id(raw), code)) + b"\n")
+                line = self.wire.system_line(line_id, _custom_id(raw), code)
+                self._put(err, orjson.dumps(line) + b"\n", line_no)
                 rec["request_counts"]["failed"] += 1
                 progress[stop] += 1
 
@@ -535,6 +580,7 @@ class Engine:
             dest = self.store.file_path(file_id)
             if path.exists():
                 with open(path, "r+b") as fh:
+                    self.store.release(os.fstat(fh.fileno()).st_size - size)
                     fh.truncate(size)
                 _crash_point(f"publish_{kind}_truncated")
                 os.replace(path, dest)
@@ -606,10 +652,14 @@ def _read_chunk(src: IO[bytes], progress: dict[str, Any], size: int) -> list[tup
 
 
 @contextlib.contextmanager
-def _open_at(path: Path, size: int) -> Any:
-    """Open a work file for appending after truncating it to the last checkpoint."""
+def _open_at(store: Store, path: Path, size: int) -> Any:
+    """Open a work file for appending after truncating it to the last checkpoint.
+
+    :param store: gives back the bytes cut off (written after the checkpoint by a crashed run).
+    """
     mode = "r+b" if path.exists() else "w+b"
     with open(path, mode) as fh:
+        store.release(os.fstat(fh.fileno()).st_size - size)
         fh.truncate(size)
         fh.seek(size)
         yield fh

@@ -18,6 +18,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--port", type=int, default=8000, help="port to bind (default 8000; 0 = any free port)"
     )
     parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        dest="allowed_hosts",
+        metavar="NAME",
+        help="answer requests whose Host header names NAME (repeatable; any port). localhost, "
+        "127.0.0.1, [::1] and the --host address are always served; other names get a 421 "
+        "(DNS-rebinding defence). '*' serves every name",
+    )
+    parser.add_argument(
         "--backend", choices=("echo", "upstream"), default="echo", help="what answers each line"
     )
     parser.add_argument(
@@ -56,7 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-file-bytes", type=int, help="override the dialect's file size limit")
     parser.add_argument("--max-line-bytes", type=int, help="override the dialect's line size limit")
     parser.add_argument(
-        "--max-storage-bytes", type=int, help="cap on bytes kept in the data dir (full: uploads get a 507)"
+        "--max-storage-bytes",
+        type=int,
+        help="cap on bytes kept in the data dir (uploads past it get a 507; a batch whose results "
+        "would pass it fails with insufficient_storage)",
     )
     faults = parser.add_argument_group("fault injection (rates are fractions 0..1)")
     faults.add_argument("--fault-429", type=float, default=0.0, help="fraction of calls answering 429")
@@ -90,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             raise SystemExit(f"--bearer-token-env {args.bearer_token_env}: the variable is not set or empty")
     return ServerConfig(
         host=args.host,
+        allowed_hosts=args.allowed_hosts,
         port=args.port,
         data_dir=Path(args.data_dir),
         backend=args.backend,
@@ -149,8 +163,10 @@ def run(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     config = config.model_copy(update={"port": port})
     key_note = f" (API key from ${args.api_key_env})" if args.api_key_env else ""
+    # Bound to every interface, the server is reached by a name it serves (0.0.0.0 is none of them).
+    shown = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host  # noqa: S104
     print(
-        f"Local batch server ({config.dialect} dialect, {config.backend} backend) at http://{config.host}:{port}/v1{key_note}\n"
+        f"Local batch server ({config.dialect} dialect, {config.backend} backend) at http://{shown}:{port}/v1{key_note}\n"
         f"  data: {config.data_dir.resolve()}  time scale: {config.time_scale:g}",
         flush=True,
     )

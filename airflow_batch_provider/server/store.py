@@ -2,6 +2,10 @@
 
 Records are JSON documents keyed by id with an insertion sequence for stable listing
 order. Everything written here survives a restart; the engine resumes from it.
+
+The bytes under ``files/`` and ``work/`` are also accounted in memory: every writer reserves
+its bytes before writing them (an upload as it streams, a batch per result line) and gives
+back what it removes, so concurrent writers cannot pass ``max_bytes`` between them.
 """
 
 from __future__ import annotations
@@ -41,10 +45,13 @@ class Store:
     """SQLite metadata plus a files directory under ``data_dir``.
 
     :param data_dir: where ``server.db``, ``files/`` and ``work/`` live (created if missing).
+    :param max_bytes: cap on the bytes under ``files/`` and ``work/`` (None: no cap); writers
+        must ``reserve`` before they write.
     """
 
-    def __init__(self, data_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, data_dir: str | os.PathLike[str], max_bytes: int | None = None) -> None:
         self.root = Path(data_dir)
+        self.max_bytes = max_bytes
         self.files_dir = self.root / "files"
         self.work_dir = self.root / "work"
         self.files_dir.mkdir(parents=True, exist_ok=True)
@@ -56,6 +63,11 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        # Reservations are taken from the event loop and from echo worker threads alike.
+        self._quota = threading.Lock()
+        self._used = 0
+        self.peak_used = 0
+        self.recount()
 
     def close(self) -> None:
         with self._lock:
@@ -110,7 +122,7 @@ class Store:
             return False
         with self._lock:
             cur = self._db.execute("DELETE FROM files WHERE id = ?", (file_id,))
-        self.file_path(file_id).unlink(missing_ok=True)
+        self.remove(self.file_path(file_id))
         return cur.rowcount > 0
 
     def usage(self) -> int:
@@ -124,6 +136,58 @@ class Store:
                     except FileNotFoundError:  # removed meanwhile
                         continue
         return total
+
+    # ---- storage accounting ---------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        """Bytes held or reserved under ``files/`` and ``work/``."""
+        return self._used
+
+    def recount(self) -> int:
+        """Set the accounted bytes to what is on disk (at start-up and after a sweep)."""
+        total = self.usage()
+        with self._quota:
+            self._used = total
+            self.peak_used = max(self.peak_used, total)
+        return total
+
+    def room(self) -> int | None:
+        """Bytes that can still be reserved (None without a cap)."""
+        if self.max_bytes is None:
+            return None
+        return max(self.max_bytes - self._used, 0)
+
+    def reserve(self, size: int) -> bool:
+        """Take ``size`` bytes of the cap before writing them; False (nothing taken) if they do not fit.
+
+        :param size: bytes about to be written.
+        """
+        with self._quota:
+            if self.max_bytes is not None and self._used + size > self.max_bytes:
+                return False
+            self._used += size
+            self.peak_used = max(self.peak_used, self._used)
+            return True
+
+    def release(self, size: int) -> None:
+        """Give back ``size`` bytes that were reserved or are removed from disk."""
+        if size > 0:
+            with self._quota:
+                self._used = max(self._used - size, 0)
+
+    def remove(self, path: Path) -> None:
+        """Delete a file under the data dir and give its bytes back."""
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return
+        self.release(size)
+
+    def discard_work(self, batch_id: str) -> None:
+        """Remove the work files of a batch that will not publish them (it failed)."""
+        for kind in ("output", "error"):
+            self.remove(self.work_path(batch_id, kind))
 
     def sweep(self, live_batches: set[str], pending_files: set[str]) -> int:
         """Remove what a crash left behind; returns how many files went.
@@ -144,6 +208,7 @@ class Store:
                 if entry.name not in known and entry.name not in pending_files:
                     Path(entry.path).unlink(missing_ok=True)
                     removed += 1
+        self.recount()
         return removed
 
     # ---- batches --------------------------------------------------------------------

@@ -336,6 +336,17 @@ class Wire:
     def is_cancel_path(self, tail: str) -> bool:
         return tail == "cancel"
 
+    def list_query(self, params: Mapping[str, str], multi: list[tuple[str, str]]) -> dict[str, Any]:
+        """A listing paged by number (``page``, ``page_size``) with filters: what the page wants.
+
+        Only for a wire whose ``batches_route`` lists that way (the OpenAI shape pages by cursor).
+        """
+        raise NotImplementedError(f"{self.name} lists batches by cursor (list_page_args)")
+
+    def render_job_list(self, items: list[dict[str, Any]], total: int) -> dict[str, Any]:
+        """One page of a listing paged by number, with the count of every match."""
+        raise NotImplementedError(f"{self.name} lists batches by cursor (render_batch_list)")
+
     # ---- result lines -----------------------------------------------------------------
     def response_line(
         self, line_id: str, custom_id: str, status: int, body: Any, request_id: str

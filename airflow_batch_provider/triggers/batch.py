@@ -28,6 +28,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_batch_provider.constants import DEFAULT_CONN_ID
 from airflow_batch_provider.hooks.transport import shared_transport
+from airflow_batch_provider.ids import check_id
 from airflow_batch_provider.models import Batch, to_utc
 from airflow_batch_provider.triggers.shared_poll import (
     PollerKey,
@@ -162,7 +163,8 @@ class BatchTrigger(BaseTrigger):
         super().__init__()
         if not batch_ids:
             raise ValueError("BatchTrigger needs at least one batch id")
-        self.batch_ids = [str(b) for b in batch_ids]
+        # Checked here too: a trigger may be built by hand, and its ids go into URLs with the key.
+        self.batch_ids = [check_id(str(b), "batch_ids") for b in batch_ids]
         self.batch_conn_id = batch_conn_id
         self.dialect = dialect
         started = to_utc(submitted_at)

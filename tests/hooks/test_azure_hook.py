@@ -48,7 +48,7 @@ class Vendor:
         if path.endswith("/files") and request.method == "POST":
             return json_response(200, FILE_OBJECT)
         if path.endswith("/content"):
-            return httpx.Response(302, headers={"location": "https://blob.test/out.jsonl?sig=abc"})
+            return httpx.Response(302, headers={"location": "https://20.60.40.4/results/out.jsonl?sig=abc"})
         if path.endswith("/batches") and request.method == "POST":
             return json_response(200, openai_batch("batch_1", "validating"))
         if path.endswith("/batches"):
@@ -117,7 +117,7 @@ def test_v1_paths_and_the_api_key_header(azure_hook: Callable[..., Any], tmp_pat
     assert all("api-version" not in r.url.params for r in azure)
     assert all(r.headers["api-key"] == SECRET and "authorization" not in r.headers for r in azure)
     # The result file's redirect to storage goes without the key.
-    blob = [r for r in vendor.requests if r.url.host == "blob.test"]
+    blob = [r for r in vendor.requests if r.url.host == "20.60.40.4"]
     assert len(blob) == 1 and "api-key" not in blob[0].headers
 
 
@@ -199,7 +199,7 @@ async def test_entra_async_client_gets_its_bearer_from_the_aio_credential(
     assert credentials["async"].closed == 1
     assert (await hook.aget_batch("batch_1")).id == "batch_1"
     # The storage redirect got no token, and the client secret never left.
-    blob = [r for r in vendor.requests if r.url.host == "blob.test"]
+    blob = [r for r in vendor.requests if r.url.host == "20.60.40.4"]
     assert len(blob) == 1 and "authorization" not in blob[0].headers
     assert not any(b"client-secret-xyz" in r.read() + str(r.headers).encode() for r in azure)
 

@@ -129,6 +129,42 @@ def test_bad_extra_is_a_configuration_error(batch_conn) -> None:
         BatchApiHook(batch_conn("batch_bad2", headers="{not json")).get_settings()
 
 
+@pytest.mark.parametrize("value", ["lots", 0, -5, 1.5, True, [1]])
+def test_bad_download_cap_is_a_configuration_error(batch_conn, value: Any) -> None:
+    with pytest.raises(ConfigurationError, match="'batch_cap'.*'max_download_bytes' must be a whole number"):
+        BatchApiHook(batch_conn("batch_cap", max_download_bytes=value)).get_settings()
+
+
+@pytest.mark.parametrize("value", ["yes", 1, "on"])
+def test_bad_private_redirects_flag_is_a_configuration_error(batch_conn, value: Any) -> None:
+    with pytest.raises(
+        ConfigurationError, match="'batch_flag'.*'allow_private_redirects' must be true or false"
+    ):
+        BatchApiHook(batch_conn("batch_flag", allow_private_redirects=value)).get_settings()
+
+
+def test_private_redirects_flag_is_read_from_the_extra(batch_conn) -> None:
+    assert (
+        BatchApiHook(batch_conn("batch_flag", allow_private_redirects="True"))
+        .get_settings()
+        .allow_private_redirects
+    )
+    assert (
+        BatchApiHook(batch_conn("batch_flag2", allow_private_redirects=True))
+        .get_settings()
+        .allow_private_redirects
+    )
+    assert not BatchApiHook(batch_conn("batch_noflag")).get_settings().allow_private_redirects
+
+
+def test_download_cap_is_read_from_the_extra(batch_conn) -> None:
+    assert (
+        BatchApiHook(batch_conn("batch_cap", max_download_bytes="4096")).get_settings().max_download_bytes
+        == 4096
+    )
+    assert BatchApiHook(batch_conn("batch_nocap")).get_settings().max_download_bytes == 8 << 30
+
+
 async def test_aget_settings_inside_the_event_loop(batch_conn) -> None:
     hook = BatchApiHook(batch_conn("batch_async", dialect="doubleword"))
     settings = await hook.aget_settings()

@@ -1,12 +1,14 @@
 """BatchApiHook against a real misbehaving HTTP server (tests/fixtures/hostile.py).
 
 Redirects to another origin, redirect loops, dripped answers, huge and gzip-bomb bodies,
-garbage Retry-After and a key echoed back in a 200 answer: each through the sync and the
-async client, over real sockets.
+newline bombs in result files, garbage Retry-After and a key echoed back in a 200 answer:
+each through the sync and the async client, over real sockets.
 """
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import tracemalloc
 import zlib
 from collections.abc import Callable
@@ -20,10 +22,14 @@ from airflow_batch_provider.exceptions import (
     BatchApiConnectionError,
     BatchApiError,
     BatchApiRedirectError,
+    BatchApiResponseError,
     BatchApiResponseTooLargeError,
 )
+from airflow_batch_provider.hooks import lines as lines_module
 from airflow_batch_provider.hooks.batch import BatchApiHook
+from airflow_batch_provider.hooks.lines import LINES_PER_TURN
 from airflow_batch_provider.hooks.retry import RetryPolicy
+from airflow_batch_provider.hooks.transport import MAX_BLANK_RUN
 from tests.fixtures.hook import SECRET, openai_batch
 from tests.fixtures.hostile import Exchange, HostileServer, drip, gzip_bomb, redirect, reply, sequence
 
@@ -136,6 +142,140 @@ async def test_result_file_redirect_to_object_store_carries_no_credentials(
     # The object store got the signed URL and nothing of the connection: no key, no custom header.
     assert credentials_in(store) == []
     assert all("authorization" not in r.headers for r in store.requests)
+
+
+# ---- 23.8: where a file's redirect may lead ------------------------------------------------
+
+SIGNATURE = "X-Amz-Signature=sig-secret-5551"
+
+
+@pytest.mark.parametrize(
+    ("target", "named", "reason"),
+    [
+        (f"https://10.1.2.3/out.jsonl?{SIGNATURE}", "https://10.1.2.3:443", "a private address"),
+        (f"https://172.16.5.4:9000/o?{SIGNATURE}", "https://172.16.5.4:9000", "a private address"),
+        (f"https://192.168.1.1/o?{SIGNATURE}", "https://192.168.1.1:443", "a private address"),
+        (f"https://100.64.0.1/o?{SIGNATURE}", "https://100.64.0.1:443", "a private address"),
+        (f"https://[fc00::5]/o?{SIGNATURE}", "https://fc00::5:443", "a private address"),
+        (f"https://[fe80::1]:8443/o?{SIGNATURE}", "https://fe80::1:8443", "a link-local address"),
+        (f"https://169.254.169.254/latest/meta-data/?{SIGNATURE}", "169.254.169.254", "instance-metadata"),
+        (f"https://[fd00:ec2::254]/latest/?{SIGNATURE}", "fd00:ec2::254", "instance-metadata"),
+        (
+            f"http://metadata.google.internal/computeMetadata/v1/?{SIGNATURE}",
+            "metadata.google.internal",
+            "metadata",
+        ),
+        (f"http://93.184.216.34/out.jsonl?{SIGNATURE}", "http://93.184.216.34:80", "plain http"),
+    ],
+)
+async def test_file_redirect_to_a_private_or_plain_http_target_is_refused(
+    hostile_server: Callable[[], HostileServer],
+    hostile_hook: Callable[..., BatchApiHook],
+    tmp_path: Path,
+    target: str,
+    named: str,
+    reason: str,
+) -> None:
+    api = hostile_server()
+    api.route("/v1/files/file-out/content", redirect(target))
+    hook = hostile_hook(api, retry=NO_RETRY, timeout=1.0)
+    errors = []
+    for read in (
+        lambda: list(hook.iter_file_lines("file-out")),
+        lambda: hook.download_file("file-out", tmp_path / "sync.jsonl"),
+    ):
+        with pytest.raises(BatchApiRedirectError) as error:
+            read()
+        errors.append(error.value)
+    with pytest.raises(BatchApiRedirectError) as error:
+        [line async for line in hook.aiter_file_lines("file-out")]
+    errors.append(error.value)
+    with pytest.raises(BatchApiRedirectError) as error:
+        await hook.adownload_file("file-out", tmp_path / "async.jsonl")
+    errors.append(error.value)
+    await hook.aclose()
+    hook.close()
+    for exc in errors:
+        text = str(exc)
+        assert "refused a redirect" in text and named in text and reason in text, text
+        # The target's path and query (a signed URL's credentials) stay out of the message.
+        assert "sig-secret" not in text and "?" not in text, text
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def private_name(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A host name that resolves to loopback and to a private address (as a rebinding name may)."""
+    name = "store.internal.test"
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        # anyio (httpx's async client) asks with the IDNA-encoded name, as bytes.
+        if (host.decode() if isinstance(host, bytes) else host) != name:
+            return real(host, port, *args, **kwargs)
+        # Loopback first, so a client that does connect reaches the test's store.
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, int(port or 0)))
+            for address in ("127.0.0.1", "10.0.0.7")
+        ]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return name
+
+
+async def test_file_redirect_to_a_name_resolving_to_a_private_address_is_refused(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], private_name: str
+) -> None:
+    api, store = hostile_server(), hostile_server()
+    store.route("/signed/out.jsonl", reply(200, b'{"custom_id": "a"}\n'))
+    api.route(
+        "/v1/files/file-out/content", redirect(f"http://{private_name}:{store.port}/signed/out.jsonl?sig=s")
+    )
+    hook = hostile_hook(api, retry=NO_RETRY)
+    refused = (
+        rf"refused a redirect to http://{private_name}:{store.port}: resolves to 10.0.0.7, a private address"
+    )
+    with pytest.raises(BatchApiRedirectError, match=refused):
+        list(hook.iter_file_lines("file-out"))
+    with pytest.raises(BatchApiRedirectError, match=refused):
+        [line async for line in hook.aiter_file_lines("file-out")]
+    await hook.aclose()
+    hook.close()
+    assert store.requests == []
+
+
+async def test_private_redirect_is_followed_when_the_connection_allows_it(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], private_name: str
+) -> None:
+    api, store = hostile_server(), hostile_server()
+    store.route("/signed/out.jsonl", reply(200, b'{"custom_id": "a"}\n'))
+    api.route(
+        "/v1/files/file-out/content", redirect(f"http://{private_name}:{store.port}/signed/out.jsonl?sig=s")
+    )
+    hook = hostile_hook(api, retry=NO_RETRY, allow_private_redirects=True)
+    assert [obj["custom_id"] for obj in hook.iter_file_lines("file-out")] == ["a"]
+    assert [obj["custom_id"] async for obj in hook.aiter_file_lines("file-out")] == ["a"]
+    await hook.aclose()
+    hook.close()
+    assert len(store.requests) == 2 and credentials_in(store) == []
+
+
+async def test_every_hop_of_a_file_redirect_is_checked(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    # The first hop (another loopback port) is allowed; the store's own redirect is not.
+    api, store = hostile_server(), hostile_server()
+    store.route("/signed/out.jsonl", redirect(f"https://10.9.9.9/out.jsonl?{SIGNATURE}"))
+    api.route("/v1/files/file-out/content", redirect(f"{store.origin}/signed/out.jsonl"))
+    hook = hostile_hook(api, retry=NO_RETRY, timeout=1.0)
+    refused = r"refused a redirect to https://10\.9\.9\.9:443: a private address"
+    with pytest.raises(BatchApiRedirectError, match=refused):
+        list(hook.iter_file_lines("file-out"))
+    with pytest.raises(BatchApiRedirectError, match=refused):
+        [line async for line in hook.aiter_file_lines("file-out")]
+    await hook.aclose()
+    hook.close()
+    assert len(store.requests) == 2
 
 
 # ---- 11: a deadline per call -----------------------------------------------------------------
@@ -282,6 +422,153 @@ async def test_truncated_gzip_answer_is_a_clear_error(
         await hook.aget_batch("b1")
     await hook.aclose()
     hook.close()
+
+
+# ---- 23.4: streamed result files are bounded in bytes and CPU --------------------------------
+
+
+def result_lines(count: int, pad: int = 0) -> bytes:
+    """``count`` answer lines of an output file (each padded by ``pad`` bytes)."""
+    return b"".join(
+        orjson.dumps({"custom_id": f"r{i}", "response": {"status_code": 200, "body": {"pad": "x" * pad}}})
+        + b"\n"
+        for i in range(count)
+    )
+
+
+@pytest.mark.parametrize("gzip", [True, False], ids=["gzip", "identity"])
+async def test_result_file_over_the_download_cap_is_refused(
+    hostile_server: Callable[[], HostileServer],
+    hostile_hook: Callable[..., BatchApiHook],
+    tmp_path: Path,
+    gzip: bool,
+) -> None:
+    # 2 MiB of answers (gzipped to a few KB) against a 1 MiB cap set on the connection.
+    content = result_lines(2048, pad=1000)
+    body = gzip_bomb(0, content) if gzip else content
+    api = hostile_server()
+    headers = {"Content_Encoding": "gzip"} if gzip else {}
+    api.route("/v1/files/file-out/content", reply(200, body, **headers))
+    api.route("/v1/batches/b1", reply(200, openai_batch("b1", "completed", output_file_id="file-out")))
+    hook = hostile_hook(api, retry=NO_RETRY, max_download_bytes=1 << 20)
+    refused = r"file.file-out.*larger than 1,048,576 bytes.*'max_download_bytes'"
+    with pytest.raises(BatchApiResponseTooLargeError, match=refused):
+        list(hook.iter_file_lines("file-out"))
+    with pytest.raises(BatchApiResponseTooLargeError, match=refused):
+        [line async for line in hook.aiter_file_lines("file-out")]
+    with pytest.raises(BatchApiResponseTooLargeError, match=refused):
+        list(hook.iter_results("b1"))
+    with pytest.raises(BatchApiResponseTooLargeError, match=refused):
+        list(hook.iter_raw_lines("file-out"))
+    with pytest.raises(BatchApiResponseTooLargeError, match=refused):
+        hook.download_file("file-out", tmp_path / "sync.jsonl")
+    with pytest.raises(BatchApiResponseTooLargeError, match=refused):
+        await hook.adownload_file("file-out", tmp_path / "async.jsonl")
+    await hook.aclose()
+    hook.close()
+    # Refused, not retried (the same file would be as large again), and nothing half-written.
+    assert len(api.seen("/v1/files/file-out/content")) == 6
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_result_file_under_the_download_cap_reads_whole(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], tmp_path: Path
+) -> None:
+    # 3 MiB decoded, read in 1 MiB pieces: lines straddling the pieces arrive whole, in order.
+    content = result_lines(3000, pad=1000)
+    api = hostile_server()
+    api.route("/v1/files/file-out/content", reply(200, gzip_bomb(0, content), Content_Encoding="gzip"))
+    hook = hostile_hook(api, retry=NO_RETRY, max_download_bytes=len(content))
+    expected = [f"r{i}" for i in range(3000)]
+    assert [obj["custom_id"] for obj in hook.iter_file_lines("file-out")] == expected
+    assert [obj["custom_id"] async for obj in hook.aiter_file_lines("file-out")] == expected
+    assert await hook.adownload_file("file-out", tmp_path / "async.jsonl") == len(content)
+    await hook.aclose()
+    hook.close()
+    assert (tmp_path / "async.jsonl").read_bytes() == content
+
+
+async def test_newline_bomb_in_a_result_file_is_a_typed_error(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    # 16 MiB of newlines gzipped to 16 KB, then one answer: every line split in Python took
+    # seconds of CPU (31 s for 64 MiB) with the event loop held throughout.
+    bomb = gzip_bomb(16 << 20, result_lines(1), fill=b"\n")
+    api = hostile_server()
+    api.route("/v1/files/file-out/content", reply(200, bomb, Content_Encoding="gzip"))
+    hook = hostile_hook(api, retry=NO_RETRY)
+    refused = rf"file 'file-out' has more than {MAX_BLANK_RUN:,} blank lines in a row \(from line 1\)"
+    with pytest.raises(BatchApiResponseError, match=refused):
+        list(hook.iter_file_lines("file-out"))
+    with pytest.raises(BatchApiResponseError, match=refused):
+        [line async for line in hook.aiter_file_lines("file-out")]
+    await hook.aclose()
+    hook.close()
+
+
+async def test_blank_lines_are_counted_not_read_one_by_one(
+    hostile_server: Callable[[], HostileServer],
+    hostile_hook: Callable[..., BatchApiHook],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Runs of blank lines (some with spaces and CRs) under the bound: skipped in one step each,
+    # yet still numbered, so a bad line is named by its real line number.
+    gap = b"\n" * (MAX_BLANK_RUN - 10) + b"  \r\n" * 5 + b"\t\n" * 4
+    content = result_lines(1) + gap + result_lines(1) + gap + b"not json\n"
+    api = hostile_server()
+    api.route("/v1/files/file-out/content", reply(200, gzip_bomb(0, content), Content_Encoding="gzip"))
+    hook = hostile_hook(api, retry=NO_RETRY)
+    parsed: list[bytes] = []
+    real_line_object = lines_module.line_object
+
+    def counting_line_object(data: bytes, *args: Any, **kwargs: Any) -> Any:
+        parsed.append(data)
+        return real_line_object(data, *args, **kwargs)
+
+    monkeypatch.setattr(lines_module, "line_object", counting_line_object)
+    last = 2 * MAX_BLANK_RUN + 1  # an answer, a gap, an answer, a gap, then the bad line
+    bad = rf"file 'file-out' line {last} is not valid JSON"
+    with pytest.raises(BatchApiResponseError, match=bad):
+        list(hook.iter_file_lines("file-out"))
+    with pytest.raises(BatchApiResponseError, match=bad):
+        [line async for line in hook.aiter_file_lines("file-out")]
+    await hook.aclose()
+    hook.close()
+    # Three lines with content, per twin: not one call per blank line.
+    assert len(parsed) == 6 and all(data.strip() for data in parsed)
+
+
+async def test_async_result_reader_gives_the_event_loop_turns(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    # 5,000 answers gzipped to a few KB arrive in one network read and decode at once: the
+    # reader must still let other coroutines (other triggers) run while it splits them.
+    count = 5000
+    api = hostile_server()
+    api.route(
+        "/v1/files/file-out/content", reply(200, gzip_bomb(0, result_lines(count)), Content_Encoding="gzip")
+    )
+    hook = hostile_hook(api, retry=NO_RETRY)
+    read: list[Any] = []
+    seen_at: set[int] = set()
+    done = asyncio.Event()
+
+    async def other_coroutine() -> None:
+        # Notes how far the reader had got each time this coroutine had a turn.
+        while not done.is_set():
+            seen_at.add(len(read))
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(other_coroutine())
+    async for obj in hook.aiter_file_lines("file-out"):
+        read.append(obj)  # never awaits: any turn the loop gets comes from the reader
+    done.set()
+    await ticker
+    await hook.aclose()
+    assert len(read) == count
+    turns_while_splitting = {at for at in seen_at if 0 < at < count}
+    # One turn per LINES_PER_TURN lines at least (19 here); a reader that never yields gives none.
+    assert len(turns_while_splitting) >= count // LINES_PER_TURN - 1, sorted(turns_while_splitting)
 
 
 # ---- 13: garbage Retry-After -----------------------------------------------------------------

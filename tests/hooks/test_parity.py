@@ -30,7 +30,7 @@ from airflow_batch_provider.exceptions import BatchApiNotFoundError
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.models import Batch, BatchState
 from airflow_batch_provider.server.config import FaultConfig, ServerConfig
-from tests.fixtures.hostile import Exchange, HostileServer, Route
+from tests.fixtures.hostile import Exchange, HostileServer, Route, redirect
 from tests.fixtures.server import FAST_TIME_SCALE, BatchServerHandle
 from tests.hooks.test_batch_live import (
     DIALECTS,
@@ -51,7 +51,12 @@ STALLED = 4
 # comes after lines were already yielded, and resuming must skip them.
 BIG_FILE = "file-big"
 BIG_LINES = 1100
+# A file the proxy redirects to a private address (a signed URL's query included): refused.
+PRIVATE_FILE = "file-private"
+PRIVATE_TARGET = "https://10.1.2.3/out.jsonl?X-Amz-Signature=parity-secret"
 BIG_DROP = 1_050_000
+# The "capped" connection's max_download_bytes: every file read through it is over the cap.
+CAPPED_DOWNLOAD = 64
 # Server counters moved by the engine in the background, not by the calls compared.
 BACKGROUND_COUNTERS = {"inference_calls", "line_failures", "simulated_crashes"}
 # Public methods with no async twin, on purpose.
@@ -102,7 +107,7 @@ class World:
         self.input_path = self.tmp / "in.jsonl"
 
     def hook(self, variant: str = "plain") -> BatchApiHook:
-        """A new hook on connection ``variant`` (plain | quota | stall | proxy); closed after the call."""
+        """A new hook on connection ``variant`` (plain, quota, stall, proxy, capped); closed after use."""
         hook = BatchApiHook(f"parity_{self.dialect}_{variant}", retry_policy=FAST)
         self.hooks.append(hook)
         return hook
@@ -184,12 +189,14 @@ def _drop_every_other(content: bytes) -> Route:
 
 
 def _connections(world: World) -> dict[str, str]:
-    """``AIRFLOW_CONN_*`` values: plain, with a forced fault header, and through the proxy."""
+    """``AIRFLOW_CONN_*`` values: plain, with a forced fault header, through the proxy, and with a
+    download cap smaller than any file."""
     plain = json.loads(world.server.connection_json())
     conns = {"plain": plain}
     for variant in ("quota", "stall"):
         conns[variant] = {**plain, "extra": {**plain["extra"], "headers": {"X-Batch-Fault": variant}}}
     conns["proxy"] = {**plain, "host": world.proxy.base_url}
+    conns["capped"] = {**plain, "extra": {**plain["extra"], "max_download_bytes": CAPPED_DOWNLOAD}}
     return {
         f"AIRFLOW_CONN_PARITY_{world.dialect.upper()}_{variant.upper()}": json.dumps(conn)
         for variant, conn in conns.items()
@@ -216,6 +223,7 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     proxy.route("POST /v1/batches", _forward(world, drop=True))
     proxy.route("GET /v1/batches", _forward(world, drop=False))
     proxy.route(f"GET {world.big_path}", _drop_every_other(_big_content()))
+    proxy.route(f"GET /v1/{get_dialect(dialect).file_content_path(PRIVATE_FILE)}", redirect(PRIVATE_TARGET))
     try:
         with pytest.MonkeyPatch.context() as mp:
             for name, value in _connections(world).items():
@@ -599,6 +607,16 @@ ROWS: list[Row] = [
     ),
     Row("download_file[dropped after a MiB]", big_download_sync, big_download_async),
     Row(
+        "download_file[over the download cap]",
+        lambda w: download_sync(w, w.readable_file, "capped"),
+        lambda w: download_async(w, w.readable_file, "capped"),
+    ),
+    Row(
+        "download_file[redirect to a private address]",
+        lambda w: download_sync(w, PRIVATE_FILE, "proxy"),
+        lambda w: download_async(w, PRIVATE_FILE, "proxy"),
+    ),
+    Row(
         "download_file[missing]",
         lambda w: download_sync(w, MISSING_FILE),
         lambda w: download_async(w, MISSING_FILE),
@@ -608,7 +626,13 @@ ROWS: list[Row] = [
     Row("iter_file_lines[dropped after a MiB, resumed]", big_lines_sync, big_lines_async),
     Row("iter_file_lines[missing]", *twins("iter_file_lines", MISSING_FILE)),
     Row("iter_file_lines[quota]", *twins("iter_file_lines", readable, variant="quota")),
+    Row("iter_file_lines[over the download cap]", *twins("iter_file_lines", readable, variant="capped")),
+    Row(
+        "iter_file_lines[redirect to a private address]",
+        *twins("iter_file_lines", PRIVATE_FILE, variant="proxy"),
+    ),
     Row("iter_raw_lines", *twins("iter_raw_lines", readable)),
+    Row("iter_raw_lines[over the download cap]", *twins("iter_raw_lines", readable, variant="capped")),
     Row("iter_raw_lines[dropped mid-stream]", *twins("iter_raw_lines", readable), faults=DROP),
     # -- batches
     Row("create_batch", *twins("create_batch", **CREATE), scrub),
@@ -661,6 +685,7 @@ ROWS: list[Row] = [
         all_recorded,
     ),
     Row("iter_results[unreadable lines fail]", *twins("iter_results", misread, mode="files")),
+    Row("iter_results[over the download cap]", *twins("iter_results", done, variant="capped"), by_custom_id),
     Row("iter_results[bad mode]", *twins("iter_results", done, mode="carrier-pigeon")),
     Row("iter_results[missing]", *twins("iter_results", MISSING_BATCH)),
     Row("iter_results[quota]", *twins("iter_results", done_id, variant="quota")),

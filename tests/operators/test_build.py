@@ -870,3 +870,67 @@ def test_a_sandbox_error_caused_by_one_rows_value_rejects_only_that_row(
     contents = [line["body"]["messages"][0]["content"] for line in all_lines(out, staging.read_manifest(out))]
     assert contents == ["Hello Ann", "Hi Cy"]
     assert result["extra"]["rejects_by_code"] == {"template_unsafe": 1}
+
+
+# A PostgreSQL json value keeps its text verbatim: '"\ud800"'::json reaches Python as a str
+# holding a lone surrogate, which no UTF-8 line can carry.
+LONE_SURROGATE_PATHS = {
+    "messages, plain substitution": {"messages": [{"role": "user", "content": "{{ note }}"}]},
+    "messages, jinja": {"messages": [{"role": "user", "content": "{{ note | string }}!"}]},
+    "body_template, plain substitution": {
+        "body_template": '{"messages": [{"role": "user", "content": "{{ note }}"}]}'
+    },
+    "body_template, jinja": {
+        "body_template": '{"messages": [{"role": "user", "content": {{ note | tojson }}}]}'
+    },
+    "messages template, plain substitution": {"messages": '[{"role": "user", "content": "{{ note }}"}]'},
+    "messages template, jinja": {"messages": '[{"role": "user", "content": {{ note | tojson }}}]'},
+    "input_column": {"input_column": "note", "model": "e"},
+    "body_callable": {"body_callable": lambda r: {"messages": [{"role": "user", "content": r["note"]}]}},
+}
+
+
+@pytest.mark.parametrize("how", list(LONE_SURROGATE_PATHS))
+def test_a_value_that_cannot_be_encoded_rejects_its_row_naming_the_column(
+    pg_warehouse: Any, tmp_path: Path, how: str
+) -> None:
+    notes = pg_warehouse.quote("notes")
+    pg_warehouse.run(f"CREATE TABLE {notes} (id INTEGER, note JSON)")
+    pg_warehouse.run(
+        f"INSERT INTO {notes} VALUES (1, '\"fine\"'), (2, '\"bad \\ud800 text\"'), "
+        "(3, '\"\\ud83d\\ude00 paired\"')"
+    )
+    result, out = build(
+        pg_warehouse,
+        tmp_path,
+        sql="SELECT id, note FROM notes ORDER BY id",
+        **LONE_SURROGATE_PATHS[how],
+    )
+    assert (result["rows_read"], result["rows_written"], result["rows_rejected"]) == (3, 2, 1)
+    rejects = read_jsonl(out / "rejects.jsonl")
+    assert [(r["key"], r["code"], r["column"]) for r in rejects] == [([2], "invalid_text", "note")]
+    assert "'note'" in rejects[0]["reason"] and "surrogate" in rejects[0]["reason"]
+    manifest = staging.read_manifest(out)
+    assert manifest.rows_rejected == 1 and manifest.extra["rejects_by_code"] == {"invalid_text": 1}
+    assert_valid_shards(out, manifest)
+    assert "😀 paired" in (out / manifest.shards[0].path).read_bytes().decode()
+
+
+def test_a_key_that_cannot_be_encoded_rejects_its_row_with_the_key_escaped(
+    pg_warehouse: Any, tmp_path: Path
+) -> None:
+    notes = pg_warehouse.quote("notes")
+    pg_warehouse.run(f"CREATE TABLE {notes} (id INTEGER, note JSON)")
+    pg_warehouse.run(f"INSERT INTO {notes} VALUES (1, '\"fine\"'), (2, '\"bad \\udc00\"')")
+    result, out = build(
+        pg_warehouse,
+        tmp_path,
+        sql="SELECT id, note FROM notes ORDER BY id",
+        key_columns=["note"],
+        messages=[{"role": "user", "content": "{{ id }}"}],
+    )
+    assert (result["rows_written"], result["rows_rejected"]) == (1, 1)
+    rejects = read_jsonl(out / "rejects.jsonl")
+    assert [(r["key"], r["code"], r["column"]) for r in rejects] == [
+        (["bad \\udc00"], "invalid_text", "note")
+    ]

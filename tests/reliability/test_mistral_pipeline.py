@@ -203,3 +203,29 @@ async def test_the_results_table_is_the_same_as_openais(
     assert columns["mistral"] == columns["openai"] and "status" in columns["openai"]
     assert tables["mistral"] == tables["openai"]
     assert {s for s, _, _ in tables["mistral"].values()} == {"succeeded"}
+
+
+async def test_a_build_naming_two_models_rejects_the_rows_of_the_second_by_name(
+    batch_server: Any, pg_warehouse: Any, tmp_path: Path, task_context: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Mistral job runs one model: rows whose body names another model than the shard's are
+    # rejected with the reason, and the rest is submitted and merged as usual.
+    serve(batch_server, monkeypatch)
+    seed_texts(pg_warehouse, "tickets", [f"question {i}" for i in range(6)])
+    pipeline = Pipeline(pg_warehouse, tmp_path / "staging", task_context)
+
+    def body(row: dict[str, Any]) -> dict[str, Any]:
+        model = "echo-1" if row["id"] <= 4 else "echo-2"
+        return {"model": model, "messages": [{"role": "user", "content": row["text"]}]}
+
+    record = await pipeline.run(
+        "two-models",
+        "answers",
+        build={"table": "tickets", "key_columns": "id", "body_callable": body, "model": None},
+    )
+    assert record.manifest["rows_rejected"] == 2, record.manifest
+    rejects = resolve_path(record.manifest["staging_path"]) / "rejects.jsonl"
+    reasons = [orjson.loads(line) for line in rejects.read_bytes().splitlines()]
+    assert [(r["key"], r["code"]) for r in reasons] == [([5], "mismatched_model"), ([6], "mismatched_model")]
+    assert all("one model per batch file" in r["reason"] for r in reasons)
+    assert pipeline.status_counts("answers") == {"succeeded": 4, "rejected": 2}

@@ -11,8 +11,11 @@ import pytest
 
 from airflow_batch_provider.server.backends import (
     ECHO_MAX_EMBEDDING_VALUES,
+    ECHO_MAX_INPUT_CHARS,
+    ECHO_MAX_INPUTS,
     ECHO_MAX_N,
     ECHO_MAX_OUTPUT_CHARS,
+    ECHO_MAX_REQUEST_VALUES,
 )
 from airflow_batch_provider.server.config import ServerConfig
 from tests.fixtures.server import SubprocessServer
@@ -88,6 +91,73 @@ def test_a_batch_line_beyond_the_limits_gets_an_error_line(batch_server):
     assert done["request_counts"] == {"total": 5, "completed": 3, "failed": 2}
     assert sorted(e["custom_id"] for e in errors) == ["req-2", "req-3"]
     assert {e["response"]["status_code"] for e in errors} == {400}
+
+
+# Just over what the echo model reads (ECHO_MAX_INPUT_CHARS characters of text per request).
+BIG_TEXT = "word " * (ECHO_MAX_INPUT_CHARS // 5 + 1)
+
+OVERSIZE = {
+    "chat": ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": BIG_TEXT}]}),
+    "completions": ("/v1/completions", {"model": "m", "prompt": BIG_TEXT}),
+    "completions_prompts": ("/v1/completions", {"model": "m", "prompt": ["x"] * (ECHO_MAX_INPUTS + 1)}),
+    "responses": ("/v1/responses", {"model": "m", "input": BIG_TEXT}),
+    "embeddings": ("/v1/embeddings", {"model": "m", "input": BIG_TEXT}),
+    # The issue's case, scaled down: a list of numbers answered one result each (550 MB for 10^7).
+    "moderations": ("/v1/moderations", {"model": "m", "input": [0] * (ECHO_MAX_REQUEST_VALUES + 1)}),
+    "moderations_inputs": ("/v1/moderations", {"model": "m", "input": ["x"] * (ECHO_MAX_INPUTS + 1)}),
+}
+PARAM = {"chat": "messages", "completions": "prompt", "completions_prompts": "prompt"}
+
+
+@pytest.mark.parametrize("name", sorted(OVERSIZE))
+def test_every_endpoint_refuses_a_request_larger_than_the_echo_model_reads(batch_server, name):
+    """One bound on every endpoint: a clear 400 naming the field, a small answer, no echo of the input."""
+    url, body = OVERSIZE[name]
+    server = batch_server()
+    with httpx.Client(base_url=server.root_url, timeout=60) as client:
+        response = client.post(url, content=orjson.dumps(body), headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.content[:300]
+    assert len(response.content) < 2000
+    error = response.json()["error"]
+    assert error["param"] == PARAM.get(name, "input")
+    assert "limit" in error["message"]
+
+
+def test_a_request_within_the_echo_input_limit_is_answered_with_a_bounded_answer(batch_server):
+    server = batch_server()
+    prompt = "w " * ((ECHO_MAX_INPUT_CHARS - 100) // 2)
+    with httpx.Client(base_url=server.root_url, timeout=60) as client:
+        response = client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 3})
+        full = client.post("/v1/completions", json={"model": "m", "prompt": prompt})
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["text"] == "echo: w w"
+    assert response.json()["usage"]["prompt_tokens"] == len(prompt) // 2
+    assert full.status_code == 200
+    assert len(prompt) < len(full.content) < len(prompt) + 2000
+
+
+def test_an_oversize_batch_line_fails_alone_with_a_400_error_line(batch_server):
+    """Every endpoint's bound holds in a batch too: the line fails, the batch and the others do not."""
+    server = batch_server()
+
+    def line(i, prompt):
+        body = {"model": "gpt-test", "prompt": prompt}
+        return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions", "body": body}
+
+    lines = [line(0, "hi"), line(1, BIG_TEXT), line(2, "there")]
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        file_id = upload(client, jsonl(lines))
+        done = wait_for(client, create(client, file_id, "/v1/completions")["id"], timeout=60)
+        output = client.get(f"/files/{done['output_file_id']}/content").content
+        errors = read_lines(client, done["error_file_id"])
+    assert done["status"] == "completed"
+    assert done["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    assert len(output) < 5000  # the two small answers; nothing of the 4 MB prompt
+    assert [e["custom_id"] for e in errors] == ["req-1"]
+    response = errors[0]["response"]
+    assert response["status_code"] == 400
+    assert response["body"]["error"]["param"] == "prompt"
+    assert "limit" in response["body"]["error"]["message"]
 
 
 def _heavy_line(i):

@@ -65,7 +65,7 @@ def test_odd_file_ids_are_a_json_404(batch_server, ident, method):
     server = batch_server()
     reply = _raw_request(
         server.config.port,
-        f"{method} /v1/files/{ident} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode(),
+        f"{method} /v1/files/{ident} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode(),
     )
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 404"), reply

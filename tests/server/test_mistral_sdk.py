@@ -6,6 +6,9 @@ these tests hold the server mode to the shapes Mistral publishes, not to the pro
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -154,3 +157,39 @@ def test_an_openai_shaped_file_fails_the_job_naming_the_line(batch_server: Any, 
     job = wait_until(client, job.id, {"FAILED", "SUCCESS"})
     assert job.status == "FAILED"
     assert "unexpected field(s) method, url" in job.errors[0].message
+
+
+def test_serve_dialect_mistral_command_answers_the_sdk(tmp_path: Path) -> None:
+    # The command a user runs: `airflow-batch serve --dialect mistral`, then the SDK at its root URL.
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "MISTRAL_TEST_KEY": KEY}
+    cmd = [sys.executable, "-m", "airflow_batch_provider.cli", "serve", "--port", "0"]
+    cmd += ["--data-dir", str(tmp_path), "--dialect", "mistral", "--api-key-env", "MISTRAL_TEST_KEY"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        banner = ""
+        for _ in range(50):
+            banner = proc.stdout.readline()
+            if "Local batch server" in banner or not banner:
+                break
+        url = banner.split(" at ", 1)[1].split()[0]
+        assert url.endswith("/v1"), banner
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"{url}/batch/jobs", headers={"Authorization": f"Bearer {KEY}"})
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        client = Mistral(api_key=KEY, server_url=url.removesuffix("/v1"), timeout_ms=10_000)
+        listed = client.batch.jobs.list()
+        assert (listed.total, listed.data) == (0, [])
+        uploaded = upload(client, mistral_lines(3))
+        created = client.batch.jobs.create(
+            input_files=[uploaded.id], model=MODEL, endpoint="/v1/chat/completions"
+        )
+        assert wait_until(client, created.id, {"SUCCESS", "FAILED"}).status == "SUCCESS"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

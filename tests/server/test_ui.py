@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.server.helpers import chat_line, create, jsonl, upload, wait_for
@@ -137,5 +138,24 @@ def test_pages_work_under_every_dialect(batch_server: Any, dialect: str) -> None
         html = ui.get("/ui/batches").text
         ids = re.findall(r'<tr data-batch="([^"]+)">', html)
         assert len(ids) == 1
+        assert _cell(html, ids[0], "total") in {"0", "2"}
+        assert ui.get(f"/ui/batches/{ids[0]}").status_code == 200
+
+
+def test_pages_work_under_mistral(batch_server: Any) -> None:
+    # Mistral's jobs live under /v1/batch/jobs with the model on the job and {custom_id, body} lines.
+    server = batch_server(dialect="mistral")
+    lines = [orjson.dumps({"custom_id": f"r{i}", "body": {"messages": []}}) + b"\n" for i in range(2)]
+    with httpx.Client(base_url=server.base_url, timeout=30) as api:
+        file_id = upload(api, b"".join(lines))
+        job = api.post(
+            "/batch/jobs",
+            json={"input_files": [file_id], "endpoint": "/v1/chat/completions", "model": "m"},
+        )
+        assert job.status_code < 300, job.text
+    with _ui(server) as ui:
+        html = ui.get("/ui/batches").text
+        ids = re.findall(r'<tr data-batch="([^"]+)">', html)
+        assert ids == [job.json()["id"]]
         assert _cell(html, ids[0], "total") in {"0", "2"}
         assert ui.get(f"/ui/batches/{ids[0]}").status_code == 200

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import pytest
 
@@ -60,23 +62,129 @@ def test_max_file_bytes_is_enforced_while_uploading(batch_server):
 
 def test_storage_cap_refuses_uploads_and_batches_when_full(batch_server):
     data = jsonl(chat_line(i) for i in range(150))
-    server = batch_server(max_storage_bytes=len(data) * 3 // 2)
+    cap = len(data) * 3 // 2
+    server = batch_server(max_storage_bytes=cap)
     with httpx.Client(base_url=server.base_url, timeout=10) as client:
         first = upload(client, data)
         second = client.post("/files", files={"file": ("b.jsonl", data)}, data={"purpose": "batch"})
         assert second.status_code == 507
         assert "storage is full" in second.json()["error"]["message"]
         assert [f["id"] for f in client.get("/files").json()["data"]] == [first]
-        # The first batch's output (larger than its input) overfills the store: no next batch.
+        # The first batch's output (larger than its input) would overfill the store: it fails.
         done = wait_for(client, create(client, first)["id"])
-        assert done["status"] == "completed"
+        assert done["status"] == "failed"
+        assert [e["code"] for e in done["errors"]["data"]] == ["insufficient_storage"]
+        assert done["output_file_id"] is None
+        assert _disk_usage(server) <= cap
+        # Filling the store to the byte: a batch is refused up front, and so is an upload.
+        filler = upload(client, b"x" * (cap - len(data)))
         refused = client.post(
             "/batches",
             json={"input_file_id": first, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
         )
         assert refused.status_code == 507
-        client.delete(f"/files/{done['output_file_id']}")
+        tiny = client.post("/files", files={"file": ("c", b"y")}, data={"purpose": "batch"})
+        assert tiny.status_code == 507
+        client.delete(f"/files/{filler}")
         assert upload(client, data[: len(data) // 3])
+    assert [name for name in _leftovers(server) if name.endswith(".part")] == []
+
+
+def _disk_usage(server) -> int:
+    return sum(
+        p.stat().st_size for folder in ("files", "work") for p in (server.config.data_dir / folder).iterdir()
+    )
+
+
+def test_concurrent_uploads_cannot_pass_the_storage_cap_between_them(batch_server):
+    """The issue's case scaled down: three uploads streaming at once against a cap for one and a half."""
+    size = 3 * 1024 * 1024
+    cap = size * 5 // 3
+    server = batch_server(max_storage_bytes=cap)
+    started = threading.Barrier(3, timeout=30)
+    results: list[httpx.Response] = []
+
+    def body():
+        head, _ = _body(b"", closed=False)
+        yield head  # the purpose field and the file part's headers
+        yield b"x" * (size // 8)
+        # Every upload has begun (and passed any check made at its start) before one finishes.
+        started.wait()
+        for _ in range(7):
+            yield b"x" * (size // 8)
+        yield b"\r\n--bnd--\r\n"
+
+    def send():
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            headers = {"Content-Type": "multipart/form-data; boundary=bnd"}
+            results.append(client.post("/files", content=body(), headers=headers))
+
+    threads = [threading.Thread(target=send) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    accepted = [r for r in results if r.status_code == 200]
+    refused = [r for r in results if r.status_code != 200]
+    assert len(accepted) == 1, [r.status_code for r in results]
+    assert accepted[0].json()["bytes"] == size
+    assert [r.status_code for r in refused] == [507, 507]
+    assert all("storage is full" in r.json()["error"]["message"] for r in refused)
+    assert _disk_usage(server) == size <= cap
+    assert server.stats()["storage"]["peak_bytes"] <= cap
+    assert [name for name in _leftovers(server) if name.endswith(".part")] == []
+
+
+def test_batch_output_stops_at_the_storage_cap_and_the_batch_fails(batch_server):
+    """The issue's case scaled down: answers many times the input's size stop at the cap."""
+    lines = [chat_line(i, n=32) for i in range(200)]  # each answer repeats the prompt 32 times
+    data = jsonl(lines)
+    cap = len(data) + 256 * 1024
+    server = batch_server(max_storage_bytes=cap)
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        file_id = upload(client, data)
+        done = wait_for(client, create(client, file_id)["id"])
+        files = client.get("/files").json()["data"]
+    assert done["status"] == "failed"
+    assert done["output_file_id"] is None and done["error_file_id"] is None
+    [error] = done["errors"]["data"]
+    assert error["code"] == "insufficient_storage"
+    assert f"storage limit of {cap:,} bytes" in error["message"]
+    assert [f["id"] for f in files] == [file_id]
+    storage = server.stats()["storage"]
+    assert storage["peak_bytes"] <= cap
+    assert storage["used_bytes"] == _disk_usage(server) == len(data)
+    assert sorted(p.name for p in (server.config.data_dir / "work").iterdir()) == []
+
+
+@pytest.mark.parametrize("form", ["many_fields", "large_field"])
+def test_upload_forms_are_bounded(batch_server, form):
+    data = jsonl(chat_line(i) for i in range(3))
+    file_part = b'--bnd\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n'
+    if form == "many_fields":
+        extra = b"".join(
+            b'--bnd\r\nContent-Disposition: form-data; name="f%d"\r\n\r\nv\r\n' % i for i in range(5000)
+        )
+        expected = "more than 16 parts"
+    else:
+        extra = b'--bnd\r\nContent-Disposition: form-data; name="note"\r\n\r\n' + b"v" * 100_000 + b"\r\n"
+        expected = "'note' is larger than 65,536 bytes"
+    purpose = b'--bnd\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+    body = purpose + extra + file_part + data + b"\r\n--bnd--\r\n"
+    server = batch_server()
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        multipart = {"Content-Type": "multipart/form-data; boundary=bnd"}
+        refused = client.post("/files", content=body, headers=multipart)
+        assert refused.status_code == 400, refused.content[:300]
+        assert expected in refused.json()["error"]["message"]
+        assert client.get("/files").json()["data"] == []
+        # The same upload without the extra form data is taken.
+        ok = client.post(
+            "/files",
+            content=purpose + file_part + data + b"\r\n--bnd--\r\n",
+            headers=multipart,
+        )
+        assert ok.status_code == 200
     assert [name for name in _leftovers(server) if name.endswith(".part")] == []
 
 

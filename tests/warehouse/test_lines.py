@@ -3,6 +3,7 @@ of the Python path (dialect.parse_result_line + ResultMapper.row), line by line.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -229,6 +230,121 @@ EDGES: list[tuple[str, Any]] = [
         b'{"custom_id": "e2", "id": "req_1e5", "response": {"status_code": 200, "body": {"choices": '
         b'[{"message": {"content": "3e8 m/s, :1e9"}}], "usage": {"prompt_tokens": 5}}}}',
     ),
+]
+
+
+ANSWER = b'{"model": "m", "choices": [{"message": {"content": "yes"}, "finish_reason": "stop"}]}'
+
+
+def answered(cid: bytes, head: bytes = b"", status: bytes = b"200", body: bytes = ANSWER) -> bytes:
+    return (
+        b'{"custom_id": "'
+        + cid
+        + b'", '
+        + head
+        + b'"response": {"status_code": '
+        + status
+        + b', "body": '
+        + body
+        + b'}, "error": null}'
+    )
+
+
+#: Lines that parsers read differently: (what, line, the rows' status and error code Python gives
+#: them). A line repeating a key is unreadable wherever it is read; so is one orjson refuses.
+HOSTILE: list[tuple[str, bytes, tuple[str, str | None]]] = [
+    (
+        "repeated custom_id",
+        b'{"custom_id": "h-cid-1", "custom_id": "h-cid-2", "response": {"status_code": 200, '
+        b'"body": ' + ANSWER + b'}, "error": null}',
+        ("invalid_output", "invalid_result_line"),
+    ),
+    (
+        "repeated status_code",
+        b'{"custom_id": "h-status", "response": {"status_code": 500, "status_code": 200, "body": '
+        + ANSWER
+        + b"}}",
+        ("invalid_output", "invalid_result_line"),
+    ),
+    (
+        "repeated content",
+        answered(b"h-content", body=b'{"choices": [{"message": {"content": "first", "content": "second"}}]}'),
+        ("invalid_output", "invalid_result_line"),
+    ),
+    (
+        "repeated key nothing reads",
+        answered(b"h-meta", b'"meta": {"a": 1, "a": 2}, '),
+        ("invalid_output", "invalid_result_line"),
+    ),
+    (
+        "repeated key spelled otherwise",
+        answered(b"h-esc-1", b'"custom\\u005fid": "h-esc-2", '),
+        ("invalid_output", "invalid_result_line"),
+    ),
+    (
+        "repeated equal value",
+        answered(b"h-same", b'"custom_id": "h-same", '),
+        ("invalid_output", "invalid_result_line"),
+    ),
+    (
+        "repeated error code",
+        b'{"custom_id": "h-err", "response": null, "error": {"code": "a", "message": "m", "code": "b"}}',
+        ("invalid_output", "invalid_result_line"),
+    ),
+    (
+        "a quote spelled u0022 (no repeat)",
+        answered(b"h-u0022", body=b'{"choices": [{"message": {"content": "say \\u0022hi\\u0022"}}]}'),
+        ("succeeded", None),
+    ),
+    (
+        "nesting orjson reads",
+        answered(b"h-1000", b'"x": ' + b"[" * 1000 + b"]" * 1000 + b", "),
+        ("succeeded", None),
+    ),
+    (
+        "nesting past orjson's 1024",
+        answered(b"h-1025", b'"x": ' + b"[" * 1025 + b"]" * 1025 + b", "),
+        ("invalid_output", "invalid_result_line"),
+    ),
+    (
+        "surrogate pair",
+        answered(b"h-pair", body=b'{"choices": [{"message": {"content": "\\ud83d\\ude00"}}]}'),
+        ("succeeded", None),
+    ),
+    (
+        "integer status past 64 bits",
+        answered(b"h-big", status=b"123456789012345678901234567890"),
+        ("failed", "unknown_error"),
+    ),
+    (
+        "digit-string status past 128 bits",
+        answered(b"h-bigtext", status=b'"1234567890123456789012345678901234567890"'),
+        ("failed", "http_1234567890123456789012345678901234567890"),
+    ),
+    (
+        "a number past a double",
+        answered(b"h-inf", b'"x": [1e400], '),
+        ("invalid_output", "invalid_result_line"),
+    ),
+    (
+        "token count past 64 bits",
+        answered(
+            b"h-tokens",
+            body=b'{"choices": [{"message": {"content": "t"}}], "usage": {"prompt_tokens": '
+            b"18446744073709551616}}",
+        ),
+        ("succeeded", None),
+    ),
+]
+
+#: Lines PostgreSQL refuses to cast to jsonb (its merge then reads every line in Python).
+UNCASTABLE: list[tuple[str, bytes, tuple[str, str | None]]] = [
+    (
+        "lone surrogate",
+        answered(b"h-lone", body=b'{"choices": [{"message": {"content": "bad \\ud800"}}]}'),
+        ("invalid_output", "invalid_result_line"),
+    ),
+    ("NaN", answered(b"h-nan", b'"x": NaN, '), ("invalid_output", "invalid_result_line")),
 ]
 
 
@@ -520,3 +636,56 @@ def test_line_numbers_are_kept_as_runs() -> None:
     assert numbers.runs == [(1, 0, 1), (3, 0, 5), (4, 1, 1)]
     assert [numbers.locate(s) for s in range(1, 6)] == [(0, 1), (0, 2), (0, 5), (1, 1), (1, 2)]
     assert numbers.file_sql("seq") == "CASE WHEN seq >= 4 THEN 1 WHEN seq >= 1 THEN 0 END"
+
+
+def merged_rows(warehouse: Any, lines: list[bytes], parse_in: str, chunk: int | None = None) -> Any:
+    """The rows (sorted) and report of one merge of ``lines`` into a table of its own."""
+    table = f"r_{parse_in}_{chunk or 0}"
+    writer = ResultsWriter(warehouse.hook, table, parse_in=parse_in)
+    report = writer.merge(raw_results(get_dialect("openai"), lines, chunk=chunk)).as_dict()
+    rows = warehouse.rows(
+        "SELECT custom_id, status, content, finish_reason, model, prompt_tokens, completion_tokens, "
+        f"total_tokens, error_code, error_message, batch_id FROM {warehouse.quote(table)}"
+    )
+    return sorted(tuple(r) for r in rows), report
+
+
+@pytest.mark.parametrize("uncastable", [False, True], ids=["jsonb casts every line", "lines jsonb refuses"])
+def test_a_hostile_corpus_writes_the_same_rows_on_every_path(
+    request: pytest.FixtureRequest, uncastable: bool
+) -> None:
+    hostile = HOSTILE + (UNCASTABLE if uncastable else [])
+    lines = corpus_lines(CORPUS[:2]) + [line for _, line, _ in hostile]
+    paths: dict[str, Any] = {}
+    for kind in ("postgres", "duckdb", "sqlite", "mysql"):
+        try:
+            warehouse = request.getfixturevalue(f"{'pg' if kind == 'postgres' else kind}_warehouse")
+        except pytest.skip.Exception:  # no MySQL driver here (under CI, the fixture fails instead)
+            continue
+        paths[f"{kind} python"] = merged_rows(warehouse, lines, "python")
+        if warehouse.hook and kind in ("postgres", "duckdb"):
+            paths[f"{kind} database"] = merged_rows(warehouse, lines, "database")
+        if kind == "postgres":
+            paths["postgres database, in chunks"] = merged_rows(warehouse, lines, "database", chunk=97)
+    assert {
+        "postgres python",
+        "postgres database",
+        "duckdb python",
+        "duckdb database",
+        "sqlite python",
+    } <= set(paths)
+    rows, report = paths.pop("duckdb python")
+    for path, (other_rows, other_report) in paths.items():
+        assert other_rows == rows, path
+        assert other_report == report, path
+    # What Python reads, every path wrote: each line's row, by its number in the file.
+    by_id = {r[0]: r for r in rows}
+    for number, (what, _, (status, code)) in enumerate(hostile, start=3):
+        cid = re.search(rb'"custom_id": "([^"]*)"', hostile[number - 3][1]).group(1).decode()  # type: ignore[union-attr]
+        row = by_id[cid]
+        assert (row[1], row[8]) == (status, code), what
+        if what.startswith("repeated"):
+            assert f"file 'file-out' line {number} repeats the key" in row[9], what
+    assert by_id["h-status"][9].endswith("repeats the key 'status_code'")
+    assert by_id["h-cid-1"][9].endswith("repeats the key 'custom_id'")
+    assert by_id["h-pair"][2] == "\U0001f600"

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from typing import IO, Any
 
 from airflow_batch_provider.warehouse.databases.base import Capabilities, SqlDialect
-from airflow_batch_provider.warehouse.lines import JsonSql, LineNumbers, literal, raw_records
+from airflow_batch_provider.warehouse.lines import JsonSql, LineNumbers, beyond_orjson, literal, raw_records
 from airflow_batch_provider.warehouse.loaders import duckdb_files
 from airflow_batch_provider.warehouse.rows import Column
 
@@ -41,14 +41,32 @@ class DuckDBJson(JsonSql):
             return "$" + "".join(f"[{p}]" if isinstance(p, int) else f'."{p}"' for p in path)
 
         extract = ", ".join(literal(json_path(p)) for p in paths)
-        values = ", ".join(["ex", *(f"v[{i + 1}] AS l{i}" for i in range(len(paths)))])
+        values = ", ".join(["ex", "amb", *(f"v[{i + 1}] AS l{i}" for i in range(len(paths)))])
         kinds = ", ".join(self._KINDS.format(f"l{i}") + f" AS k{i}" for i in range(len(paths)))
         parsed = (
             f"SELECT seq, f, {self.spelled('line')} AS ex, "
+            f"CASE WHEN json_valid(line) THEN {self.ambiguous('line', 'line')} END AS amb, "
             f"CASE WHEN json_valid(line) THEN json_extract(line, [{extract}]) END AS v "
             f"FROM {raw} r"
         )
         return f"(SELECT b.*, {kinds} FROM (SELECT seq, f, {values} FROM ({parsed}) a) b)"
+
+    def ambiguous(self, line: str, doc: str) -> str:
+        # DuckDB keeps every value of a repeated key (and reads the first): the keys of the line
+        # and of each object in it (json_keys gives them decoded, repeats kept). NaN and
+        # Infinity are JSON to DuckDB, not to orjson. (Surrogate escapes never get here: see
+        # lines.raw_records.)
+        repeats = "len({0}) <> len(list_distinct({0}))"
+        import duckdb
+
+        # DuckDB 1.3 brought ``lambda k:``, and deprecates ``k ->`` since.
+        arrow = "lambda k:" if version_tuple(duckdb.__version__) >= (1, 3) else "k ->"
+        nested = f"list_bool_or(list_transform(json_keys({doc}, '$..*'), {arrow} {repeats.format('k')}))"
+        return (
+            f"({repeats.format(f'json_keys({doc})')} OR COALESCE({nested}, FALSE) "
+            f"OR regexp_matches({line}, 'NaN|Infinity') "
+            f"OR {beyond_orjson(line, lambda text, pattern: f'regexp_matches({text}, {pattern})', 'strlen')})"
+        )
 
     def digits(self, text: str) -> str:
         return f"regexp_full_match({text}, '[0-9]+')"
