@@ -26,6 +26,7 @@ files); what differs is where the API lives, how a request authenticates, and th
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -250,7 +251,12 @@ class AzureOpenAIDialect(Dialect):
 
         async def afetch() -> Token:
             try:
-                access = await credential(True).get_token(ENTRA_SCOPE)
+                # Built off the loop: the first build imports azure.identity.aio and reads the
+                # environment, which must not hold up the triggerer's other triggers.
+                built: Any = credentials.get(True)
+                if built is None:
+                    built = await asyncio.to_thread(credential, True)
+                access = await built.get_token(ENTRA_SCOPE)
             except Exception as exc:
                 raise _token_error(exc, client_secret) from None
             return _token(access)

@@ -8,6 +8,7 @@ The Entra ID credentials are objects the tests provide, with azure-identity's re
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -175,6 +176,7 @@ def credentials(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     def make(extra: Any, secret: str | None, *, asynchronous: bool) -> Any:
         made["built"].append((asynchronous, secret))
+        made.setdefault("threads", []).append(threading.get_ident())
         return made["async" if asynchronous else "sync"]
 
     monkeypatch.setattr(azure_module, "make_credential", make)
@@ -193,6 +195,8 @@ async def test_entra_async_client_gets_its_bearer_from_the_aio_credential(
     assert credentials["async"].calls == [(ENTRA_SCOPE,)]
     assert credentials["sync"].calls == []
     assert credentials["built"] == [(True, "client-secret-xyz")]
+    # The aio credential was built off the event loop's thread (its first build imports modules).
+    assert credentials["threads"] != [threading.get_ident()]
     # Closing the hook closes the aio credential's session; the hook still works after it (the
     # cached token is still good, and a credential is built again when one is needed).
     await hook.aclose()
