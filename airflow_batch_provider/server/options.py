@@ -163,10 +163,18 @@ def run(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     config = config.model_copy(update={"port": port})
     key_note = f" (API key from ${args.api_key_env})" if args.api_key_env else ""
+    if getattr(args, "bearer_token_env", None):
+        key_note += f" (bearer token from ${args.bearer_token_env})"
+    # The API root in the mode's first path style; a vendor with more than one names the others.
+    from airflow_batch_provider.server.wire import get_wire
+
+    first, *others = get_wire(config.dialect).path_prefixes
+    also = f" (also under {', '.join(others)})" if others else ""
     # Bound to every interface, the server is reached by a name it serves (0.0.0.0 is none of them).
     shown = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host  # noqa: S104
     print(
-        f"Local batch server ({config.dialect} dialect, {config.backend} backend) at http://{shown}:{port}/v1{key_note}\n"
+        f"Local batch server ({config.dialect} dialect, {config.backend} backend) at "
+        f"http://{shown}:{port}{first}{also}{key_note}\n"
         f"  data: {config.data_dir.resolve()}  time scale: {config.time_scale:g}",
         flush=True,
     )

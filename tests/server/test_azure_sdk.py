@@ -9,6 +9,9 @@ models, so the mode is held to the published shapes.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -220,3 +223,55 @@ def test_token_limit_exceeded_at_create_and_as_a_failed_batch(batch_server: Any,
     failed = wait(client, failed)
     assert failed.status == "failed" and failed.errors is not None and failed.errors.data
     assert failed.errors.data[0].code == "token_limit_exceeded"
+
+
+def test_serve_dialect_azure_command_answers_both_clients(tmp_path: Path) -> None:
+    # The command a user runs: `airflow-batch serve --dialect azure` with a key and a stand-in
+    # Entra ID token, then AzureOpenAI (classic, bearer) and OpenAI (v1, key) at its root.
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "AZ_TEST_KEY": KEY, "AZ_TEST_TOKEN": TOKEN}
+    cmd = [
+        sys.executable,
+        "-m",
+        "airflow_batch_provider.cli",
+        "serve",
+        "--port",
+        "0",
+        "--data-dir",
+        str(tmp_path),
+    ]
+    cmd += ["--dialect", "azure", "--api-key-env", "AZ_TEST_KEY", "--bearer-token-env", "AZ_TEST_TOKEN"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        banner = ""
+        for _ in range(50):
+            banner = proc.stdout.readline()
+            if "Local batch server" in banner or not banner:
+                break
+        url = banner.split(" at ", 1)[1].split()[0]
+        assert url.endswith("/openai/v1") and "also under /openai" in banner, banner
+        assert KEY not in banner and TOKEN not in banner
+        root = url.removesuffix("/openai/v1")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"{url}/batches", headers={"api-key": KEY})
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        classic = openai.AzureOpenAI(
+            azure_endpoint=root, api_version=API_VERSION, azure_ad_token_provider=lambda: TOKEN, max_retries=0
+        )
+        path = tmp_path / "in.jsonl"
+        path.write_bytes(jsonl(chat_line(i, model=DEPLOYMENT) for i in range(3)))
+        uploaded = classic.files.create(file=path.open("rb"), purpose="batch")
+        batch = classic.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        v1 = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
+        assert wait(v1, v1.batches.retrieve(batch.id)).status == "completed"
+        assert [b.id for b in classic.batches.list()] == [batch.id]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
