@@ -32,13 +32,6 @@ class InvalidIdError(ConfigurationError, ValueError):
     empty, too long...): refused before it is placed in any URL."""
 
 
-class UnknownBatchStatusError(BatchProviderError):
-    """The vendor reported a batch status this provider does not know.
-
-    Never treated as success: an unknown state could be a failure mode added by the vendor.
-    """
-
-
 class BatchApiError(BatchProviderError):
     """An HTTP call to the batch API failed.
 
@@ -106,6 +99,17 @@ class BatchApiConnectionError(BatchApiError):
 
 class BatchApiResponseError(BatchApiError):
     """The vendor answered 2xx with a body this provider cannot parse."""
+
+
+class UnknownBatchStatusError(BatchApiResponseError):
+    """The vendor reported a batch status this provider does not know.
+
+    Never treated as success: an unknown state could be a failure mode added by the vendor.
+    It is a read error like any unreadable answer: a poll loop judges it within its error
+    budget (a vendor's new status is often a brief intermediate state the next poll no longer
+    shows), and a status that stays unknown ends the watch as ``error`` once the budget is spent.
+    In a shared listing it concerns its own batch only.
+    """
 
 
 class BatchApiRedirectError(BatchApiError):

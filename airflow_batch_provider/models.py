@@ -161,7 +161,12 @@ class Batch(_Response):
     @field_validator("metadata", mode="before")
     @classmethod
     def _metadata(cls, value: Any) -> Any:
-        return {} if value is None else {str(k): str(v) for k, v in dict(value).items()}
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            # A ValueError (not the TypeError ``dict(5)`` raises) is what pydantic reports as invalid.
+            raise ValueError(f"metadata must be an object, not {type(value).__name__}")
+        return {str(k): str(v) for k, v in value.items()}
 
     @field_validator("errors", mode="before")
     @classmethod
@@ -251,21 +256,33 @@ class Manifest(BaseModel):
 
 
 def to_utc(value: Any) -> datetime | None:
-    """Turn epoch seconds, ISO strings or datetimes into aware UTC datetimes; None stays None."""
+    """Turn epoch seconds, ISO strings or datetimes into aware UTC datetimes; None stays None.
+
+    Anything else (a bool, an object, a number out of range, text that is not a timestamp)
+    raises ``ValueError``, which the models report as an invalid field.
+    """
     if value is None or value == "":
         return None
     if isinstance(value, datetime):
         return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         # Some vendors send milliseconds; no batch was created before 2001 or after 2286.
         seconds = value / 1000 if value > 10_000_000_000 else value
-        return datetime.fromtimestamp(seconds, tz=timezone.utc)
+        try:
+            return datetime.fromtimestamp(seconds, tz=timezone.utc)
+        except (OverflowError, OSError, ValueError):
+            # Past year 9999 (1e20), NaN, or beyond the platform's time_t: a vendor's bad
+            # number is a ValueError like any unreadable field, never an OverflowError.
+            raise ValueError(f"cannot read {value!r} as a timestamp") from None
     if isinstance(value, str):
         text = value.strip()
         if text.endswith("Z"):
             text = text[:-1] + "+00:00"
-        parsed = datetime.fromisoformat(text)
+        try:
+            parsed = datetime.fromisoformat(text)
+        except ValueError:
+            raise ValueError(f"cannot read {value[:64]!r} as a timestamp") from None
         return (
             parsed.replace(tzinfo=timezone.utc) if parsed.tzinfo is None else parsed.astimezone(timezone.utc)
         )
-    raise ValueError(f"cannot read {value!r} as a timestamp")
+    raise ValueError(f"cannot read {type(value).__name__} {str(value)[:64]!r} as a timestamp")

@@ -56,8 +56,11 @@ if TYPE_CHECKING:
 
     from airflow_batch_provider.hooks.batch import BatchApiHook
 
-# Errors worth another poll: the vendor or the network may recover. Anything else (401, 404,
-# 400, an unknown status) will not get better by asking again, so it ends the watch at once.
+# Errors worth another poll: the vendor or the network may recover. An answer that does not
+# parse is one of them (BatchApiResponseError), an unknown batch status included
+# (UnknownBatchStatusError): a vendor's new status is often a brief state the next poll no
+# longer shows, and one that stays ends the watch as error once the error budget is spent.
+# Anything else (401, 404, 400) will not get better by asking again: it ends the watch at once.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     BatchApiRateLimitError,
     BatchApiServerError,
@@ -216,7 +219,7 @@ class PollLoop:
             # Out of quota: no wait refills it (checked first: it is also a rate limit).
             return Step(event=error_event(self.batch_ids, f"cannot poll batch(es): {exc}"), fatal=True)
         if not isinstance(exc, TRANSIENT_ERRORS):
-            # Not transient (auth, not found, unknown status, unreadable config): stop now.
+            # Not transient (auth, not found, unreadable config): stop now.
             message = f"cannot poll batch(es) {ids}: {type(exc).__name__}: {exc}"
             return Step(event=error_event(self.batch_ids, message), fatal=True)
         self.errors += 1

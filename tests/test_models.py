@@ -171,3 +171,18 @@ def test_manifest_round_trip() -> None:
     again = Manifest.model_validate_json(manifest.model_dump_json())
     assert again == manifest
     assert Manifest.model_validate({"endpoint": "/v1/embeddings", "future_field": 1}).dialect == "openai"
+
+
+@pytest.mark.parametrize("value", [1e20, -1e20, 10**30, True, {"at": 1}], ids=repr)
+def test_to_utc_out_of_range_or_odd_is_a_value_error(value: object) -> None:
+    # Never an OverflowError or OSError: the models report a ValueError as an invalid field.
+    with pytest.raises(ValueError, match="as a timestamp"):
+        to_utc(value)
+
+
+@pytest.mark.parametrize(
+    "fields", [{"metadata": 5}, {"metadata": ["a"]}, {"created_at": 1e20}, {"expires_at": True}], ids=repr
+)
+def test_batch_with_an_unreadable_field_is_a_validation_error(fields: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        Batch.model_validate({"id": "b1", "state": "in_progress", **fields})

@@ -187,3 +187,16 @@ def test_no_operator_imports_from_the_sensors_package() -> None:
         imported = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
         imported += [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
         assert not [m for m in imported if m.startswith("airflow_batch_provider.sensors")], path.name
+
+
+def test_an_unknown_status_is_judged_within_the_error_budget() -> None:
+    from airflow_batch_provider.exceptions import UnknownBatchStatusError
+
+    loop = PollLoop(["b1"], poll_interval=10.0, max_consecutive_errors=1)
+    unknown = UnknownBatchStatusError("batch b1 reported unknown status 'queued'")
+    first = loop.failed(unknown, NOW)
+    # Tolerated once (a vendor's new state may pass), then the watch ends as error, never success.
+    assert first.event is None and not first.fatal and first.sleep == 10.0
+    second = loop.failed(unknown, NOW)
+    assert second.event is not None and second.event["status"] == "error"
+    assert "after 2 consecutive errors" in second.event["message"] and "queued" in second.event["message"]

@@ -6,8 +6,8 @@ nothing outside ``dialects/`` knows a vendor's name, header, path or field.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from airflow_batch_provider.exceptions import BatchApiResponseError
@@ -82,11 +82,28 @@ class LineShape:
 
 
 @dataclass(frozen=True)
+class Unreadable:
+    """A listed item that does not parse: the batch id it names (None: none readable) and why."""
+
+    batch_id: str | None
+    error: BatchApiResponseError
+
+
+@dataclass(frozen=True)
 class ListPage:
-    """One page of a batch listing."""
+    """One page of a batch listing.
+
+    :param batches: the items that parse.
+    :param next_params: the next page's params (None: the last page).
+    :param unreadable: the items that do not parse: each fails only itself (a vendor's new
+        status or field on one batch must not hide the page's other batches).
+    :param skipped: items left unparsed because the reader wants other batches.
+    """
 
     batches: list[Batch]
     next_params: dict[str, Any] | None
+    unreadable: list[Unreadable] = field(default_factory=list)
+    skipped: int = 0
 
 
 class Dialect:
@@ -351,17 +368,28 @@ class Dialect:
         return body
 
     def parse_batch(self, raw: Mapping[str, Any]) -> Batch:
-        """Map the vendor's batch object to the normalised ``Batch``."""
+        """Map the vendor's batch object to the normalised ``Batch``.
+
+        Anything unreadable (not an object, no string id, a field of the wrong type or out of
+        range, an unknown status) raises ``BatchApiResponseError`` (``UnknownBatchStatusError``
+        for a status), never a TypeError or a pydantic error.
+        """
+        raw = batch_object(raw)
         batch_id = raw.get("id")
         if not batch_id:
             raise BatchApiResponseError("batch object has no id", body=dict(raw))
+        if not isinstance(batch_id, str):
+            raise BatchApiResponseError(
+                f"batch object has an id that is not a string ({type(batch_id).__name__})", body=dict(raw)
+            )
         data = dict(raw)
-        data["state"] = BatchState.parse(raw.get("status"), batch_id=str(batch_id))
+        data["state"] = BatchState.parse(raw.get("status"), batch_id=batch_id)
         data["raw"] = dict(raw)
         try:
             batch = Batch.model_validate(data)
         except ValueError as exc:
-            raise BatchApiResponseError(f"cannot read batch {batch_id}: {exc}", body=dict(raw)) from exc
+            # pydantic's ValidationError is a ValueError; the validators raise only ValueError.
+            raise BatchApiResponseError(f"cannot read batch {batch_id}: {exc}", body=dict(raw)) from None
         return self.mark_quota_errors(batch)
 
     def mark_quota_errors(self, batch: Batch) -> Batch:
@@ -382,37 +410,75 @@ class Dialect:
         """
         return {}
 
+    def listed_id(self, item: Any) -> str | None:
+        """The batch id a listed item names, when it names one as a non-empty string."""
+        batch_id = item.get(self.listed_id_key) if isinstance(item, dict) else None
+        return batch_id if isinstance(batch_id, str) and batch_id else None
+
     def listed_batch(self, item: Mapping[str, Any], known: Mapping[str, Batch] | None) -> Batch:
         """A batch object of a listing page: the ``known`` batch of its id when the vendor's object
         is unchanged (a poller listing the same thousands of batches every cycle then builds no
-        new ``Batch`` for them), else a fresh parse.
+        new ``Batch`` for them), else a fresh parse (``BatchApiResponseError`` if unreadable).
 
         :param known: batches parsed before, by id (None: parse every item).
         """
         if known:
-            batch_id = item.get(self.listed_id_key) if isinstance(item, dict) else None
-            previous = known.get(batch_id) if isinstance(batch_id, str) else None
+            batch_id = self.listed_id(item)
+            previous = known.get(batch_id) if batch_id is not None else None
             # ``raw`` is the object as the vendor sent it: equal objects parse to equal batches.
             if previous is not None and previous.raw == item:
                 return previous
         return self.parse_batch(item)
 
-    def parse_list_page(
-        self, raw: Mapping[str, Any], params: Mapping[str, Any], known: Mapping[str, Batch] | None = None
-    ) -> ListPage:
-        """One page of the batch listing: its batches and the params of the next page (None: the last).
+    def list_envelope(self, raw: Any, params: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any] | None]:
+        """A listing page's items (unparsed) and the params of the next page (None: the last).
+
+        A page whose envelope is unreadable (not an object, ``data`` not a list, ``has_more``
+        not a boolean, a cursor that is not a string) raises ``BatchApiResponseError``: nothing
+        on it can be trusted. Its items are judged one by one (``parse_list_items``).
+        """
+        raw = page_object(raw)
+        # The end marker is ``has_more``; a page shorter than the limit asked for is not the end
+        # (servers clamp ``limit``).
+        data = page_items(raw, "data")
+        has_more = raw.get("has_more")
+        if has_more is not None and not isinstance(has_more, bool):
+            raise BatchApiResponseError(f"{LIST_WHAT}: has_more is {type(has_more).__name__}, not a boolean")
+        last = raw.get("last_id")
+        if last is not None and not isinstance(last, str):
+            raise BatchApiResponseError(f"{LIST_WHAT}: last_id is {type(last).__name__}, not a string")
+        if not last and data:
+            last = self.listed_id(data[-1])
+        next_params = {**params, "after": last} if has_more and last else None
+        return data, next_params
+
+    def parse_list_items(
+        self, items: Sequence[Any], known: Mapping[str, Batch] | None = None
+    ) -> tuple[list[Batch], list[Unreadable]]:
+        """Parse listed items one by one: an item that does not parse fails only itself.
 
         :param known: batches parsed before, by id, reused for unchanged objects (``listed_batch``).
         """
-        # The end marker is ``has_more``; a page shorter than the limit asked for is not the end
-        # (servers clamp ``limit``).
-        data = raw.get("data") or []
-        batches = [self.listed_batch(item, known) for item in data]
-        next_params = None
-        last = raw.get("last_id") or (data[-1].get("id") if data else None)
-        if raw.get("has_more") and last:
-            next_params = {**params, "after": last}
-        return ListPage(batches=batches, next_params=next_params)
+        batches: list[Batch] = []
+        unreadable: list[Unreadable] = []
+        for item in items:
+            try:
+                batches.append(self.listed_batch(item, known))
+            except BatchApiResponseError as exc:
+                unreadable.append(Unreadable(self.listed_id(item), exc))
+        return batches, unreadable
+
+    def parse_list_page(
+        self, raw: Mapping[str, Any], params: Mapping[str, Any], known: Mapping[str, Batch] | None = None
+    ) -> ListPage:
+        """One page of the batch listing: its batches, the items that do not parse, and the params
+        of the next page (None: the last).
+
+        :param known: batches parsed before, by id, reused for unchanged objects (``listed_batch``).
+        """
+        items, next_params = self.list_envelope(raw, params)
+        batches, unreadable = self.parse_list_items(items, known)
+        return ListPage(batches=batches, next_params=next_params, unreadable=unreadable)
 
     def metadata_of(self, batch: Batch) -> dict[str, str]:
         """The tags the provider set on a batch (used to find orphans by run identity)."""
@@ -498,6 +564,43 @@ class Dialect:
 
     def __repr__(self) -> str:
         return f"<Dialect {self.name}>"
+
+
+LIST_WHAT = "listing batches"
+
+
+def _preview(raw: Any) -> str:
+    """A short text of an unreadable answer for the error (the whole of a big page is noise)."""
+    return repr(raw)[:500]
+
+
+def batch_object(raw: Any) -> Mapping[str, Any]:
+    """``raw`` if it is a JSON object, else a ``BatchApiResponseError`` (a batch is an object)."""
+    if not isinstance(raw, Mapping):
+        raise BatchApiResponseError(
+            f"batch object is {type(raw).__name__}, not a JSON object", body=_preview(raw)
+        )
+    return raw
+
+
+def page_object(raw: Any) -> Mapping[str, Any]:
+    """A listing page that is a JSON object, else a ``BatchApiResponseError``."""
+    if not isinstance(raw, Mapping):
+        raise BatchApiResponseError(f"{LIST_WHAT}: the page is {type(raw).__name__}, not a JSON object")
+    return raw
+
+
+def page_items(raw: Mapping[str, Any], *keys: str) -> list[Any]:
+    """The item list of a listing page under the first of ``keys`` present (absent or null: none)."""
+    for key in keys:
+        value = raw.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list):
+            raise BatchApiResponseError(f"{LIST_WHAT}: {key} is {type(value).__name__}, not a list")
+        if value:
+            return value
+    return []
 
 
 def str_or_none(value: Any) -> str | None:

@@ -17,7 +17,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from airflow_batch_provider.dialects.base import Dialect, ListPage, bind_models
+from airflow_batch_provider.dialects.base import (
+    LIST_WHAT,
+    Dialect,
+    batch_object,
+    bind_models,
+    page_items,
+    page_object,
+)
 from airflow_batch_provider.exceptions import BatchApiResponseError, UnknownBatchStatusError
 from airflow_batch_provider.limits import MB, Limits
 
@@ -125,9 +132,15 @@ class MistralDialect(Dialect):
         return body
 
     def parse_batch(self, raw: Mapping[str, Any]) -> Batch:
+        """Mistral's job object as a ``Batch``; anything unreadable is a ``BatchApiResponseError``."""
+        raw = batch_object(raw)
         batch_id = raw.get("id")
-        if not batch_id or not isinstance(batch_id, str):
+        if not batch_id:
             raise BatchApiResponseError("batch job object has no id", body=dict(raw))
+        if not isinstance(batch_id, str):
+            raise BatchApiResponseError(
+                f"batch job object has an id that is not a string ({type(batch_id).__name__})", body=dict(raw)
+            )
         status = raw.get("status")
         mapped = STATUSES.get(status) if isinstance(status, str) else None
         if mapped is None:
@@ -163,8 +176,8 @@ class MistralDialect(Dialect):
                 ],
                 raw=dict(raw),
             )
-        except (ValueError, TypeError) as exc:
-            raise BatchApiResponseError(f"cannot read batch {batch_id}: {exc}", body=dict(raw)) from exc
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise BatchApiResponseError(f"cannot read batch {batch_id}: {exc}", body=dict(raw)) from None
 
     def list_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"page": 0, "page_size": limit or self.list_page_size}
@@ -173,25 +186,23 @@ class MistralDialect(Dialect):
         # The SDK sends the metadata filter exploded: one query parameter per pair.
         return {str(k): str(v) for k, v in metadata.items()}
 
-    def parse_list_page(
-        self, raw: Mapping[str, Any], params: Mapping[str, Any], known: Mapping[str, Batch] | None = None
-    ) -> ListPage:
-        """One page, and the next while the pages so far hold fewer than ``total`` batches.
+    def list_envelope(self, raw: Any, params: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any] | None]:
+        """One page's items, and the next page while the pages so far hold fewer than ``total``.
 
         A first page shorter than asked and short of ``total`` means the server clamps the page
         size: the walk goes on asking for the size it gives. A later short page is the last.
         """
-        data = raw.get("data") or []
-        if not isinstance(data, list):
-            raise BatchApiResponseError("batch job listing has no data list", body=dict(raw))
-        batches = [self.listed_batch(item, known) for item in data]
+        raw = page_object(raw)
+        data = page_items(raw, "data")
         total = raw.get("total")
+        if total is not None and (not isinstance(total, int) or isinstance(total, bool)):
+            raise BatchApiResponseError(f"{LIST_WHAT}: total is {type(total).__name__}, not an integer")
         page = int(params.get("page") or 0)
         size = int(params.get("page_size") or self.list_page_size)
         next_params: dict[str, Any] | None = None
-        if data and isinstance(total, int):
+        if data and total is not None:
             if len(data) < size and page == 0:
                 size = len(data)
             if len(data) >= size and (page + 1) * size < total:
                 next_params = {**params, "page": page + 1, "page_size": size}
-        return ListPage(batches=batches, next_params=next_params)
+        return data, next_params

@@ -13,7 +13,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage, bind_models
+from airflow_batch_provider.dialects.base import (
+    LIST_WHAT,
+    Dialect,
+    ResultsPage,
+    batch_object,
+    bind_models,
+    page_items,
+    page_object,
+)
 from airflow_batch_provider.exceptions import BatchApiResponseError
 from airflow_batch_provider.ids import path_segment
 
@@ -98,17 +106,39 @@ class XAIDialect(Dialect):
         batch_name = (metadata or {}).get(NAME_KEY) or name or "airflow-batch"
         return {"name": batch_name, "input_file_id": input_file_id}
 
+    def listed_id(self, item: Any) -> str | None:
+        """The ``batch_id`` of a listed item, or its ``id`` (what ``parse_batch`` reads too)."""
+        if not isinstance(item, dict):
+            return None
+        batch_id = item.get("batch_id") or item.get("id")
+        return batch_id if isinstance(batch_id, str) and batch_id else None
+
     def parse_batch(self, raw: Mapping[str, Any]) -> Batch:
+        """xAI's batch object as a ``Batch``; anything unreadable is a ``BatchApiResponseError``."""
+        raw = batch_object(raw)
         batch_id = raw.get("batch_id") or raw.get("id")
         if not batch_id:
             raise BatchApiResponseError("batch object has no batch_id", body=dict(raw))
+        if not isinstance(batch_id, str):
+            raise BatchApiResponseError(
+                f"batch object has a batch_id that is not a string ({type(batch_id).__name__})",
+                body=dict(raw),
+            )
+        try:
+            return self._parse_batch(batch_id, raw)
+        except (TypeError, ValueError, OverflowError) as exc:
+            # A counter that is text, an object or infinite; a time out of range; a name that is
+            # not text: one unreadable field makes the batch unreadable, said with its id.
+            raise BatchApiResponseError(f"cannot read batch {batch_id}: {exc}", body=dict(raw)) from None
+
+    def _parse_batch(self, batch_id: str, raw: Mapping[str, Any]) -> Batch:
         state = raw.get("state") or {}
         if not isinstance(state, Mapping):
             raise BatchApiResponseError(f"batch {batch_id} has an unreadable state", body=dict(raw))
-        total = int(state.get("num_requests") or 0)
-        pending = int(state.get("num_pending") or 0)
-        success = int(state.get("num_success") or 0)
-        failed = int(state.get("num_error") or 0) + int(state.get("num_cancelled") or 0)
+        total = _count(state, "num_requests")
+        pending = _count(state, "num_pending")
+        success = _count(state, "num_success")
+        failed = _count(state, "num_error") + _count(state, "num_cancelled")
         errors: list[BatchError] = []
         # expire_time is when xAI will stop the batch, not a state: while it still reports
         # pending requests and no cancel, the batch is running (its own counters decide).
@@ -129,35 +159,36 @@ class XAIDialect(Dialect):
             # Nothing counted yet: the input file is still being read.
             status = BatchState.VALIDATING
         name = raw.get("name")
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"name is {type(name).__name__}, not text")
         input_file_id = raw.get("input_file_id")
-        try:
-            return Batch(
-                id=str(batch_id),
-                state=status,
-                input_file_id=str(input_file_id) if input_file_id else None,
-                request_counts=RequestCounts(total=total, completed=success, failed=failed),
-                created_at=to_utc(raw.get("create_time")),
-                expires_at=expire_time,
-                cancelled_at=cancel_time,
-                metadata={NAME_KEY: str(name), "name": str(name)} if name else {},
-                errors=errors,
-                raw=dict(raw),
-            )
-        except ValueError as exc:
-            # An id no vendor issues (``../admin``) is an unreadable answer, as in the base dialect.
-            raise BatchApiResponseError(f"cannot read batch {batch_id}: {exc}", body=dict(raw)) from None
+        return Batch(
+            id=batch_id,
+            state=status,
+            input_file_id=str(input_file_id) if input_file_id else None,
+            request_counts=RequestCounts(total=total, completed=success, failed=failed),
+            created_at=to_utc(raw.get("create_time")),
+            expires_at=expire_time,
+            cancelled_at=cancel_time,
+            metadata={NAME_KEY: name, "name": name} if name else {},
+            errors=errors,
+            raw=dict(raw),
+        )
 
     def list_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"limit": limit or self.list_page_size}
 
-    def parse_list_page(
-        self, raw: Mapping[str, Any], params: Mapping[str, Any], known: Mapping[str, Batch] | None = None
-    ) -> ListPage:
+    def list_envelope(self, raw: Any, params: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any] | None]:
+        raw = page_object(raw)
+        items = page_items(raw, "batches", "data")
         # The end marker is an absent or null pagination_token, whatever the page's length.
-        items = raw.get("batches") or raw.get("data") or []
         token = raw.get("pagination_token")
+        if token is not None and not isinstance(token, str):
+            raise BatchApiResponseError(
+                f"{LIST_WHAT}: pagination_token is {type(token).__name__}, not a string"
+            )
         next_params = {**params, "pagination_token": token} if token else None
-        return ListPage(batches=[self.listed_batch(item, known) for item in items], next_params=next_params)
+        return items, next_params
 
     def results_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"limit": limit or self.results_page_size}
@@ -254,6 +285,16 @@ _GRPC_CODES: dict[int, str] = {
     15: "data_loss",
     16: "unauthenticated",
 }
+
+
+def _count(state: Mapping[str, Any], key: str) -> int:
+    """A counter of xAI's ``state`` (null or absent: 0); one that is not a number is a ValueError."""
+    value = state.get(key)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"state.{key} is {type(value).__name__}, not a count")
+    return int(value)
 
 
 def _message(raw_error: Mapping[str, Any]) -> str | None:

@@ -30,15 +30,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Container, Iterable, Iterator, Mapping
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import httpx
 from airflow.sdk import BaseHook
 
 from airflow_batch_provider.constants import CONN_TYPE, DEFAULT_CONN_ID
-from airflow_batch_provider.dialects import Dialect, get_dialect
+from airflow_batch_provider.dialects import Dialect, ListPage, get_dialect
 from airflow_batch_provider.exceptions import (
     BatchApiError,
     BatchApiResponseError,
@@ -60,6 +61,7 @@ from airflow_batch_provider.hooks.create import (
 from airflow_batch_provider.hooks.lines import DOWNLOAD_CAP, LINES_PER_TURN, ResumableLines
 from airflow_batch_provider.hooks.redirects import acheck_hop, check_hop
 from airflow_batch_provider.hooks.results import (
+    MAX_BARREN_PAGES,
     Pages,
     result_files,
     result_line,
@@ -87,6 +89,12 @@ from airflow_batch_provider.hooks.transport import (
 )
 from airflow_batch_provider.models import Batch, ResultLine
 from airflow_batch_provider.staging import atomic_writer, resolve_path
+
+# Listing items read per turn of the event loop, so a page of 190,000 items (8 MB) never holds
+# the loop for its whole parse.
+PARSE_SLICE = 500
+# A body larger than this is decoded in a thread (orjson + secret scan of a multi-MB page).
+DECODE_IN_THREAD_BYTES = 256 << 10
 
 
 class BatchApiHook(BaseHook):
@@ -377,6 +385,16 @@ class BatchApiHook(BaseHook):
         # Every batch, file and list object is parsed here: a key the vendor echoed is removed once.
         secrets = self._settings.secrets if self._settings else ()
         return redact_json(parse_json_body(response, action, secrets), secrets, response.content)
+
+    async def _ajson(self, response: httpx.Response, action: str) -> Any:
+        """``_json`` for the event loop: a large body is decoded (and cleaned) in a thread.
+
+        CPU work on bytes already read, not a sync client: the loop keeps serving triggers while
+        a multi-MB listing page is decoded.
+        """
+        if len(response.content) > DECODE_IN_THREAD_BYTES:
+            return await asyncio.to_thread(self._json, response, action)
+        return self._json(response, action)
 
     def _json_object(self, response: httpx.Response, action: str) -> dict[str, Any]:
         data = self._json(response, action)
@@ -684,6 +702,8 @@ class BatchApiHook(BaseHook):
     ) -> Iterator[Batch]:
         """Every batch visible to the key, newest first, following pagination.
 
+        A listed item that does not parse is left out (logged), not an error of the listing.
+
         :param page_size: batches per request (the dialect's default if None).
         :param limit: stop after this many batches (all if None).
         :param known: batches read before, by id: one the vendor shows unchanged is given back
@@ -691,13 +711,33 @@ class BatchApiHook(BaseHook):
         :param where: metadata pairs the vendor's listing may filter by (``dialect.filter_params``);
             a listing without a filter ignores it, so callers still check each batch's tags.
         """
+        for page in self.list_batch_pages(page_size=page_size, limit=limit, known=known, where=where):
+            yield from page.batches
+
+    def list_batch_pages(
+        self,
+        *,
+        page_size: int | None = None,
+        limit: int | None = None,
+        known: Mapping[str, Batch] | None = None,
+        wanted: Container[str] | None = None,
+        where: Mapping[str, str] | None = None,
+    ) -> Iterator[ListPage]:
+        """The listing page by page, with the items of each that do not parse (see ``list_batches``).
+
+        :param wanted: parse only the items of these batch ids (a poller reading its triggers'
+            batches); the others are counted in ``ListPage.skipped``, not parsed (None: all).
+        :param where: metadata pairs the vendor's listing may filter by (see ``list_batches``).
+        """
         dialect = self.dialect
         params = {**dialect.list_params(page_size), **(dialect.filter_params(where) if where else {})}
-        pages = Pages(calls.LIST_ACTION, params, limit=limit)
+        pages = Pages(calls.LIST_ACTION, params, limit=limit, barren=MAX_BARREN_PAGES)
         while pages.params is not None:
             response = self._request(calls.list_batches(dialect, pages.params))
-            page = dialect.parse_list_page(self._json_object(response, pages.action), pages.params, known)
-            yield from pages.take(page.batches, page.next_params)
+            items, next_params = dialect.list_envelope(self._json(response, pages.action), pages.params)
+            page = ListPage([], next_params)
+            page = _read_items(dialect, items, known, wanted, page)
+            yield self._listed(pages, page)
             pages.turn()
 
     async def alist_batches(
@@ -709,15 +749,57 @@ class BatchApiHook(BaseHook):
         where: Mapping[str, str] | None = None,
     ) -> AsyncIterator[Batch]:
         """Async twin of ``list_batches``."""
+        pages = self.alist_batch_pages(page_size=page_size, limit=limit, known=known, where=where)
+        async with aclosing(pages):  # type: ignore[type-var]
+            async for page in pages:
+                for batch in page.batches:
+                    yield batch
+
+    async def alist_batch_pages(
+        self,
+        *,
+        page_size: int | None = None,
+        limit: int | None = None,
+        known: Mapping[str, Batch] | None = None,
+        wanted: Container[str] | None = None,
+        where: Mapping[str, str] | None = None,
+    ) -> AsyncIterator[ListPage]:
+        """Async twin of ``list_batch_pages``: a large page is decoded in a thread and read in
+        slices, so the event loop is never held for the whole page.
+
+        :param wanted: parse only the items of these batch ids (a poller reading its triggers'
+            batches); the others are counted in ``ListPage.skipped``, not parsed (None: all).
+        :param where: metadata pairs the vendor's listing may filter by (see ``list_batches``).
+        """
         dialect = (await self.aget_settings()).dialect
         params = {**dialect.list_params(page_size), **(dialect.filter_params(where) if where else {})}
-        pages = Pages(calls.LIST_ACTION, params, limit=limit)
+        pages = Pages(calls.LIST_ACTION, params, limit=limit, barren=MAX_BARREN_PAGES)
         while pages.params is not None:
             response = await self._arequest(calls.list_batches(dialect, pages.params))
-            page = dialect.parse_list_page(self._json_object(response, pages.action), pages.params, known)
-            for batch in pages.take(page.batches, page.next_params):
-                yield batch
+            raw = await self._ajson(response, pages.action)
+            items, next_params = dialect.list_envelope(raw, pages.params)
+            page = ListPage([], next_params)
+            for start in range(0, len(items), PARSE_SLICE):
+                if start:
+                    # The triggers (and everything else on the loop) run between slices.
+                    await asyncio.sleep(0)
+                page = _read_items(dialect, items[start : start + PARSE_SLICE], known, wanted, page)
+            yield self._listed(pages, page)
             pages.turn()
+
+    def _listed(self, pages: Pages, page: ListPage) -> ListPage:
+        """The page as given (cut at the listing's limit); its unreadable items are logged."""
+        if page.unreadable:
+            first = page.unreadable[0]
+            self.log.warning(
+                "%s: %d listed item(s) could not be read and were left out (first: %s)",
+                pages.action,
+                len(page.unreadable),
+                first.error,
+            )
+        read = len(page.batches) + len(page.unreadable) + page.skipped
+        batches = list(pages.take(page.batches, page.next_params, read=read))
+        return ListPage(batches, pages.next_params, page.unreadable, page.skipped)
 
     def find_batches(self, metadata: Mapping[str, str], *, limit: int | None = 1000) -> list[Batch]:
         """Batches whose tags (``dialect.metadata_of``) contain every pair of ``metadata``.
@@ -862,6 +944,25 @@ class BatchApiHook(BaseHook):
         except Exception as exc:
             ok, message = False, f"Connection test of {target} failed: {type(exc).__name__}: {exc}"
         return ok, redact(message, settings.secrets)
+
+
+def _read_items(
+    dialect: Dialect,
+    items: list[Any],
+    known: Mapping[str, Batch] | None,
+    wanted: Container[str] | None,
+    page: ListPage,
+) -> ListPage:
+    """``page`` with ``items`` read onto it: the wanted ones parsed (all if ``wanted`` is None),
+    the rest counted as skipped. Returns the same page (its lists grow in place)."""
+    skipped = 0
+    if wanted is not None:
+        kept = [item for item in items if dialect.listed_id(item) in wanted]
+        skipped, items = len(items) - len(kept), kept
+    parsed, bad = dialect.parse_list_items(items, known)
+    page.batches.extend(parsed)
+    page.unreadable.extend(bad)
+    return replace(page, skipped=page.skipped + skipped) if skipped else page
 
 
 def _tagged(dialect: Dialect, metadata: Mapping[str, str], batches: Iterable[Batch]) -> list[Batch]:

@@ -117,8 +117,14 @@ def cancel_batch(dialect: Dialect, batch_id: str) -> Call:
     )
 
 
+# A listing page asks for ~100 batches (~1 KB each, up to ~10 KB with full metadata): 4 MB is
+# ample for that and bounds what a server that ignores ``limit`` makes the triggerer read and
+# parse per page (a larger page is refused as too large; the poller then reads by id).
+MAX_LIST_BODY = 4 << 20
+
+
 def list_batches(dialect: Dialect, params: Mapping[str, Any]) -> Call:
-    return Call("GET", dialect.batches_path, LIST_ACTION, params=params)
+    return Call("GET", dialect.batches_path, LIST_ACTION, params=params, max_body=MAX_LIST_BODY)
 
 
 def results_page(dialect: Dialect, batch_id: str, params: Mapping[str, Any], action: str) -> Call:

@@ -111,6 +111,10 @@ def results_pages(dialect: Dialect, batch: Batch) -> Pages:
     )
 
 
+# Pages in a row that give nothing yet name a next page, before a listing is an endless one.
+MAX_BARREN_PAGES = 3
+
+
 def _cursor(params: Mapping[str, Any]) -> bytes:
     return orjson.dumps(dict(params), option=orjson.OPT_SORT_KEYS, default=str)
 
@@ -123,28 +127,51 @@ class Pages:
     :param params: the first page's parameters (None: nothing to list).
     :param limit: give at most this many items, then stop (all if None).
     :param most: more items than this is a server paging without end, an error (no bound if None).
+    :param barren: more pages than this in a row that give nothing but name a next page is a
+        server paging without end, an error (no bound if None). A listing sets it: its cursor
+        changes every page, so only the lack of progress shows the loop.
     """
 
     action: str
     params: dict[str, Any] | None
     limit: int | None = None
     most: int | None = None
+    barren: int | None = None
     given: int = 0
+    _barren_in_row: int = 0
     _seen: set[bytes] = field(default_factory=set)
     _next: dict[str, Any] | None = None
 
-    def take(self, items: Sequence[T], next_params: dict[str, Any] | None) -> Sequence[T]:
-        """The page's items to give (cut at ``limit``), remembering where the next page starts."""
+    def take(
+        self, items: Sequence[T], next_params: dict[str, Any] | None, *, read: int | None = None
+    ) -> Sequence[T]:
+        """The page's items to give (cut at ``limit``), remembering where the next page starts.
+
+        :param read: the items the page held, those left out too (default: ``len(items)``); a
+            page that held none is barren.
+        """
+        held = len(items) if read is None else read
         self._next = next_params
         if self.limit is not None and len(items) > self.limit - self.given:
             items, self._next = items[: self.limit - self.given], None
         self.given += len(items)
+        self._barren_in_row = self._barren_in_row + 1 if not held and self._next is not None else 0
+        if self.barren is not None and self._barren_in_row > self.barren:
+            raise BatchApiResponseError(
+                f"{self.action}: the server returned {self._barren_in_row} pages in a row with nothing "
+                f"on them, each naming a next page; stopped instead of paging without end"
+            )
         if self.most is not None and self.given > self.most:
             raise BatchApiResponseError(
                 f"{self.action}: the server returned more result lines ({self.given:,}) than the batch "
                 f"can have ({self.most:,}); stopped reading instead of paging without end"
             )
         return items
+
+    @property
+    def next_params(self) -> dict[str, Any] | None:
+        """The next page's parameters, as the last ``take`` left them (None: that was the last)."""
+        return self._next
 
     def turn(self) -> None:
         """Move to the next page; a cursor already visited (A -> B -> A) is an error, not a loop."""

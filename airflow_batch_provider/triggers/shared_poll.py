@@ -15,8 +15,12 @@ deadline, outcome: nothing about a trigger's decisions changes), but its *read* 
   :class:`CallLimiter`: at most ``poll_calls_per_minute`` calls in any minute per connection;
 * an error reaches the triggers whose batches it concerns, and each trigger's own PollLoop judges
   it as it judges its own poll's error today (so a Retry-After or a backoff is honoured by the
-  PollLoop's decisions, as before). A listing that fails for a transient reason other than a
-  rate limit falls back to gets; a rate limit ends the cycle without another call.
+  PollLoop's decisions, as before). A listing that fails for a transient reason, a rate limit
+  included, falls back to gets (after a rate limit the first get goes alone: if it is refused
+  too, the others get its answer without a call); out of quota, auth and the like fail the cycle.
+* a listed item that does not parse (a vendor's new status or field) fails only its own batch:
+  the read error of a trigger waiting on it, skipped and counted for anyone else. A listing
+  ends: its budget counts pages, however empty, and past it the ids not seen are read by id.
 * triggers that wake together (their sleeps ended while the collector or a busy machine held the
   loop) join and read a few per turn of the loop (:class:`TurnGate`), not all in one turn.
 
@@ -46,6 +50,7 @@ import orjson
 from airflow_batch_provider.exceptions import (
     BatchApiBadRequestError,
     BatchApiNotFoundError,
+    BatchApiQuotaError,
     BatchApiRateLimitError,
 )
 from airflow_batch_provider.models import Batch
@@ -75,6 +80,8 @@ SLACK_PAGES = 2
 WAKE_CHUNK = 16
 # A read is answered from a state seen less than this fraction of the trigger's poll interval ago.
 FRESH_FRACTION = 0.5
+# Listed batches settled per turn of the event loop (a page may hold thousands).
+SETTLE_SLICE = 500
 # Batches read by id at once when the listing did not show them.
 GET_CONCURRENCY = 8
 # Triggers let on per turn of the event loop when they wake to poll (see ``TurnGate``).
@@ -322,6 +329,8 @@ class SharedPoller:
         self.list_pages = 0
         self.gets = 0
         self.refreshed = 0  # states of registered batches read from the vendor
+        self.unreadable = 0  # listed items that did not parse, of batches no trigger here waits on
+        self.skipped = 0  # listed items of other batches, not parsed
 
     # ---- membership ------------------------------------------------------------------------
     def join(
@@ -599,13 +608,20 @@ class SharedPoller:
         # Batches a trigger is reading now, and those watched for news.
         wanted = {*self._waiting, *self._watchers}
         dialect = (await self.hook.aget_settings()).dialect
+        probe = False
         if self._can_list and dialect.lists_batches and len(self._registered.keys() | wanted) > 1:
             try:
                 await self._list(wanted, dialect.list_page_size)
-            except BatchApiRateLimitError as exc:
-                # Listing again, or a get per batch, is what the vendor asked us not to do now.
+            except BatchApiQuotaError as exc:
+                # Out of quota: a get per batch would be refused the same way.
                 self._fail(wanted, exc)
                 return
+            except BatchApiRateLimitError as exc:
+                # The listing may be limited apart from reads by id: the rest are read by id, the
+                # first alone (a 429 to it answers the others without a call), every call under
+                # the connection's ceiling. No trigger spends its error budget on the listing.
+                log.info("Listing batches is rate limited (%s); reading the rest one by one", exc)
+                probe = True
             except (BatchApiNotFoundError, BatchApiBadRequestError) as exc:
                 log.warning("Listing batches is refused (%s); reading them one by one from now on", exc)
                 self._can_list = False
@@ -615,43 +631,63 @@ class SharedPoller:
                 # Auth, quota, a broken connection: a get per batch would fail the same way.
                 self._fail(wanted, exc)
                 return
-        await self._get_each(wanted)
+        await self._get_each(wanted, probe=probe)
 
     async def _list(self, wanted: set[str], page_size: int) -> None:
         """List newest first until every registered and wanted id has been seen or the budget is spent.
 
-        ``wanted`` is left holding the wanted ids the listing did not show.
+        The budget counts pages (an empty or short page is a page): a listing that says "more"
+        forever ends. ``wanted`` is left holding the wanted ids the listing did not show; they
+        are read by id. A listed item that does not parse fails only its own batch: for a batch
+        a trigger waits on, it is that read's error (judged by the trigger's poll loop, like any
+        unreadable answer). The items of batches no trigger here waits on are not parsed at
+        all: skipped and counted (``skipped``), whatever they hold.
         """
         unseen = set(self._registered) | wanted
         budget = self.page_budget(page_size)
-        read = woken = pages = 0
-        listing = self.hook.alist_batches(page_size=page_size, known=self._seen)
+        pages = 0
+        # Only the batches of this poller's triggers are parsed: a page of thousands of other
+        # batches costs a look at each id, not a model each (nor the collector's time for them).
+        listing = self.hook.alist_batch_pages(page_size=page_size, known=self._seen, wanted=_Wanted(self))
         async with contextlib.aclosing(listing):  # type: ignore[type-var]
-            async for batch in listing:
-                if read % page_size == 0:
-                    pages += 1
-                    self.list_pages += 1
-                if batch.id in unseen:
-                    unseen.discard(batch.id)
-                    wanted.discard(batch.id)
-                # A trigger that asked after the cycle began is answered too when its batch shows up.
-                woken += self._settle(batch.id, batch)
-                read += 1
+            async for page in listing:
+                pages += 1
+                self.list_pages += 1
+                woken = 0
+                for done, batch in enumerate(page.batches, 1):
+                    if batch.id in unseen:
+                        unseen.discard(batch.id)
+                        wanted.discard(batch.id)
+                    # A trigger that asked after the cycle began is answered too when its batch shows up.
+                    woken += self._settle(batch.id, batch)
+                    if woken >= WAKE_CHUNK or done % SETTLE_SLICE == 0:
+                        # The woken triggers run before the listing goes on, and a page of
+                        # thousands of batches is settled a slice per turn: the loop is never
+                        # held by all of them at once.
+                        woken = 0
+                        await _sleep(0)
+                for item in page.unreadable:
+                    if item.batch_id is not None and item.batch_id in unseen:
+                        unseen.discard(item.batch_id)
+                        wanted.discard(item.batch_id)
+                        self._settle(item.batch_id, error=item.error)
+                    else:
+                        self.unreadable += 1
+                self.skipped += page.skipped
                 if not unseen:
                     return
-                # At a page's end: past the pages the registered batches fill, go on only while a
-                # get for each wanted batch still missing would cost more calls than the paging so
-                # far (a listing never costs more than twice the gets it replaces).
-                if read % page_size == 0 and pages >= budget and pages >= len(wanted):
+                # Past the pages the registered batches fill, go on only while a get for each
+                # wanted batch still missing would cost more calls than the paging so far (a
+                # listing never costs more than twice the gets it replaces).
+                if pages >= budget and pages >= len(wanted):
                     return
-                if woken >= WAKE_CHUNK:
-                    # The woken triggers run before the listing goes on: the loop is never held
-                    # by all of them waking at once.
-                    woken = 0
-                    await _sleep(0)
 
-    async def _get_each(self, wanted: set[str]) -> None:
-        """Read by id the wanted batches the listing did not show, a few at a time."""
+    async def _get_each(self, wanted: set[str], *, probe: bool = False) -> None:
+        """Read by id the wanted batches the listing did not show, a few at a time.
+
+        :param probe: read the first alone (after a rate-limited listing): if it is refused too,
+            the others get its error without a call.
+        """
         todo = [b for b in wanted if b in self._waiting or b in self._watchers]
         limit = asyncio.Semaphore(GET_CONCURRENCY)
         stop: list[BaseException] = []
@@ -674,11 +710,24 @@ class SharedPoller:
                     known = self._seen.get(batch_id)
                     self._settle(batch_id, known if known is not None and known.raw == batch.raw else batch)
 
+        if probe and todo:
+            await one(todo.pop())
         await asyncio.gather(*(one(b) for b in todo))
 
     def _fail(self, wanted: set[str], exc: BaseException) -> None:
         for batch_id in wanted:
             self._settle(batch_id, error=exc)
+
+
+class _Wanted:
+    """The batch ids a poller's listing parses: those of its triggers, as they are at each look."""
+
+    def __init__(self, poller: SharedPoller) -> None:
+        self.poller = poller
+
+    def __contains__(self, batch_id: object) -> bool:
+        poller = self.poller
+        return batch_id in poller._registered or batch_id in poller._waiting
 
 
 def _discard(futures: dict[str, list[Any]], batch_id: str, future: asyncio.Future[Any]) -> None:

@@ -185,9 +185,11 @@ def test_list_page_gives_back_known_batches_the_vendor_shows_unchanged() -> None
     assert again.batches[1] is not known["batch_2"] and again.batches[1].request_counts.completed == 9
     assert again.batches[2].id == "batch_3"
     assert [b.id for b in D.parse_list_page({"data": [batch()]}, {}, None).batches] == ["batch_abc123"]
-    # An id that is not a string is parsed (and judged) as without ``known``.
-    with pytest.raises(BatchApiResponseError):
-        D.parse_list_page({"data": [{"id": ["odd"], "status": "in_progress"}]}, {}, known)
+    # An id that is not a string is parsed (and judged) as without ``known``: unreadable, alone.
+    odd = D.parse_list_page({"data": [{"id": ["odd"], "status": "in_progress"}, batch()]}, {}, known)
+    assert odd.batches == [known["batch_abc123"]]
+    assert [u.batch_id for u in odd.unreadable] == [None]
+    assert isinstance(odd.unreadable[0].error, BatchApiResponseError)
 
 
 # Lines from seed 001 (the canonical output/error shapes).

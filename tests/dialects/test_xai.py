@@ -203,3 +203,10 @@ def test_grpc_error_codes(error: dict[str, Any], code: str | None) -> None:
 def test_batch_keeps_its_input_file_id() -> None:
     assert D.parse_batch(xbatch() | {"input_file_id": "file-9"}).input_file_id == "file-9"
     assert D.parse_batch(xbatch()).input_file_id is None
+
+
+def test_a_listed_item_is_named_by_its_batch_id_or_its_id() -> None:
+    # The same keys parse_batch reads: a poller looking for "b1" finds it either way.
+    assert D.listed_id({"batch_id": "b1", "id": "other"}) == "b1"
+    assert D.listed_id({"id": "b1"}) == "b1"
+    assert D.listed_id({"batch_id": 5}) is None and D.listed_id(["b1"]) is None

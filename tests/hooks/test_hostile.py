@@ -768,3 +768,201 @@ async def test_results_endpoint_that_never_ends_is_stopped(
     await hook.aclose()
     hook.close()
     assert served["pages"] == 8
+
+
+# ---- listings end (issue #23, point 2) -----------------------------------------------------------
+
+
+def barren_listing(dialect: str) -> tuple[Callable[[Exchange], None], dict[str, int]]:
+    """A listing whose every page is empty yet names a new next page (a cursor that never repeats)."""
+    served = {"pages": 0}
+
+    def page(ex: Exchange) -> None:
+        served["pages"] += 1
+        cursor = f"cursor-{served['pages']}"
+        if dialect == "xai":
+            ex.respond(200, {"batches": [], "pagination_token": cursor})
+        else:
+            ex.respond(200, {"object": "list", "data": [], "has_more": True, "last_id": cursor})
+
+    return page, served
+
+
+@pytest.mark.parametrize("dialect", ["openai", "xai"])
+async def test_a_listing_of_empty_pages_that_never_ends_is_stopped(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], dialect: str
+) -> None:
+    from airflow_batch_provider.exceptions import BatchApiResponseError
+    from airflow_batch_provider.hooks.results import MAX_BARREN_PAGES
+
+    api = hostile_server()
+    route, served = barren_listing(dialect)
+    api.route("GET /v1/batches", route)
+    hook = hostile_hook(api, dialect=dialect)
+    endless = "pages in a row with nothing on them"
+    with pytest.raises(BatchApiResponseError, match=endless):
+        list(hook.list_batches())
+    assert served["pages"] == MAX_BARREN_PAGES + 1
+    with pytest.raises(BatchApiResponseError, match=endless):
+        [b async for b in hook.alist_batches()]
+    assert served["pages"] == 2 * (MAX_BARREN_PAGES + 1)
+    # The orphan lookup of a create (a search by tags over the listing) ends the same way.
+    with pytest.raises(BatchApiResponseError, match=endless):
+        await hook.afind_batches({"airflow_batch_key": "k"})
+    await hook.aclose()
+    hook.close()
+
+
+async def test_a_listing_whose_items_do_not_parse_goes_on_past_them(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    # Pages of unreadable items are progress, not barren: the listing reads on to the end.
+    pages = {
+        None: {"data": [5, openai_batch("bad", metadata=5)], "has_more": True, "last_id": "bad"},
+        "bad": {"data": [openai_batch("x", "queued")], "has_more": True, "last_id": "x"},
+        "x": {"data": [openai_batch("b1", metadata={"airflow_batch_key": "k"})], "has_more": False},
+    }
+    api = hostile_server()
+    api.route("GET /v1/batches", lambda ex: ex.respond(200, pages[dict(_query(ex)).get("after")]))
+    hook = hostile_hook(api)
+    assert [b.id for b in hook.list_batches()] == ["b1"]
+    assert [b.id for b in await hook.afind_batches({"airflow_batch_key": "k"})] == ["b1"]
+    await hook.aclose()
+    hook.close()
+
+
+def _query(ex: Exchange) -> list[tuple[str, str]]:
+    from urllib.parse import parse_qsl
+
+    return parse_qsl(ex.request.target.partition("?")[2])
+
+
+# ---- big listing pages do not stall the loop (issue #23, point 3) ------------------------------
+
+
+def big_page(items: int, **fields: Any) -> dict[str, Any]:
+    """A listing page of ``items`` small batch objects, whatever ``limit`` asked for."""
+    data = [{"id": f"b{i:07d}", "status": "completed", **fields} for i in range(items)]
+    return {"object": "list", "data": data, "has_more": False}
+
+
+async def test_a_listing_page_past_its_bound_is_refused(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    # ~5 MB: under the 8 MB of a batch object, past what a listing page may be.
+    api = hostile_server()
+    api.route("GET /v1/batches", reply(200, big_page(120_000)))
+    hook = hostile_hook(api, retry=NO_RETRY)
+    with pytest.raises(BatchApiResponseTooLargeError, match="listing batches.*4,194,304"):
+        list(hook.list_batches())
+    with pytest.raises(BatchApiResponseTooLargeError, match="listing batches.*4,194,304"):
+        [b async for b in hook.alist_batches()]
+    await hook.aclose()
+    hook.close()
+
+
+class Turns:
+    """Counts the turns of the event loop while it runs (a task that only yields)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._task: Any = None
+
+    async def _spin(self) -> None:
+        import asyncio
+
+        while True:
+            self.count += 1
+            await asyncio.sleep(0)
+
+    def __enter__(self) -> Turns:
+        import asyncio
+
+        self._task = asyncio.get_running_loop().create_task(self._spin())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._task.cancel()
+
+
+async def test_a_big_listing_page_is_parsed_in_slices_between_turns_of_the_loop(
+    hostile_server: Callable[[], HostileServer],
+    hostile_hook: Callable[..., BatchApiHook],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from airflow_batch_provider.dialects.base import Dialect
+
+    items = 3_000
+    api = hostile_server()
+    api.route("GET /v1/batches", reply(200, big_page(items)))
+    hook = hostile_hook(api)
+    turns = Turns()
+    # The loop turn on which each item was parsed.
+    parsed_at: list[int] = []
+    real = Dialect.listed_batch
+
+    def listed_batch(self: Dialect, item: Any, known: Any) -> Any:
+        parsed_at.append(turns.count)
+        return real(self, item, known)
+
+    monkeypatch.setattr(Dialect, "listed_batch", listed_batch)
+    with turns:
+        listed = [b async for b in hook.alist_batches()]
+    await hook.aclose()
+    assert len(listed) == items == len(parsed_at)
+    # Other tasks ran between slices of at most PARSE_SLICE items: never the whole page in one step.
+    from airflow_batch_provider.hooks.batch import PARSE_SLICE
+
+    assert len(set(parsed_at)) >= items // PARSE_SLICE
+    assert max(parsed_at.count(turn) for turn in set(parsed_at)) <= PARSE_SLICE
+
+
+async def test_a_big_listing_page_is_decoded_off_the_loop_and_a_small_one_on_it(
+    hostile_server: Callable[[], HostileServer],
+    hostile_hook: Callable[..., BatchApiHook],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    from airflow_batch_provider.hooks import batch as batch_module
+
+    threads: list[bool] = []
+    real = batch_module.parse_json_body
+
+    def parse_json_body(*args: Any) -> Any:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real(*args)
+
+    monkeypatch.setattr(batch_module, "parse_json_body", parse_json_body)
+    api = hostile_server()
+    # ~400 KB (past the 256 KB decoded in a thread), then one batch.
+    api.route("GET /v1/batches", sequence(reply(200, big_page(10_000)), reply(200, big_page(1))))
+    hook = hostile_hook(api)
+    assert len([b async for b in hook.alist_batches()]) == 10_000
+    assert len([b async for b in hook.alist_batches()]) == 1
+    await hook.aclose()
+    # (The loop runs on the main thread.)
+    assert threads == [False, True]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"metadata": 5}, {"created_at": 1e20}, {"status": "queued"}, {"id": 5}, {"request_counts": "x"}],
+    ids=repr,
+)
+async def test_an_unreadable_batch_answer_is_a_response_error(
+    hostile_server: Callable[[], HostileServer],
+    hostile_hook: Callable[..., BatchApiHook],
+    fields: dict[str, Any],
+) -> None:
+    from airflow_batch_provider.exceptions import BatchApiResponseError
+
+    api = hostile_server()
+    api.route("/v1/batches/b1", reply(200, {**BATCH, **fields}))
+    hook = hostile_hook(api)
+    with pytest.raises(BatchApiResponseError):
+        hook.get_batch("b1")
+    with pytest.raises(BatchApiResponseError):
+        await hook.aget_batch("b1")
+    await hook.aclose()
+    hook.close()

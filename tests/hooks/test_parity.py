@@ -304,6 +304,11 @@ def ids(batches: list[Batch]) -> list[str]:
     return [b.id for b in batches]
 
 
+def page_shapes(pages: list[Any]) -> list[Any]:
+    """Per listing page: the batch ids, the items skipped and the items that did not parse."""
+    return [(ids(p.batches), p.skipped, len(p.unreadable), p.next_params is None) for p in pages]
+
+
 def by_custom_id(lines: list[Any]) -> list[Any]:
     return sorted(exact(lines), key=lambda line: (line["custom_id"], line["source"]))
 
@@ -659,6 +664,8 @@ ROWS: list[Row] = [
     Row("list_batches[page_size=2, limit=3]", *twins("list_batches", page_size=2, limit=3), ids),
     Row("list_batches[page_size over the server's]", *twins("list_batches", page_size=5000), ids),
     Row("list_batches[quota]", *twins("list_batches", variant="quota")),
+    Row("list_batch_pages", *twins("list_batch_pages", page_size=2), page_shapes),
+    Row("list_batch_pages[wanted none]", *twins("list_batch_pages", wanted=frozenset()), page_shapes),
     Row("find_batches", *twins("find_batches", lambda w: w.metadata)),
     Row("find_batches[no match]", *twins("find_batches", {"airflow_batch_key": "nothing"})),
     Row("find_batches[empty]", *twins("find_batches", {})),

@@ -31,6 +31,7 @@ class Vendor:
 
     :param hidden: ids the listing never shows (only a get by id does).
     :param list_faults: answers given to the first listings instead of a page.
+    :param get_faults: answers given to the first gets instead of the batch.
     :param always: an answer given to every call (a vendor that keeps refusing).
     """
 
@@ -41,8 +42,10 @@ class Vendor:
         hidden: frozenset[str] = frozenset(),
         list_faults: Any = (),
         always: httpx.Response | None = None,
+        get_faults: Any = (),
     ) -> None:
         self.always = always
+        self.get_faults = list(get_faults)
         self.ids = [f"batch_{i:05d}" for i in range(count)]
         self.rounds = rounds
         self.hidden = hidden
@@ -84,6 +87,8 @@ class Vendor:
         batch_id = path.rsplit("/", 1)[-1]
         self.calls.append("get")
         self.got.append(batch_id)
+        if self.get_faults:
+            return self.get_faults.pop(0)
         if batch_id not in self.ids:
             return httpx.Response(404, json={"error": {"message": f"no batch {batch_id}"}})
         return httpx.Response(200, json=self.batch(batch_id))
@@ -161,14 +166,24 @@ async def test_a_failing_listing_falls_back_to_gets(vendor: Any) -> None:
     assert api.calls == ["list"] + ["get"] * 4
 
 
-async def test_a_rate_limited_listing_backs_off_instead_of_getting_each(vendor: Any) -> None:
+async def test_a_rate_limited_listing_falls_back_to_gets_without_spending_error_budgets(vendor: Any) -> None:
     limited = httpx.Response(429, headers={"retry-after": "0.2"}, json={"error": {"message": "slow down"}})
     api, MockTrigger = vendor(4, rounds=0, list_faults=[limited])
-    triggers = [MockTrigger(batch_ids=[b], poll_interval=1.0) for b in api.ids]
-    # The error reaches every trigger's own poll loop (one tolerated error each, retried after
-    # the longer of the Retry-After and the interval), then one listing serves them all.
+    # No error tolerated: a listing's 429 reaching the triggers would end every watch as error.
+    triggers = [MockTrigger(batch_ids=[b], poll_interval=1.0, max_consecutive_errors=0) for b in api.ids]
     assert await statuses(triggers) == ["success"] * 4
-    assert api.calls == ["list", "list"]
+    # The batches are read by id instead, the first alone (it could have been refused too).
+    assert api.calls == ["list"] + ["get"] * 4
+
+
+async def test_a_rate_limited_listing_and_get_cost_two_calls_not_one_per_batch(vendor: Any) -> None:
+    limited = httpx.Response(429, json={"error": {"message": "slow down"}})
+    api, MockTrigger = vendor(6, rounds=0, list_faults=[limited], get_faults=[limited])
+    triggers = [MockTrigger(batch_ids=[b], poll_interval=0.05, max_consecutive_errors=1) for b in api.ids]
+    # The probing get is refused too: every trigger gets that answer (one tolerated error each),
+    # without a get of its own; the next cycle lists them all.
+    assert await statuses(triggers) == ["success"] * 6
+    assert api.calls == ["list", "get", "list"]
 
 
 async def test_leaving_triggers_clean_up_and_the_last_one_stops_the_poller(vendor: Any) -> None:
@@ -410,7 +425,9 @@ async def test_a_cycle_error_reaches_the_watching_triggers(
         # set to be refused.
         if api.listings == 1 and not injected:
             injected.append(True)
+            # A refused listing is followed by one get, which is refused too.
             api.list_faults.append(limited)
+            api.get_faults.append(limited)
         return real_batch(batch_id)
 
     monkeypatch.setattr(api, "batch", batch)
@@ -427,7 +444,7 @@ async def test_a_cycle_error_reaches_the_watching_triggers(
     assert await statuses(triggers) == ["success"] * 2
     # Each watching trigger judged the refused cycle as its own poll's error, once.
     assert failed == ["BatchApiRateLimitError"] * 2
-    assert api.calls[:2] == ["list", "list"] and "get" not in api.calls
+    assert api.calls[:4] == ["list", "list", "get", "list"] and api.calls.count("get") == 1
 
 
 async def test_a_watching_trigger_ends_at_its_deadline(vendor: Any) -> None:
@@ -502,3 +519,40 @@ async def test_a_huge_backoff_caps_the_poller_pace_instead_of_overflowing() -> N
     poller._quiet = 60
     assert poller._watch_interval() == 600.0
     assert await poller.leave(member)
+
+
+async def test_a_listing_parses_only_the_batches_its_triggers_wait_on(
+    vendor: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow_batch_provider.dialects.base import Dialect
+
+    # 5,000 batches on one page (the vendor ignores ``limit``); two triggers wait on two of them.
+    api, MockTrigger = vendor(5_000, rounds=1)
+    monkeypatch.setattr(
+        api, "batch", lambda b: {"id": b, "status": "completed" if api.listings > 1 else "queued"}
+    )
+    real_list = Vendor.__call__
+
+    def one_page(self: Vendor, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/batches":
+            self.calls.append("list")
+            self.listings += 1
+            return httpx.Response(200, json={"data": [self.batch(b) for b in self.ids], "has_more": False})
+        return real_list(self, request)
+
+    monkeypatch.setattr(Vendor, "__call__", one_page)
+    parsed: list[str] = []
+    real_parse = Dialect.parse_batch
+
+    def parse_batch(self: Dialect, raw: Any) -> Any:
+        parsed.append(raw.get("id") if isinstance(raw, dict) else None)
+        return real_parse(self, raw)
+
+    monkeypatch.setattr(Dialect, "parse_batch", parse_batch)
+    waited = [api.ids[7], api.ids[4_321]]
+    trigger = MockTrigger(batch_ids=waited, poll_interval=0.05, max_consecutive_errors=1)
+    # Every batch is "queued" (unknown) at the first listing: the waited ones are a read error
+    # (one tolerated), the 4,998 others are not even parsed.
+    assert await statuses([trigger]) == ["success"]
+    assert set(parsed) == set(waited) and "get" not in api.calls
+    assert len(parsed) <= len(waited) * api.listings

@@ -1,0 +1,229 @@
+"""Every dialect reads any vendor answer into a Batch or a typed error, never a crash.
+
+A listing carries batches nobody here waits on; one of them with a new status, an odd field or
+a number where an object belongs must fail only itself (``ListPage.unreadable``), and a batch
+read alone must fail as ``BatchApiResponseError`` (``UnknownBatchStatusError`` for a status),
+never as TypeError, AttributeError, OverflowError, OSError or a pydantic error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from airflow_batch_provider.dialects import DIALECTS, get_dialect
+from airflow_batch_provider.exceptions import BatchApiResponseError, UnknownBatchStatusError
+
+OPENAI_SHAPED = ("openai", "doubleword", "zerogpu", "azure")
+# Every registered dialect: a new one must say here how its items look (test_every_dialect_is_covered).
+ALL = tuple(sorted(DIALECTS))
+
+
+def openai_item(batch_id: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "id": batch_id,
+        "object": "batch",
+        "status": "in_progress",
+        "created_at": 1_736_000_000,
+        "request_counts": {"total": 2, "completed": 1, "failed": 0},
+        "metadata": {"airflow_batch_key": "k"},
+        **fields,
+    }
+
+
+def xai_item(batch_id: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "batch_id": batch_id,
+        "name": "run-1",
+        "create_time": "2025-01-04T12:00:00Z",
+        "state": {"num_requests": 2, "num_pending": 1, "num_success": 1, "num_error": 0},
+        **fields,
+    }
+
+
+def mistral_item(batch_id: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "id": batch_id,
+        "object": "batch",
+        "status": "RUNNING",
+        "input_files": ["f-1"],
+        "endpoint": "/v1/chat/completions",
+        "model": "mistral-small-latest",
+        "created_at": 1_736_000_000,
+        "total_requests": 2,
+        "succeeded_requests": 1,
+        "failed_requests": 0,
+        "metadata": {"airflow_batch_key": "k"},
+        "errors": [],
+        **fields,
+    }
+
+
+ITEMS: dict[str, Callable[..., dict[str, Any]]] = {
+    **dict.fromkeys(OPENAI_SHAPED, openai_item),
+    "xai": xai_item,
+    "mistral": mistral_item,
+}
+
+
+def item_of(dialect: str) -> Callable[..., dict[str, Any]]:
+    return ITEMS[dialect]
+
+
+def page_of(dialect: str, items: list[Any], **envelope: Any) -> dict[str, Any]:
+    if dialect == "xai":
+        return {"batches": items, **envelope}
+    if dialect == "mistral":
+        return {"object": "list", "data": items, "total": len(items), **envelope}
+    return {"object": "list", "data": items, "has_more": False, **envelope}
+
+
+# A field of the wrong type or out of range, for the batch "b-bad".
+OPENAI_FIELDS: dict[str, dict[str, Any]] = {
+    "metadata-number": {"metadata": 5},
+    "metadata-list": {"metadata": ["a"]},
+    "created-1e20": {"created_at": 1e20},
+    "created-minus-1e20": {"created_at": -1e20},
+    "created-bool": {"created_at": True},
+    "created-object": {"created_at": {"at": 1}},
+    "completed-not-a-date": {"completed_at": "yesterday-ish"},
+    "counts-text": {"request_counts": "two"},
+    "counts-number-text": {"request_counts": {"total": "many"}},
+    "errors-text": {"errors": "x"},
+    "errors-data-number": {"errors": {"data": 5}},
+}
+XAI_FIELDS: dict[str, dict[str, Any]] = {
+    "create-1e20": {"create_time": 1e20},
+    "create-garbage": {"create_time": "not a time"},
+    "expire-object": {"expire_time": {"seconds": 1}},
+    "cancel-bool": {"cancel_time": True},
+    "state-list": {"state": [1, 2]},
+    "count-text": {"state": {"num_requests": "two"}},
+    "count-object": {"state": {"num_pending": {"n": 1}}},
+    "count-1e300": {"state": {"num_pending": 1e300, "num_requests": 1e308 * 10}},
+    "name-number": {"name": 5},
+}
+
+
+MISTRAL_FIELDS: dict[str, dict[str, Any]] = {
+    "metadata-number": {"metadata": 5},
+    "created-1e20": {"created_at": 1e20},
+    "started-bool": {"started_at": True},
+    "completed-garbage": {"completed_at": "yesterday-ish"},
+    "count-text": {"total_requests": "two"},
+    "count-object": {"succeeded_requests": {"n": 1}},
+    "input-files-number": {"input_files": [5]},
+    "output-file-path": {"output_file": "../admin"},
+}
+FIELDS = {"xai": XAI_FIELDS, "mistral": MISTRAL_FIELDS}
+# The status each dialect reports for a batch in progress, and one it does not know.
+UNKNOWN_STATUS = {"mistral": "PAUSED"}
+
+
+def bad_fields(dialect: str) -> list[dict[str, Any]]:
+    return list(FIELDS.get(dialect, OPENAI_FIELDS).values())
+
+
+def test_every_dialect_is_covered() -> None:
+    assert set(ITEMS) == set(DIALECTS)
+
+
+def non_objects() -> list[Any]:
+    return [5, "x", [1, 2], None, 1.5, True]
+
+
+@pytest.mark.parametrize("dialect", ALL)
+def test_a_batch_with_a_bad_field_is_a_response_error(dialect: str) -> None:
+    d = get_dialect(dialect)
+    for fields in bad_fields(dialect):
+        with pytest.raises(BatchApiResponseError, match="b-bad") as caught:
+            d.parse_batch(item_of(dialect)("b-bad", **fields))
+        assert type(caught.value) is BatchApiResponseError, fields
+
+
+@pytest.mark.parametrize("dialect", ALL)
+def test_a_batch_that_is_not_an_object_or_has_no_string_id_is_a_response_error(dialect: str) -> None:
+    d = get_dialect(dialect)
+    for raw in non_objects():
+        with pytest.raises(BatchApiResponseError, match="not a JSON object"):
+            d.parse_batch(raw)
+    key = d.listed_id_key
+    for bad_id in (5, ["b1"], {"id": 1}, True):
+        with pytest.raises(BatchApiResponseError, match="not a string"):
+            d.parse_batch({**item_of(dialect)("b1"), key: bad_id})
+
+
+@pytest.mark.parametrize("dialect", [*OPENAI_SHAPED, "mistral"])
+def test_an_unknown_status_is_a_read_error_of_its_batch(dialect: str) -> None:
+    d = get_dialect(dialect)
+    for status in (UNKNOWN_STATUS.get(dialect, "queued"), 5, ["completed"]):
+        with pytest.raises(UnknownBatchStatusError, match="b-new"):
+            d.parse_batch(item_of(dialect)("b-new", status=status))
+    # A read error like any unreadable answer: a poll loop judges it within its error budget.
+    assert issubclass(UnknownBatchStatusError, BatchApiResponseError)
+
+
+@pytest.mark.parametrize("dialect", ALL)
+def test_a_listed_item_that_does_not_parse_fails_only_itself(dialect: str) -> None:
+    d = get_dialect(dialect)
+    make = item_of(dialect)
+    bad = [make(f"b-bad-{i}", **fields) for i, fields in enumerate(bad_fields(dialect))]
+    if dialect != "xai":
+        bad.append(make("b-queued", status=UNKNOWN_STATUS.get(dialect, "queued")))
+    items = [make("b-1"), *non_objects(), *bad, make("b-2"), make(5)]
+    for known in (None, {}):
+        page = d.parse_list_page(page_of(dialect, items), {"limit": 100}, known)
+        assert [b.id for b in page.batches] == ["b-1", "b-2"]
+        # Each unreadable item names its batch when it names one as a string, and says why.
+        assert [u.batch_id for u in page.unreadable] == [None] * len(non_objects()) + [
+            make_id(item, d.listed_id_key) for item in bad
+        ] + [None]
+        assert all(isinstance(u.error, BatchApiResponseError) for u in page.unreadable)
+
+
+def make_id(item: dict[str, Any], key: str) -> str:
+    return str(item[key])
+
+
+@pytest.mark.parametrize("dialect", OPENAI_SHAPED)
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [],
+        "x",
+        5,
+        {"data": "x"},
+        {"data": {}},
+        {"data": 5},
+        {"data": [], "has_more": "yes"},
+        {"data": [], "has_more": 1},
+        {"data": [], "has_more": True, "last_id": 5},
+        {"data": [], "has_more": True, "last_id": ["b"]},
+    ],
+    ids=repr,
+)
+def test_an_unreadable_openai_shaped_page_is_a_response_error(dialect: str, raw: Any) -> None:
+    with pytest.raises(BatchApiResponseError, match="listing batches"):
+        get_dialect(dialect).parse_list_page(raw, {"limit": 100})
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [[], "x", 5, {"batches": "x"}, {"batches": {}}, {"batches": [], "pagination_token": 5}],
+    ids=repr,
+)
+def test_an_unreadable_xai_page_is_a_response_error(raw: Any) -> None:
+    with pytest.raises(BatchApiResponseError, match="listing batches"):
+        get_dialect("xai").parse_list_page(raw, {"limit": 100})
+
+
+@pytest.mark.parametrize("dialect", OPENAI_SHAPED)
+def test_the_cursor_of_an_openai_shaped_page_skips_an_unreadable_last_item(dialect: str) -> None:
+    d = get_dialect(dialect)
+    # No last_id and a last item with no string id: no cursor can be made, the listing ends.
+    page = d.parse_list_page({"data": [openai_item("b1"), 5], "has_more": True}, {"limit": 2})
+    assert page.next_params is None and [b.id for b in page.batches] == ["b1"]
+    page = d.parse_list_page({"data": [openai_item("b1"), {"id": 7}], "has_more": True}, {"limit": 2})
+    assert page.next_params is None
