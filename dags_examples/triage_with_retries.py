@@ -11,6 +11,12 @@ stays in the table as ``failed`` with the vendor's error, and the summary says h
     build -> submit_1 -> merge_1 -> [anything to retry?] -> submit_2 -> merge_2 -> [..] -> submit_3 -> merge_3
                                                                                         \\-> summary
 
+With ``BATCH_EXAMPLES_FALLBACK_CONN_ID`` set (a batch connection of any vendor dialect), the
+retries go to that second vendor instead (``fallback_conn_id``, and ``fallback_model`` for its
+name of the model): each merge's XCom names the connection of the next attempt
+(``resubmit_conn_id``), which the next submit and merge take as their ``batch_conn_id``, and
+every results row records the ``vendor``, ``batch_conn_id`` and ``model`` that answered it.
+
 What it shows: ``resubmit_failed`` / ``max_attempts`` on the merge, ``@task.short_circuit``
 to stop the loop as soon as nothing is left to retry (the remaining attempts are skipped,
 not failed), ``wait_for_completion=True`` on the submit (submit and deferred wait in one
@@ -32,6 +38,9 @@ from airflow_batch_provider.operators.submit import SubmitBatchOperator
 
 WAREHOUSE_CONN_ID = os.environ.get("BATCH_EXAMPLES_WAREHOUSE_CONN_ID", "warehouse")
 BATCH_CONN_ID = os.environ.get("BATCH_EXAMPLES_BATCH_CONN_ID", DEFAULT_CONN_ID)
+# Optional: where attempt 2 and later go (None: the same connection as attempt 1).
+FALLBACK_CONN_ID = os.environ.get("BATCH_EXAMPLES_FALLBACK_CONN_ID") or None
+FALLBACK_MODEL = os.environ.get("BATCH_EXAMPLES_FALLBACK_MODEL") or None
 POLL_INTERVAL = float(os.environ.get("BATCH_EXAMPLES_POLL_INTERVAL", "60"))
 # The DAG's shape depends on it, so it is a constant rather than a run parameter.
 MAX_ATTEMPTS = 3
@@ -75,11 +84,12 @@ with DAG(
     source: Any = build_requests.output
     merges = []
     upstream: Any = build_requests
+    batch_conn_id = BATCH_CONN_ID
     for attempt in range(1, MAX_ATTEMPTS + 1):
         submit = SubmitBatchOperator(
             task_id=f"submit_{attempt}",
             source=source,
-            batch_conn_id=BATCH_CONN_ID,
+            batch_conn_id=batch_conn_id,
             wait_for_completion=True,
             deferrable=True,
             poll_interval=POLL_INTERVAL,
@@ -90,11 +100,13 @@ with DAG(
         merge = MergeBatchResultsOperator(
             task_id=f"merge_{attempt}",
             conn_id=WAREHOUSE_CONN_ID,
-            batch_conn_id=BATCH_CONN_ID,
+            batch_conn_id=batch_conn_id,
             target_table="{{ params.results_table }}",
             batches=submit.output,
             resubmit_failed=True,
             max_attempts=MAX_ATTEMPTS,
+            fallback_conn_id=FALLBACK_CONN_ID,
+            fallback_model=FALLBACK_MODEL,
         )
         upstream >> submit >> merge
         merges.append(merge)
@@ -103,6 +115,8 @@ with DAG(
             upstream = gate
             # The next attempt reads the manifest the merge wrote for the failed lines.
             source = f"{{{{ ti.xcom_pull(task_ids='merge_{attempt}')['resubmit_manifest_path'] }}}}"
+            # ... through the connection it names (the fallback's, when one is set).
+            batch_conn_id = f"{{{{ ti.xcom_pull(task_ids='merge_{attempt}')['resubmit_conn_id'] }}}}"
 
     @task(trigger_rule="none_failed")
     def summary(params: dict[str, Any] | None = None) -> dict[str, int]:

@@ -24,6 +24,7 @@ from airflow_batch_provider.warehouse.write import PARSE_IN_CHOICES, MergeReport
 if TYPE_CHECKING:
     from airflow.sdk import Context, ObjectStoragePath
 
+    from airflow_batch_provider.dialects.base import Dialect
     from airflow_batch_provider.hooks.batch import BatchApiHook
 
 BAD_RESULT_LINE_CHOICES = ("fail", "record")
@@ -129,7 +130,11 @@ class MergeBatchResultsOperator(BaseOperator):
     Every result line of every batch (output and error files, or the vendor's results
     endpoint) is streamed through :class:`~airflow_batch_provider.hooks.batch.BatchApiHook`
     and bulk-loaded; the build manifest's keys are joined to them in the database, so a key
-    without a result is ``missing`` and a rejected row is ``rejected``.
+    without a result is ``missing`` and a rejected row is ``rejected``. Every row this merge
+    writes records ``vendor`` (the batch connection's dialect) and ``batch_conn_id``: for a
+    succeeded row, who answered it (with ``model`` from the answer); for a failed, expired,
+    cancelled or missing one, where it was sent; NULL for a rejected row (never sent). A
+    results table from an earlier version without these columns gets them added (nullable).
 
     :param target_table: the results table (created if missing; never split on dots). (templated)
     :param conn_id: connection of the warehouse (any common-sql ``DbApiHook``). (templated)
@@ -152,6 +157,18 @@ class MergeBatchResultsOperator(BaseOperator):
     :param resubmit_failed: write a new shard set (``attempt-N/`` beside the manifest) of the
         lines whose status is failed, expired, cancelled or missing.
     :param max_attempts: the attempt number after which nothing more is resubmitted.
+    :param fallback_conn_id: batch API connection (any vendor dialect) that the resubmitted
+        lines go to: attempt 2 and every later attempt, so rows the first vendor could not
+        answer are sent to a second one (the first vendor is not tried again). The attempt's
+        manifest records it, and the XCom carries it as ``resubmit_conn_id`` (without a
+        fallback: this merge's ``batch_conn_id``) for the next submit's and merge's
+        ``batch_conn_id``. Before anything is written, every resubmitted line is checked
+        against the fallback's dialect (endpoint, what it cannot express, custom_id length, one
+        model per batch where the model goes on the job); a line it cannot take fails the merge
+        (rolled back), naming the line, the feature and the vendor. (templated)
+    :param fallback_model: the model name at the fallback vendor: replaces ``body.model`` in
+        every resubmitted line and is recorded in the manifest (``model``) and the XCom
+        (``resubmit_model``). Needed when the vendors name models differently. (templated)
     :param results_mode: force ``files`` or ``results_endpoint`` when reading results.
     :param session_settings: settings for the merge's own database session, e.g.
         ``{"memory_limit": "256MB"}`` on DuckDB (which runs inside the worker process).
@@ -175,6 +192,8 @@ class MergeBatchResultsOperator(BaseOperator):
         "batches",
         "manifest_path",
         "target_schema",
+        "fallback_conn_id",
+        "fallback_model",
     )
     ui_color = "#d5e8d4"
 
@@ -201,6 +220,8 @@ class MergeBatchResultsOperator(BaseOperator):
         session_settings: Mapping[str, str] | None = None,
         on_bad_result_line: str = "fail",
         parse_in: str = "auto",
+        fallback_conn_id: str | None = None,
+        fallback_model: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -238,6 +259,8 @@ class MergeBatchResultsOperator(BaseOperator):
                 f"parse_in must be one of {', '.join(PARSE_IN_CHOICES)}, not {parse_in!r}"
             )
         self.parse_in = parse_in
+        self.fallback_conn_id = fallback_conn_id
+        self.fallback_model = fallback_model
 
     # ---- inputs -----------------------------------------------------------------------------
     def _batch_input(self, context: Context) -> Any:
@@ -275,6 +298,12 @@ class MergeBatchResultsOperator(BaseOperator):
             staging_dir = staging.staging_dir_of(manifest_file)
         if self.resubmit_failed and manifest is None:
             raise ConfigurationError("resubmit_failed needs the build manifest (manifest_path)")
+        if (self.fallback_conn_id or self.fallback_model) and not self.resubmit_failed:
+            raise ConfigurationError("fallback_conn_id and fallback_model need resubmit_failed=True")
+        resubmit_to: ResubmitTarget | None = None
+        if self.resubmit_failed and manifest is not None:
+            # Checked before any row is written: a fallback that cannot take the endpoint fails now.
+            resubmit_to = self._resubmit_target(manifest)
 
         hook = self.get_batch_hook()
         batches = {batch_id: hook.get_batch(batch_id) for batch_id, _ in pairs}
@@ -317,13 +346,16 @@ class MergeBatchResultsOperator(BaseOperator):
             create_table=self.create_table,
             session_settings=self.session_settings,
             parse_in=self.parse_in,
+            vendor=hook.dialect.name,
+            batch_conn_id=self.batch_conn_id,
         )
         self.merge_columns = [(c.name, c.type) for c in writer.target_columns]
         resubmission: dict[str, Any] = {}
 
         def on_retry(retryable: Iterator[tuple[int, str, list[Any]]]) -> None:
             assert manifest is not None and staging_dir is not None and manifest_file is not None
-            resubmission.update(self._resubmit(retryable, manifest, staging_dir, manifest_file))
+            assert resubmit_to is not None
+            resubmission.update(self._resubmit(retryable, manifest, staging_dir, manifest_file, resubmit_to))
 
         def results() -> Iterator[tuple[ResultLine, str]]:
             for batch in batches.values():
@@ -394,9 +426,9 @@ class MergeBatchResultsOperator(BaseOperator):
         manifest: Manifest,
         staging_dir: ObjectStoragePath,
         manifest_file: ObjectStoragePath,
+        to: ResubmitTarget,
     ) -> dict[str, Any]:
         from airflow_batch_provider import staging
-        from airflow_batch_provider.dialects import get_dialect
 
         attempt = int(manifest.extra.get("attempt", 1))
         next_attempt = attempt + 1
@@ -418,7 +450,7 @@ class MergeBatchResultsOperator(BaseOperator):
         root = staging.resolve_path(manifest.extra["root"]) if manifest.extra.get("root") else staging_dir
         target = root / f"attempt-{next_attempt}"
         staging.mkdirs(target)
-        limits = get_dialect(manifest.dialect).limits
+        limits = to.dialect.limits
         written = 0
         shard_paths = {s.index: s.path for s in manifest.shards}
         with (
@@ -436,6 +468,7 @@ class MergeBatchResultsOperator(BaseOperator):
                         key = wanted.pop(custom_id, None) if isinstance(custom_id, str) else None
                         if key is None:
                             continue
+                        to.take(obj, f"shard {shard_paths[shard]}")
                         new_shard = writer.add(orjson.dumps(obj))
                         keys_out.write(orjson.dumps(KeyRecord(obj["custom_id"], key, new_shard).as_dict()))
                         keys_out.write(b"\n")
@@ -449,6 +482,8 @@ class MergeBatchResultsOperator(BaseOperator):
         staging.remove_stale_shards(target, {s.path for s in shards})
         new_manifest = manifest.model_copy(
             update={
+                "dialect": to.dialect.name,
+                "model": self.fallback_model or manifest.model,
                 "shards": shards,
                 "rows_read": written,
                 "rows_written": written,
@@ -460,21 +495,43 @@ class MergeBatchResultsOperator(BaseOperator):
                     "attempt": next_attempt,
                     "root": str(root),
                     "parent_manifest": str(manifest_file),
+                    "batch_conn_id": to.conn_id,
+                    **({"fallback_model": self.fallback_model} if self.fallback_model else {}),
                 },
             }
         )
         new_manifest_file = staging.write_manifest(target, new_manifest)
         self.log.info(
-            "Wrote %d line(s) to resubmit as attempt %d: %s", written, next_attempt, new_manifest_file
+            "Wrote %d line(s) to resubmit as attempt %d through connection %r (%s): %s",
+            written,
+            next_attempt,
+            to.conn_id,
+            to.dialect.name,
+            new_manifest_file,
         )
         info.update(
             {
                 "next_attempt": next_attempt,
                 "resubmit_lines": written,
                 "resubmit_manifest_path": str(new_manifest_file),
+                "resubmit_conn_id": to.conn_id,
+                "resubmit_model": self.fallback_model,
             }
         )
         return info
+
+    def _resubmit_target(self, manifest: Manifest) -> ResubmitTarget:
+        """Where the next attempt goes (the fallback, else this merge's connection), with the
+        manifest's endpoints checked against its dialect."""
+        from airflow_batch_provider.hooks.batch import BatchApiHook
+
+        if self.fallback_conn_id:
+            conn_id, dialect = self.fallback_conn_id, BatchApiHook(self.fallback_conn_id).dialect
+        else:
+            conn_id, dialect = self.batch_conn_id, self.get_batch_hook().dialect
+        for endpoint in {manifest.endpoint, *(s.endpoint for s in manifest.shards if s.endpoint)}:
+            dialect.check_endpoint(endpoint)
+        return ResubmitTarget(conn_id, dialect, self.fallback_model)
 
     # ---- report -----------------------------------------------------------------------------
     def _summarise(
@@ -501,6 +558,10 @@ class MergeBatchResultsOperator(BaseOperator):
             "resubmit": bool(resubmission.get("resubmit_lines")),
             "resubmit_lines": int(resubmission.get("resubmit_lines", 0)),
             "resubmit_manifest_path": resubmission.get("resubmit_manifest_path"),
+            # For the next attempt's submit and merge: ``batch_conn_id="{{ ti.xcom_pull(...)[
+            # 'resubmit_conn_id'] }}"``; None when nothing was resubmitted.
+            "resubmit_conn_id": resubmission.get("resubmit_conn_id"),
+            "resubmit_model": resubmission.get("resubmit_model"),
             "unresubmitted": int(resubmission.get("unresubmitted", 0)),
         }
         counts = ", ".join(f"{s}={report.counts.get(s, 0)}" for s in STATUSES)
@@ -569,3 +630,59 @@ def _group_by_shard(
             shard, group = item[0], {}
         group[item[1]] = item[2]
     yield shard, group
+
+
+class ResubmitTarget:
+    """The connection the next attempt goes to, and the check of each line resubmitted there.
+
+    :param conn_id: the batch API connection of the next attempt.
+    :param dialect: its vendor dialect.
+    :param model: replaces ``body.model`` in every line (the fallback vendor's name), or None.
+    """
+
+    def __init__(self, conn_id: str, dialect: Dialect, model: str | None = None) -> None:
+        self.conn_id = conn_id
+        self.dialect = dialect
+        self.model = model
+        # A dialect with the model on the job runs one model per batch: the attempt's lines
+        # must agree, as the submit would require (checked here, before anything is written).
+        self._job_model: str | None = None
+
+    def take(self, obj: dict[str, Any], where: str) -> None:
+        """Rewrite ``obj``'s model if asked, then refuse a line the dialect cannot express.
+
+        :param obj: a canonical line of the original shard (changed in place).
+        :param where: the shard, for messages.
+        :raises ConfigurationError: naming the line, what the vendor lacks and the vendor.
+        """
+        dialect = self.dialect
+        custom_id = obj["custom_id"]
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            raise ConfigurationError(f"{where}: line {custom_id!r} has no body object")
+        if self.model:
+            body["model"] = self.model
+        what = f"cannot resubmit line {custom_id!r} of {where} through connection {self.conn_id!r}"
+        limit = dialect.max_custom_id_chars
+        if limit is not None and len(custom_id) > limit:
+            raise ConfigurationError(
+                f"{what}: its custom_id is longer than the {limit} characters {dialect.label} accepts"
+            )
+        if obj.get("url") and obj["url"] not in dialect.endpoints:
+            raise ConfigurationError(f"{what}: endpoint {obj['url']!r} is not supported by {dialect.label}")
+        reason = dialect.unsupported(obj)
+        if reason is not None:
+            raise ConfigurationError(f"{what}: {reason}")
+        if dialect.model_placement == "job":
+            model = body.get("model")
+            if not isinstance(model, str) or not model:
+                raise ConfigurationError(
+                    f"{what}: body.model is missing and {dialect.label} needs one model per batch"
+                )
+            if self._job_model is None:
+                self._job_model = model
+            elif model != self._job_model:
+                raise ConfigurationError(
+                    f"{what}: its model {model!r} differs from {self._job_model!r} and {dialect.label} "
+                    "runs one model per batch; pass fallback_model"
+                )

@@ -41,6 +41,8 @@ class WritePlan:
         still fails, and can be undone, before commit).
     :param check_repeated_keys: keys.jsonl is checked for two lines with one key before writing,
         because nothing in a keyless table would refuse them.
+    :param add_columns: columns of a later release that the existing table lacks: the merge adds
+        them (nullable) before writing, so a table created by an earlier version keeps working.
     """
 
     mode: WriteMode
@@ -48,6 +50,7 @@ class WritePlan:
     key_in_create: bool = False
     key_after_load: bool = False
     check_repeated_keys: bool = False
+    add_columns: tuple[str, ...] = ()
 
 
 def plan_write(
@@ -59,6 +62,7 @@ def plan_write(
     target_columns: Sequence[str],
     target_keys: Sequence[str],
     create_table: bool,
+    addable_columns: Collection[str] = (),
 ) -> WritePlan:
     """Decide how to write into ``table``.
 
@@ -69,6 +73,7 @@ def plan_write(
     :param target_columns: the columns the merge writes.
     :param target_keys: the columns it upserts by.
     :param create_table: whether a missing table may be created.
+    :param addable_columns: target columns an existing table may lack: they are added, not refused.
     :raises WarehouseSchemaError: the table is missing (and may not be created), lacks columns,
         or has no unique key on exactly ``target_keys`` where the upsert needs one.
     """
@@ -89,7 +94,10 @@ def plan_write(
             check_repeated_keys=check,
         )
     have = {name.lower() for name in columns}
-    missing = [c for c in target_columns if c.lower() not in have]
+    addable = {c.lower() for c in addable_columns}
+    absent = [c for c in target_columns if c.lower() not in have]
+    add = tuple(c for c in absent if c.lower() in addable)
+    missing = [c for c in absent if c.lower() not in addable]
     if missing:
         raise WarehouseSchemaError(
             f"table {table} exists but lacks column(s) {', '.join(repr(m) for m in missing)}; "
@@ -97,19 +105,20 @@ def plan_write(
         )
     # Replacing rows is only the same as updating them when the table has no columns of its
     # own, whose values an update keeps.
+    have |= {c.lower() for c in add}
     replace = caps.upsert_by_replace and have == {c.lower() for c in target_columns}
     if replace and caps.keyless_tables:
         # Rows are replaced by key (see keyless_tables): no unique index is needed.
-        return WritePlan(WriteMode.REPLACE, check_repeated_keys=check)
+        return WritePlan(WriteMode.REPLACE, check_repeated_keys=check, add_columns=add)
     keys = frozenset(target_keys)
     if caps.keyless_tables and (unique_keys is None or keys not in unique_keys):
         # A table the merge created (no key) and then given columns of its own: update the
         # rows by key, keeping those columns' values, and insert the new keys.
-        return WritePlan(WriteMode.UPDATE_INSERT, check_repeated_keys=check)
+        return WritePlan(WriteMode.UPDATE_INSERT, check_repeated_keys=check, add_columns=add)
     if unique_keys is not None and keys not in unique_keys:
         raise WarehouseSchemaError(
             f"table {table} has no primary key or unique index on exactly "
             f"({', '.join(target_keys)}); the merge upserts by these columns, so re-runs would "
             f"duplicate rows: add one, or merge into a new table"
         )
-    return WritePlan(WriteMode.REPLACE if replace else upsert, check_repeated_keys=check)
+    return WritePlan(WriteMode.REPLACE if replace else upsert, check_repeated_keys=check, add_columns=add)

@@ -70,7 +70,22 @@ RESULT_COLUMNS: tuple[Column, ...] = (
     Column("error_message", "text"),
     Column("batch_id", "text"),
 )
-RESERVED_COLUMNS: frozenset[str] = frozenset({"custom_id", "merged_at", *(c.name for c in RESULT_COLUMNS)})
+#: Who answered each row: the vendor (the batch connection's dialect name) and the batch
+#: connection of the merge that wrote the row. They are the same for every row of one merge,
+#: so the writer fills them in SQL rather than staging them. Added after the first release:
+#: an existing results table without them gets them (``ALTER TABLE ... ADD COLUMN``).
+ANSWERED_BY_COLUMNS: tuple[Column, ...] = (
+    Column("vendor", "text"),
+    Column("batch_conn_id", "text"),
+)
+#: Columns a merge adds to an existing results table that lacks them (all nullable).
+ADDABLE_COLUMNS: tuple[Column, ...] = ANSWERED_BY_COLUMNS
+RESERVED_COLUMNS: frozenset[str] = frozenset(
+    {"custom_id", "merged_at", *(c.name for c in RESULT_COLUMNS), *(c.name for c in ANSWERED_BY_COLUMNS)}
+)
+
+# Columns the writer fills itself (or only stages), which no mapped column may reuse.
+_WRITER_COLUMNS = frozenset({"custom_id", "merged_at", "seq", *(c.name for c in ANSWERED_BY_COLUMNS)})
 
 _PATH_TOKEN = re.compile(r"\.?([^.\[\]]+)|\[(\d+)\]")
 
@@ -249,7 +264,7 @@ class ResultMapper:
         )
         seen: set[str] = set()
         for col in self.columns:
-            if col.name in seen or col.name in ("custom_id", "merged_at", "seq"):
+            if col.name in seen or col.name in _WRITER_COLUMNS:
                 raise ConfigurationError(
                     f"column {col.name!r} is defined twice (extra_columns / output_schema fields must not "
                     f"reuse a results column: {', '.join(sorted(RESERVED_COLUMNS))})"

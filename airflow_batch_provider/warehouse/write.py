@@ -40,7 +40,14 @@ from airflow_batch_provider.warehouse.lines import (
     result_row_sql,
 )
 from airflow_batch_provider.warehouse.plan import WriteMode, WritePlan, plan_write
-from airflow_batch_provider.warehouse.rows import RETRYABLE_STATUSES, STATUSES, Column, ResultMapper
+from airflow_batch_provider.warehouse.rows import (
+    ADDABLE_COLUMNS,
+    ANSWERED_BY_COLUMNS,
+    RETRYABLE_STATUSES,
+    STATUSES,
+    Column,
+    ResultMapper,
+)
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -125,6 +132,9 @@ class ResultsWriter:
         ``{"memory_limit": "256MB"}`` (DuckDB) or ``{"maintenance_work_mem": "256MB"}`` (PostgreSQL).
     :param parse_in: where raw result lines (:class:`~airflow_batch_provider.warehouse.lines.RawResults`)
         are parsed: ``auto`` (the database where it can), ``python`` or ``database``.
+    :param vendor: the vendor (dialect name) whose batches this merge reads, written to the
+        ``vendor`` column of every row it writes except rejected ones (never sent); None: NULL.
+    :param batch_conn_id: the batch connection those batches were read through (``batch_conn_id``).
     """
 
     def __init__(
@@ -138,6 +148,8 @@ class ResultsWriter:
         create_table: bool = True,
         session_settings: Mapping[str, str] | None = None,
         parse_in: str = "auto",
+        vendor: str | None = None,
+        batch_conn_id: str | None = None,
     ) -> None:
         if parse_in not in PARSE_IN_CHOICES:
             raise WarehouseSchemaError(
@@ -153,11 +165,16 @@ class ResultsWriter:
         self.mapper = mapper or ResultMapper()
         self.create_table = create_table
         self.session_settings = dict(session_settings or {})
+        # One value per column for the whole merge: bound as parameters, never pasted into SQL.
+        self.answered_by: tuple[str | None, ...] = (vendor, batch_conn_id)
         names = [c.name for c in self.key_columns]
         if len(set(names)) != len(names):
             raise WarehouseSchemaError(f"key columns repeat a name: {names}")
         clash = [
-            n for n in names if n in {c.name for c in self.mapper.columns} or n in ("merged_at", "custom_id")
+            n
+            for n in names
+            if n in {c.name for c in (*self.mapper.columns, *ANSWERED_BY_COLUMNS)}
+            or n in ("merged_at", "custom_id")
         ]
         if clash:
             raise WarehouseSchemaError(
@@ -169,6 +186,7 @@ class ResultsWriter:
             *self.key_columns,
             Column("custom_id", "text"),
             *self.mapper.columns,
+            *ANSWERED_BY_COLUMNS,
             Column("merged_at", "timestamp"),
         ]
         self.target_keys = [c.name for c in self.key_columns] if self.manifest_mode else ["custom_id"]
@@ -224,11 +242,17 @@ class ResultsWriter:
             target_columns=[c.name for c in self.target_columns],
             target_keys=self.target_keys,
             create_table=self.create_table,
+            addable_columns=[c.name for c in ADDABLE_COLUMNS],
         )
         log.debug("Write plan for %s: %s", self.qtable, plan)
         if plan.create_table:
             self._execute(conn, self._create_sql(primary_key=plan.key_in_create))
             report.created_table = True
+        for name in plan.add_columns:
+            # A table created by an earlier version: its rows keep NULL in the new column.
+            log.info("Adding column %s to %s (a results column of this version)", name, self.qtable)
+            (col,) = [c for c in self.target_columns if c.name == name]
+            d.add_column(conn, self.table_name, self.schema, name, col.type)
         return plan
 
     # ---- the merge --------------------------------------------------------------------------
@@ -603,6 +627,9 @@ class ResultsWriter:
                 select_cols.append(f"COALESCE(r.{q('batch_id')}, s.{q('batch_id')})")
             else:
                 select_cols.append(self._cast_json(f"r.{q(col.name)}", col))
+        answered_by, answered_params = self._answered_by_sql()
+        target.extend(c.name for c in ANSWERED_BY_COLUMNS)
+        select_cols.extend(answered_by)
         target.append("merged_at")
         select_cols.append(d.cast(d.placeholder, "timestamp"))
         return _KeyedSql(
@@ -611,7 +638,8 @@ class ResultsWriter:
             t_rejects=t_rejects,
             t_shards=t_shards,
             target=tuple(target),
-            params=(d.merged_at_value(merged_at),),
+            params=(*answered_params, d.merged_at_value(merged_at)),
+            stamp=(d.merged_at_value(merged_at),),
             select_list=", ".join(select_cols),
             key_exprs=tuple(key_exprs),
             key_names=tuple(key_names),
@@ -803,7 +831,7 @@ class ResultsWriter:
         plan, sql = keyed.plan, keyed.sql
         t_results, t_keys, t_rejects = sql.t_results, sql.t_keys, sql.t_rejects
         status_expr = sql.status_expr
-        target, stamp = sql.target, sql.params
+        target, stamp = sql.target, sql.stamp
         key_names = sql.key_names
         if keyed.rounds.done == 0:
             d.analyze(conn, q(t_keys))
@@ -851,6 +879,8 @@ class ResultsWriter:
                 rej_exprs.append(f"j.{q('reason')}")
             else:
                 rej_exprs.append(self._cast_json("NULL", col) if col.type == "json" else "NULL")
+        # A rejected row was never sent: no vendor answered it.
+        rej_exprs.extend("NULL" for _ in ANSWERED_BY_COLUMNS)
         rej_exprs.append(d.cast(d.placeholder, "timestamp"))
         partition = ", ".join(f"x.{q(n)}" for n in key_names)
         key_match = " AND ".join(f"k.{q(n)} = y.{q(n)}" for n in key_names)
@@ -943,14 +973,21 @@ class ResultsWriter:
     ) -> None:
         d = self.dialect
         q = d.quote
+        answered_by, answered_params = self._answered_by_sql()
         select_cols = [
             f"r.{q('custom_id')}",
             *[self._cast_json(f"r.{q(c.name)}", c) for c in self.mapper.columns],
+            *answered_by,
         ]
         select_cols.append(d.cast(d.placeholder, "timestamp"))
         rows = _UnkeyedSql(
-            target=("custom_id", *[c.name for c in self.mapper.columns], "merged_at"),
-            params=(d.merged_at_value(merged_at),),
+            target=(
+                "custom_id",
+                *[c.name for c in self.mapper.columns],
+                *[c.name for c in ANSWERED_BY_COLUMNS],
+                "merged_at",
+            ),
+            params=(*answered_params, d.merged_at_value(merged_at)),
             select_list=", ".join(select_cols),
             quote=q,
         )
@@ -968,6 +1005,18 @@ class ResultsWriter:
         report.duplicate_results = report.result_lines - report.rows_written
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _answered_by_sql(self) -> tuple[list[str], tuple[Any, ...]]:
+        """The SELECT expressions of the answered-by columns and their parameters (a value is
+        bound, never pasted; an unknown one is a typed NULL, which every driver can bind)."""
+        d = self.dialect
+        exprs: list[str] = []
+        params: list[Any] = []
+        for col, value in zip(ANSWERED_BY_COLUMNS, self.answered_by, strict=True):
+            exprs.append(d.cast("NULL" if value is None else d.placeholder, col.type))
+            if value is not None:
+                params.append(value)
+        return exprs, tuple(params)
+
     def _write_all(
         self, conn: Any, plan: WritePlan, rows: _Rows, t_results: str
     ) -> tuple[str, dict[str, int] | None, bool]:
@@ -1237,7 +1286,10 @@ class _KeyedSql:
     t_rejects: str
     t_shards: str
     target: tuple[str, ...]
+    #: The SELECT list's parameters: the answered-by values, then ``merged_at``.
     params: tuple[Any, ...]
+    #: ``merged_at`` alone (the rejects' SELECT binds only it).
+    stamp: tuple[Any, ...]
     #: The SELECT list of the keyed upsert over ``k`` (keys), ``r`` (results), ``s`` (shards).
     select_list: str
     key_exprs: tuple[str, ...]

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from airflow_batch_provider.dialects import DIALECTS
 from tests.fixtures.e2e import AirflowCluster
 
 pytestmark = pytest.mark.slow
@@ -67,12 +68,13 @@ def test_hook_meta_carries_the_fields_and_per_dialect_hints(cluster: AirflowClus
     extra = entry["extra_fields"]
     assert set(extra) >= {"dialect", "project", "organization", "headers", "timeout", "max_retries"}
     dialect = extra["dialect"]
-    assert dialect["schema"]["enum"] == ["azure", "doubleword", "mistral", "openai", "xai", "zerogpu"]
+    # Every registered dialect is offered, each with its default base URL in the hint.
+    assert dialect["schema"]["enum"] == sorted(DIALECTS)
     # Fields a single dialect reads come from that dialect (Azure's API version, auth, expiry).
     assert set(extra) >= {"api_version", "auth", "tenant_id", "client_id", "file_expiry_seconds"}
     hint = dialect["description"]
-    for url in ("https://api.openai.com/v1", "https://api.x.ai/v1", "https://api.zerogpu.ai/v1"):
-        assert url in hint
+    for cls in DIALECTS.values():
+        assert cls.default_base_url in hint
     assert "zerogpu = ZeroGPU (https://api.zerogpu.ai/v1, needs 'project')" in hint
     assert "required for zerogpu" in extra["project"]["description"]
 

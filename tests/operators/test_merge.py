@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 
 from airflow_batch_provider import staging
 from airflow_batch_provider.constants import SHARD_TAG
+from airflow_batch_provider.exceptions import ConfigurationError
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.models import Manifest, Shard
 from airflow_batch_provider.operators.merge import MergeBatchResultsOperator, batches_with_shards
@@ -529,3 +531,76 @@ def test_parse_in_is_checked() -> None:
 
     with pytest.raises(ConfigurationError, match="parse_in must be one of auto, python, database"):
         MergeBatchResultsOperator(task_id="m", target_table="t", conn_id="c", parse_in="warehouse")
+
+
+# ---- fallback_conn_id (issue #24 section 3) ---------------------------------------------------
+
+
+def test_a_fallback_without_the_endpoint_fails_before_any_batch_is_read(
+    sqlite_warehouse: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ZeroGPU runs chat completions only: an embeddings manifest cannot fall back to it; the
+    merge says so by endpoint and vendor before reading a batch or writing a row."""
+    extra = {"dialect": "zerogpu", "project": "p"}
+    conn = {"conn_type": "batch_api", "host": "http://127.0.0.1:9/v1", "password": "k", "extra": extra}
+    monkeypatch.setenv("AIRFLOW_CONN_ZERO_API", orjson.dumps(conn).decode())
+    manifest = stage(tmp_path / "stage", [(1, "a")], endpoint="/v1/embeddings")
+    xcom = {"batch_ids": ["batch_x"], "manifest_path": str(manifest)}
+    with pytest.raises(
+        ConfigurationError, match="endpoint '/v1/embeddings' is not supported by dialect 'zerogpu'"
+    ):
+        merge(sqlite_warehouse, xcom, resubmit_failed=True, fallback_conn_id="zero_api")
+    assert not sqlite_warehouse.rows("SELECT name FROM sqlite_master WHERE name = 'ticket results'")
+
+
+def test_fallback_needs_resubmission() -> None:
+    with pytest.raises(ConfigurationError, match="fallback_conn_id and fallback_model need resubmit_failed"):
+        MergeBatchResultsOperator(
+            task_id="m", target_table="t", conn_id="w", batches="b", fallback_conn_id="other"
+        ).execute(context={})  # type: ignore[arg-type]
+
+
+def test_every_later_attempt_stays_on_the_fallback(
+    server: Any, sqlite_warehouse: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attempt 2 goes to the fallback, and so does attempt 3 (the first vendor is not tried
+    again); without a fallback the next attempt goes to the merge's own connection."""
+    manifest = stage(tmp_path / "stage", [(i, f"q {i}") for i in range(1, 9)])
+    server.set_faults(line_failure_rate=0.5)
+    plain = merge(sqlite_warehouse, submit_and_wait(manifest), resubmit_failed=True)
+    assert plain["resubmit"] and plain["resubmit_conn_id"] == "batch_api_default"
+    assert plain["resubmit_model"] is None
+    # Here the "fallback" is the same server under a second connection id.
+    monkeypatch.setenv("AIRFLOW_CONN_SECOND_API", os.environ["AIRFLOW_CONN_BATCH_API_DEFAULT"])
+    fallback = {"resubmit_failed": True, "fallback_conn_id": "second_api", "fallback_model": "other-model"}
+    second = merge(sqlite_warehouse, submit_and_wait(manifest), **fallback)
+    retry = Path(second["resubmit_manifest_path"].removeprefix("file://"))
+    third = merge(sqlite_warehouse, submit_and_wait(retry), batch_conn_id="second_api", **fallback)
+    assert second["resubmit_conn_id"] == third["resubmit_conn_id"] == "second_api"
+    attempt_3 = staging.read_manifest(third["resubmit_manifest_path"])
+    assert attempt_3.extra["attempt"] == 3 and attempt_3.extra["batch_conn_id"] == "second_api"
+    lines = [orjson.loads(x) for x in retry.parent.joinpath("shard-00000.jsonl").read_bytes().splitlines()]
+    assert lines and {line["body"]["model"] for line in lines} == {"other-model"}
+
+
+def test_a_job_model_fallback_needs_one_model_per_attempt() -> None:
+    """Mistral runs one model per job: resubmitted lines naming two models are refused by name
+    unless fallback_model rewrites them all; a custom_id over the vendor's limit is refused."""
+    from airflow_batch_provider.dialects import get_dialect
+    from airflow_batch_provider.operators.merge import ResubmitTarget
+
+    def line(custom_id: str, model: str) -> dict[str, Any]:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+        return {"custom_id": custom_id, "method": "POST", "url": ENDPOINT, "body": body}
+
+    mixed = ResubmitTarget("fb", get_dialect("mistral"))
+    mixed.take(line("a", "m-1"), "shard-00000.jsonl")
+    with pytest.raises(ConfigurationError, match="'b'.*'m-2' differs from 'm-1' and Mistral runs one model"):
+        mixed.take(line("b", "m-2"), "shard-00000.jsonl")
+    rewritten = ResubmitTarget("fb", get_dialect("mistral"), model="mistral-small")
+    lines = [line("a", "m-1"), line("b", "m-2")]
+    for obj in lines:
+        rewritten.take(obj, "shard-00000.jsonl")
+    assert [obj["body"]["model"] for obj in lines] == ["mistral-small", "mistral-small"]
+    with pytest.raises(ConfigurationError, match="custom_id is longer than the 64 characters OpenAI"):
+        ResubmitTarget("fb", get_dialect("openai")).take(line("x" * 65, "m"), "shard-00000.jsonl")

@@ -150,3 +150,35 @@ def test_the_writer_plans_from_the_real_table(
     assert plans[0] == plan(kind, None, None)
     assert plans[1] == again
     assert wh.rows(f"SELECT id, content FROM {wh.quote('planned')}") == [(1, "y")]
+
+
+def test_columns_of_a_later_release_are_added_others_refused() -> None:
+    """A table created by an earlier version lacks the vendor columns: the plan adds them; a
+    missing column the merge cannot add is still refused by name."""
+    target = [*OURS, "vendor", "batch_conn_id"]
+    common = {"table": '"t"', "target_columns": target, "target_keys": ["id"], "create_table": True}
+    got = plan_write(
+        PostgresSqlDialect.capabilities,
+        columns=OURS,
+        unique_keys=[KEY],
+        addable_columns=["vendor", "batch_conn_id"],
+        **common,
+    )
+    assert got == WritePlan(WriteMode.UPSERT, add_columns=("vendor", "batch_conn_id"))
+    # DuckDB replaces rows by key once the added columns make the table exactly the merge's.
+    got = plan_write(
+        DuckDBSqlDialect.capabilities,
+        columns=[*OURS, "batch_conn_id"],
+        unique_keys=[],
+        addable_columns=["vendor", "batch_conn_id"],
+        **common,
+    )
+    assert got == WritePlan(WriteMode.REPLACE, check_repeated_keys=True, add_columns=("vendor",))
+    with pytest.raises(WarehouseSchemaError, match="lacks column\\(s\\) 'batch_conn_id'"):
+        plan_write(
+            PostgresSqlDialect.capabilities,
+            columns=OURS,
+            unique_keys=[KEY],
+            addable_columns=["vendor"],
+            **common,
+        )

@@ -1173,3 +1173,60 @@ def test_answers_of_other_endpoints_land_whole_as_json(warehouse: Any) -> None:
     assert warehouse.rows(
         f"SELECT COUNT(*) FROM {warehouse.quote('results')} WHERE status = 'succeeded' AND content IS NULL"
     ) == [(0,)]
+
+
+# ---- who answered each row (issue #24 section 3) ---------------------------------------------
+
+
+def test_each_row_records_the_vendor_and_connection_that_answered_it(warehouse: Any) -> None:
+    """Every row a merge writes records its vendor and batch connection; a rejected row (never
+    sent) records none; a later merge from another vendor changes only the rows it wrote."""
+    keys = keys_for([("c1", 1), ("c2", 2), ("c3", 3)])
+    rejects = [{"custom_id": "r9", "key": [9], "code": "too_long", "reason": "long"}]
+    first = ResultsWriter(
+        warehouse.hook,
+        "answered",
+        key_columns=[Column("id", "integer")],
+        vendor="openai",
+        batch_conn_id="primary_api",
+    )
+    first.merge(
+        with_batch([chat_line("c1", "one"), error_line("c2", "server_error")]), keys=keys, rejects=rejects
+    )
+    # The second vendor answers the failed and the missing key (attempt 2's manifest).
+    second = ResultsWriter(
+        warehouse.hook, "answered", key_columns=[Column("id", "integer")], vendor="xai", batch_conn_id="fb"
+    )
+    second.merge(with_batch([chat_line("c2", "two"), chat_line("c3", "three")]), keys=keys[1:])
+    assert table_rows(warehouse, "answered", "id, status, vendor, batch_conn_id") == [
+        (1, "succeeded", "openai", "primary_api"),
+        (2, "succeeded", "xai", "fb"),
+        (3, "succeeded", "xai", "fb"),
+        (9, "rejected", None, None),
+    ]
+
+
+def test_a_results_table_of_an_earlier_version_gets_the_new_columns(warehouse: Any) -> None:
+    """A results table created before the vendor columns existed still merges: the merge adds
+    them (nullable); the rows it did not write keep NULL there."""
+    q = warehouse.quote
+    text = "VARCHAR(255)" if warehouse.kind == "mysql" else "TEXT"
+    key = "" if warehouse.kind in ("bigquery", "snowflake") else " PRIMARY KEY"
+    warehouse.run(
+        f"CREATE TABLE {q('earlier')} (id BIGINT NOT NULL{key}, custom_id {text}, status {text}, "
+        f"content {text}, embedding {text}, finish_reason {text}, model {text}, prompt_tokens BIGINT, "
+        f"completion_tokens BIGINT, total_tokens BIGINT, error_code {text}, error_message {text}, "
+        f"batch_id {text}, merged_at {text})"
+    )
+    warehouse.run(f"INSERT INTO {q('earlier')} (id, custom_id, status) VALUES (1, 'c1', 'succeeded')")
+    writer = ResultsWriter(
+        warehouse.hook, "earlier", key_columns=[Column("id", "integer")], vendor="mistral", batch_conn_id="m"
+    )
+    report = writer.merge(with_batch([chat_line("c2", "two")]), keys=keys_for([("c2", 2)]))
+    assert report.counts["succeeded"] == 1
+    # A second merge finds the columns there and adds nothing.
+    writer.merge(with_batch([chat_line("c2", "again")]), keys=keys_for([("c2", 2)]))
+    assert table_rows(warehouse, "earlier", "id, status, content, vendor, batch_conn_id") == [
+        (1, "succeeded", None, None, None),
+        (2, "succeeded", "again", "mistral", "m"),
+    ]

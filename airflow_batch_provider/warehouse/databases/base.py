@@ -297,6 +297,18 @@ class SqlDialect:
         finally:
             cur.close()
 
+    def add_column(self, conn: Any, table: str, schema: str | None, name: str, portable: str) -> None:
+        """Add the nullable column ``name`` (of portable type ``portable``) to an existing table.
+
+        :param table: the table's name, unquoted; ``schema`` likewise.
+        """
+        cur = self.cursor(conn)
+        try:
+            column = f"{self.quote(name)} {self.sql_type(portable)}"
+            cur.execute(f"ALTER TABLE {self.table(table, schema)} ADD COLUMN {column}")
+        finally:
+            cur.close()
+
     # ---- bulk load ---------------------------------------------------------------------------
     def bulk_load(
         self,

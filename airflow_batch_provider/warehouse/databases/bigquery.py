@@ -154,6 +154,21 @@ class BigQuerySqlDialect(SqlDialect):
         }
         return [field.name for field in found.schema]
 
+    def add_column(self, conn: Any, table: str, schema: str | None, name: str, portable: str) -> None:
+        super().add_column(conn, table, schema, name, portable)
+        # BigQuery's ALTER TABLE also updates the table's schema, which probe_columns reads; a
+        # BigQuery-compatible server whose metadata lags its DDL (the emulator) would then see
+        # the column missing on the next merge and add it twice, so the schema is made to list it.
+        from google.cloud import bigquery
+
+        found = conn.client.get_table(self._ref(conn, table, schema))
+        if name not in {f.name for f in found.schema}:
+            found.schema = [
+                *found.schema,
+                bigquery.SchemaField(name, self.sql_type(portable), mode="NULLABLE"),
+            ]
+            conn.client.update_table(found, ["schema"])
+
     def _ref(self, conn: Any, table: str, schema: str | None = None) -> str:
         dataset = schema or conn.dataset
         if not dataset:
