@@ -11,6 +11,7 @@ enqueued token quota is reported as the quota error it is. (429s, 5xx and droppe
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -305,3 +306,57 @@ async def test_a_completed_batch_with_an_empty_error_file_merges_every_row(
     assert record.event["batches"][0]["error_file_id"] == empty_id
     rows = rows_of(wh_pipeline)
     assert len(rows) == ROWS and {s for s, _, _ in rows.values()} == {"succeeded"}
+
+
+async def test_azure_as_the_fallback_vendor_answers_the_rows_the_first_one_failed(
+    batch_server: Any, pg_warehouse: Any, tmp_path: Path, task_context: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An OpenAI-dialect primary fails some rows; the merge resubmits them to an Azure connection
+    # (fallback_model: the deployment), and each results row says who answered it.
+    first = batch_server(dialect="openai", faults={"line_failure_rate": 0.3})
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", first.connection_json())
+    second = batch_server(dialect="azure", api_key=KEY)
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_AZURE_FALLBACK",
+        json.dumps(
+            {
+                "conn_type": "batch_api",
+                "host": second.root_url,
+                "password": KEY,
+                "extra": {"dialect": "azure", "api_version": API_VERSION},
+            }
+        ),
+    )
+    primary = Pipeline(pg_warehouse, tmp_path / "staging", task_context)
+    fallback = Pipeline(pg_warehouse, tmp_path / "staging", task_context, batch_conn_id="azure_fallback")
+    seed_texts(pg_warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+    resubmit = {
+        "resubmit_failed": True,
+        "fallback_conn_id": "azure_fallback",
+        "fallback_model": "gpt-4o-batch",
+    }
+    record = await primary.run(
+        "to-azure", "answers", build=BUILD, submit={"on_partial_failure": "succeed"}, merge=resubmit
+    )
+    merged = record.merge
+    failures = first.stats()["counters"]["line_failures"]
+    assert merged is not None and 0 < failures < ROWS and merged["resubmit_lines"] == failures
+    attempt = await fallback.submit_and_wait(merged["resubmit_manifest_path"], "to-azure-2")
+    assert attempt.submit_error is None and attempt.event is not None, attempt.submit_error
+    final = await asyncio.to_thread(
+        fallback.merge,
+        attempt.submission,
+        {"manifest_path": merged["resubmit_manifest_path"]},
+        "answers",
+        **resubmit,
+    )
+    assert final["counts"]["succeeded"] == failures
+    q = pg_warehouse.quote
+    rows = pg_warehouse.rows(f"SELECT status, vendor, batch_conn_id, model FROM {q('answers')}")
+    assert len(rows) == ROWS and {r[0] for r in rows} == {"succeeded"}
+    by_vendor = {(r[1], r[2], r[3]) for r in rows}
+    assert by_vendor == {
+        ("openai", "batch_api_default", "echo:echo-1"),
+        ("azure", "azure_fallback", "echo:gpt-4o-batch"),
+    }
+    assert sum(1 for r in rows if r[1] == "azure") == failures
