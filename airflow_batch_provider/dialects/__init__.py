@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from airflow_batch_provider.dialects.azure import AzureOpenAIDialect
 from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage
 from airflow_batch_provider.dialects.doubleword import DoublewordDialect
 from airflow_batch_provider.dialects.mistral import MistralDialect
@@ -12,7 +13,15 @@ from airflow_batch_provider.exceptions import UnknownDialectError
 from airflow_batch_provider.limits import Limits, ValidationRules
 
 DIALECTS: dict[str, type[Dialect]] = {
-    cls.name: cls for cls in (OpenAIDialect, DoublewordDialect, ZeroGPUDialect, XAIDialect, MistralDialect)
+    cls.name: cls
+    for cls in (
+        OpenAIDialect,
+        DoublewordDialect,
+        ZeroGPUDialect,
+        XAIDialect,
+        MistralDialect,
+        AzureOpenAIDialect,
+    )
 }
 
 
@@ -39,6 +48,7 @@ def get_dialect(name: str | Dialect | None) -> Dialect:
 
 __all__ = [
     "DIALECTS",
+    "AzureOpenAIDialect",
     "Dialect",
     "DoublewordDialect",
     "Limits",

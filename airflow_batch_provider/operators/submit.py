@@ -592,6 +592,22 @@ class SubmitBatchOperator(BaseOperator):
         checked = self._validated(dialect, path, self.endpoint)
         return checked
 
+    def _unsupported(self, dialect: Dialect, obj: dict[str, Any], number: int) -> list[Problem]:
+        """What the vendor cannot express in a hand-made line, as it will be sent (with the
+        ``model`` override), as a problem naming the line; [] when nothing."""
+        line = obj
+        if self.model and isinstance(obj.get("body"), dict):
+            line = {**obj, "body": {**obj["body"], "model": self.model}}
+        reason = dialect.unsupported(line)
+        if reason is None:
+            return []
+        custom_id = obj.get("custom_id")
+        return [
+            Problem(
+                number, "unsupported", reason, custom_id=custom_id if isinstance(custom_id, str) else None
+            )
+        ]
+
     def _validated(self, dialect: Dialect, path: ObjectStoragePath, endpoint: str | None) -> ShardInput:
         """Validate a file with the dialect's rules while hashing it; a bad file fails naming its lines."""
         rules = dialect.validation_rules()
@@ -607,6 +623,8 @@ class SubmitBatchOperator(BaseOperator):
             stream = _HashingReader(raw_stream, digest)
             for raw in iter_raw_lines(stream, rules.limits.max_line_bytes):  # type: ignore[arg-type]
                 obj, found = validator.check_raw(raw)
+                if obj is not None and not found:
+                    found = self._unsupported(dialect, obj, raw.number)
                 if first_url is None and obj is not None and isinstance(obj.get("url"), str):
                     first_url = obj["url"]
                 count += len(found)

@@ -41,7 +41,7 @@ def batch(status: str = "in_progress", **fields: Any) -> dict[str, Any]:
 
 
 def test_registry() -> None:
-    assert sorted(DIALECTS) == ["doubleword", "mistral", "openai", "xai", "zerogpu"]
+    assert sorted(DIALECTS) == ["azure", "doubleword", "mistral", "openai", "xai", "zerogpu"]
     assert isinstance(get_dialect(None), OpenAIDialect)
     assert get_dialect(" XAI ").name == "xai"
     assert get_dialect(D) is D

@@ -1097,7 +1097,14 @@ def test_connection_form_matches_airflow_schemas() -> None:
         "ui-field-behaviour": UI_FIELD_BEHAVIOUR,
     }
     jsonschema.validate(entry, conn_schema)
-    assert CONN_FIELDS["dialect"]["schema"]["enum"] == ["doubleword", "mistral", "openai", "xai", "zerogpu"]
+    assert CONN_FIELDS["dialect"]["schema"]["enum"] == [
+        "azure",
+        "doubleword",
+        "mistral",
+        "openai",
+        "xai",
+        "zerogpu",
+    ]
     behaviour_schema = json.loads(
         files("airflow").joinpath("customized_form_field_behaviours.schema.json").read_text()
     )
