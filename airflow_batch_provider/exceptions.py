@@ -151,6 +151,14 @@ class BatchFailedError(BatchProviderError):
     """A batch ended failed, expired, cancelled, timed out, or polling gave up."""
 
 
+class BatchQuotaExceededError(BatchFailedError):
+    """A batch failed because the vendor's quota refused it (an enqueued token limit, say).
+
+    The batch-level twin of :class:`BatchApiQuotaError`: resubmitting at once fails the same
+    way; wait for running batches to finish or raise the quota.
+    """
+
+
 class PartialFailureError(BatchFailedError):
     """A batch completed but some lines failed and ``on_partial_failure='fail'``."""
 

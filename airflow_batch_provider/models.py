@@ -101,6 +101,8 @@ class BatchError(_Response):
     message: str | None = None
     param: str | None = None
     line: int | None = None
+    # Set by the dialect when the code says a quota refused the batch (``batch_quota_error_codes``).
+    quota: bool = False
 
 
 class Batch(_Response):

@@ -31,6 +31,8 @@ _BAD_STATES: tuple[tuple[BatchState, OutcomeStatus], ...] = (
     (BatchState.CANCELLED, "cancelled"),
 )
 _MAX_ERRORS_IN_MESSAGE = 5
+#: The termination reason of a batch failed by the vendor's quota (``BatchError.quota``).
+QUOTA_REASON = "batch_quota_exceeded"
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,13 @@ def decide(
         if bad:
             others = [b for b in ordered if b.state is not state and b.state in {s for s, _ in _BAD_STATES}]
             message = "; ".join(_describe(b) for b in bad + others)
-            return Outcome(status, message, f"batch_{status}", ordered, counts)
+            reason = f"batch_{status}"
+            if state is BatchState.FAILED and any(e.quota for b in bad for e in b.errors):
+                # The vendor's quota refused the batch (its dialect marks such errors): a quota
+                # error, which resubmitting at once only repeats.
+                reason = QUOTA_REASON
+                message = f"a quota refused the batch: {message}"
+            return Outcome(status, message, reason, ordered, counts)
     if all(b.state is BatchState.COMPLETED for b in ordered):
         if counts.failed and not counts.completed:
             # Nothing succeeded: no policy should turn that into a green task. (Vendors that never

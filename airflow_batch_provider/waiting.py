@@ -33,6 +33,7 @@ from airflow_batch_provider.exceptions import (
     BatchApiServerError,
     BatchFailedError,
     BatchProviderError,
+    BatchQuotaExceededError,
     ConfigurationError,
     PartialFailureError,
 )
@@ -40,6 +41,7 @@ from airflow_batch_provider.ids import check_id
 from airflow_batch_provider.models import Batch, to_utc
 from airflow_batch_provider.outcome import (
     FAILURE_STATUSES,
+    QUOTA_REASON,
     ParsedEvent,
     deadline_event_after_error,
     decide,
@@ -489,6 +491,11 @@ def apply_outcome_policy(
     if parsed.status == "timeout" and cancel_on_timeout:
         cancelled = cancel_batches(hook_factory(), parsed.batch_ids, log=log)
         log.warning("Timed out; cancelled batch(es): %s", ", ".join(cancelled) or "none still running")
+    if parsed.termination_reason == QUOTA_REASON:
+        raise BatchQuotaExceededError(
+            f"batch wait ended {parsed.status}: {parsed.message} (a quota error: wait for running "
+            "batches to finish or raise the quota before submitting again)"
+        )
     if parsed.status in FAILURE_STATUSES:
         raise BatchFailedError(f"batch wait ended {parsed.status}: {parsed.message}")
     if parsed.status == "partial":

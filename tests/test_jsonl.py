@@ -262,7 +262,7 @@ def test_dialect_limits_are_each_vendors_own() -> None:
         ) == limits_of
 
 
-@pytest.mark.parametrize("dialect", ["openai", "doubleword", "xai"])
+@pytest.mark.parametrize("dialect", ["openai", "doubleword", "xai", "azure"])
 def test_a_5mb_line_is_valid_where_no_1mb_limit_is_documented(dialect: str) -> None:
     big = line("a", body={"model": "m", "messages": [{"role": "user", "content": "x" * (5 << 20)}]})
     assert problems(lines(big), dialect) == []

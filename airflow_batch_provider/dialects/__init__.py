@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from airflow_batch_provider.dialects.anthropic import AnthropicDialect
+from airflow_batch_provider.dialects.azure import AzureOpenAIDialect
 from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage
 from airflow_batch_provider.dialects.doubleword import DoublewordDialect
 from airflow_batch_provider.dialects.mistral import MistralDialect
@@ -21,6 +22,7 @@ DIALECTS: dict[str, type[Dialect]] = {
         XAIDialect,
         MistralDialect,
         AnthropicDialect,
+        AzureOpenAIDialect,
     )
 }
 
@@ -49,6 +51,7 @@ def get_dialect(name: str | Dialect | None) -> Dialect:
 __all__ = [
     "DIALECTS",
     "AnthropicDialect",
+    "AzureOpenAIDialect",
     "Dialect",
     "DoublewordDialect",
     "Limits",

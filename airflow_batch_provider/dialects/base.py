@@ -18,6 +18,8 @@ from airflow_batch_provider.limits import MB, Limits, ValidationRules
 # when the first dialect is made. Reading a dialect's rules (``airflow-batch validate``) then
 # loads no pydantic.
 if TYPE_CHECKING:
+    import httpx
+
     from airflow_batch_provider.models import (  # noqa: TC004 (bound at run time by bind_models)
         Batch,
         BatchState,
@@ -176,6 +178,17 @@ class Dialect:
     inline_requests_key: ClassVar[str] = "requests"
     #: How a batch whose create went unrecorded is found again (see ``OrphanLookup``).
     orphan_lookup: ClassVar[OrphanLookup] = "tags"
+    #: Whether the connection must name the host: the vendor has no one public URL (each
+    #: account has its own endpoint), so ``default_base_url`` is only a hint.
+    requires_host: ClassVar[bool] = False
+    #: The API root's path when the connection's URL has none (and no schema).
+    default_api_path: ClassVar[str] = "/v1"
+    #: Codes of a failed batch's errors by which the vendor says a quota refused it (waiting for
+    #: the queue to drain or raising the quota cures it, resubmitting at once does not).
+    batch_quota_error_codes: ClassVar[frozenset[str]] = frozenset()
+    #: Connection extras only this dialect reads, as connection-form fields (``label``,
+    #: ``description``, JSON ``schema``); the form shows every dialect's.
+    connection_fields: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     def __init__(self) -> None:
         bind_models(globals(), "Batch", "BatchState", "LineError", "ResultLine")
@@ -192,6 +205,47 @@ class Dialect:
         if extra.get("project"):
             headers["OpenAI-Project"] = str(extra["project"])
         return headers
+
+    def request_auth(
+        self, secret: str | None, extra: Mapping[str, Any], base_url: str, conn_id: str
+    ) -> httpx.Auth | None:
+        """An ``httpx.Auth`` that signs each request (a token fetched and refreshed at run
+        time), or None when ``auth_headers`` says it all (a fixed key).
+
+        :param secret: the connection's password.
+        :param extra: the connection extra.
+        :param base_url: the API root; an auth must sign only requests to its origin.
+        :param conn_id: the connection id, for error messages.
+        """
+        return None
+
+    # ---- connection ---------------------------------------------------------------------
+    def configure(self, extra: Mapping[str, Any], conn_id: str) -> Dialect:
+        """This dialect as one connection uses it (its API version, file expiry...), its extras
+        checked; the default has nothing to set and returns itself.
+
+        :param extra: the connection extra.
+        :param conn_id: the connection id, for error messages.
+        """
+        self.check_connection(extra, conn_id)
+        return self
+
+    def check_base_url(self, base_url: str, conn_id: str) -> None:
+        """Refuse an API root this dialect, as configured, cannot call (nothing by default).
+
+        :param base_url: the API root built from the connection.
+        :param conn_id: the connection id, for error messages.
+        """
+
+    @property
+    def api_path(self) -> str:
+        """The API root's path when the connection's URL names none (see ``default_api_path``)."""
+        return self.default_api_path
+
+    @property
+    def query_params(self) -> dict[str, str]:
+        """Query parameters sent on every call of the connection (an API version); none by default."""
+        return {}
 
     # ---- paths ----------------------------------------------------------------------
     files_path: ClassVar[str] = "files"
@@ -361,10 +415,19 @@ class Dialect:
         data["state"] = BatchState.parse(raw.get("status"), batch_id=batch_id)
         data["raw"] = dict(raw)
         try:
-            return Batch.model_validate(data)
+            batch = Batch.model_validate(data)
         except ValueError as exc:
             # pydantic's ValidationError is a ValueError; the validators raise only ValueError.
             raise BatchApiResponseError(f"cannot read batch {batch_id}: {exc}", body=dict(raw)) from None
+        return self.mark_quota_errors(batch)
+
+    def mark_quota_errors(self, batch: Batch) -> Batch:
+        """Mark the errors of a failed batch whose code says a quota refused it (``quota``)."""
+        if self.batch_quota_error_codes and batch.state is BatchState.FAILED:
+            for error in batch.errors:
+                if isinstance(error.code, str) and error.code.lower() in self.batch_quota_error_codes:
+                    error.quota = True
+        return batch
 
     def list_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"limit": limit or self.list_page_size}

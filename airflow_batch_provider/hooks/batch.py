@@ -210,8 +210,11 @@ class BatchApiHook(BaseHook):
 
     @property
     def dialect(self) -> Dialect:
-        """The dialect: the constructor's, else the connection's ``dialect`` extra, else openai."""
-        if self._dialect_override is not None:
+        """The dialect: the constructor's, else the connection's ``dialect`` extra, else openai.
+
+        Once the connection is read, the dialect as configured by it (``Dialect.configure``).
+        """
+        if self._dialect_override is not None and self._settings is None:
             return self._dialect_override
         return self.get_settings().dialect
 
@@ -238,11 +241,18 @@ class BatchApiHook(BaseHook):
         if self._client is not None:
             self._client.close()
             self._client = None
+        # A token auth's credential holds its own session (see ``Dialect.request_auth``).
+        closer = getattr(self._settings.auth, "close", None) if self._settings else None
+        if closer is not None:
+            closer()
 
     async def aclose(self) -> None:
         if self._aclient is not None:
             await self._aclient.aclose()
             self._aclient = None
+        closer = getattr(self._settings.auth, "aclose", None) if self._settings else None
+        if closer is not None:
+            await closer()
 
     def __enter__(self) -> BatchApiHook:
         return self
@@ -413,7 +423,7 @@ class BatchApiHook(BaseHook):
         :param source: a local path or an ``ObjectStoragePath``.
         :param filename: the name the vendor records; defaults to the source's name.
         """
-        dialect = self.dialect
+        dialect = self.get_settings().dialect
         call = calls.upload(dialect, calls.upload_body(source, filename, dialect))
         return self._uploaded(self._request(call), call)
 
@@ -992,14 +1002,19 @@ class BatchApiHook(BaseHook):
             try:
                 answer = self._json_object(self._request(call), call.action)
             except BatchApiError as exc:
-                ok, message = checks.report(target, checks.checks_for_error(exc), exc)
+                ok, message = checks.report(target, checks.checks_for_error(exc, dialect.api_path), exc)
                 return ok, redact(message, settings.secrets)
             parse_error: Exception | None = None
             try:
                 dialect.parse_list_page(answer, params)
             except Exception as exc:
                 parse_error = exc
-            keyed = "the key was accepted" if settings.api_key else "no key is set and none was asked for"
+            if settings.auth is not None:
+                keyed = "the token was accepted"
+            elif settings.api_key:
+                keyed = "the key was accepted"
+            else:
+                keyed = "no key is set and none was asked for"
             found = [
                 checks.Check("reachable", True, "HTTP 200"),
                 checks.Check("authenticated", True, keyed),

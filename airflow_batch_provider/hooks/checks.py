@@ -41,11 +41,17 @@ class Check:
         return f"{self.name}: {verdict}" + (f" ({self.detail})" if self.detail else "")
 
 
-def checks_for_error(exc: BatchApiError) -> list[Check]:
+def checks_for_error(exc: BatchApiError, api_path: str = "/v1") -> list[Check]:
     """The checks an error of the listing call settles: transport, then auth, then the dialect.
 
     The error's own text leads the message (see :func:`report`), so the details stay short.
+
+    :param exc: the listing call's error.
+    :param api_path: the dialect's API root path, named in the hint of a 404.
     """
+    if isinstance(exc, BatchApiAuthError) and exc.status_code is None:
+        # No token to send (the identity provider refused one): the API was never asked.
+        return [Check("reachable", None, ""), Check("authenticated", False, "no token"), _unchecked()]
     if isinstance(exc, (BatchApiConnectionError, BatchApiRedirectError)) or exc.status_code is None:
         return [Check("reachable", False, type(exc).__name__), Check("authenticated", None, ""), _unchecked()]
     status = exc.status_code
@@ -54,7 +60,9 @@ def checks_for_error(exc: BatchApiError) -> list[Check]:
         return [answered, Check("authenticated", False, f"HTTP {status}"), _unchecked()]
     if status in _REFUSED:
         # The API answered but not at this path or not in this form: a URL or dialect problem.
-        hint = "; check that the base URL ends with the API version (e.g. /v1)" if status == 404 else ""
+        hint = (
+            f"; check that the base URL ends with the API version (e.g. {api_path})" if status == 404 else ""
+        )
         return [answered, Check("authenticated", True, ""), Check("dialect", False, f"HTTP {status}{hint}")]
     # A rate limit, an empty quota or a server error says nothing about the dialect yet.
     return [answered, Check("authenticated", True, ""), _unchecked()]

@@ -103,6 +103,12 @@ CONN_FIELDS: dict[str, dict[str, Any]] = {
         "schema": {"type": ["boolean", "null"], "default": False},
     },
 }
+# The extras a single dialect reads (an API version, an auth mode...), declared by the dialect.
+for _cls in DIALECTS.values():
+    for _name, _spec in _cls.connection_fields.items():
+        CONN_FIELDS.setdefault(_name, dict(_spec))
+DIALECT_FIELDS = tuple(name for cls in DIALECTS.values() for name in cls.connection_fields)
+
 UI_FIELD_BEHAVIOUR: dict[str, Any] = {
     "hidden-fields": ["port", "login", "schema"],
     "relabeling": {"host": "Base URL", "password": "API key"},
@@ -128,7 +134,7 @@ def legacy_form_widgets() -> dict[str, Any]:
     from flask_appbuilder.fieldwidgets import BS3TextFieldWidget
     from wtforms import IntegerField, StringField
 
-    return {
+    widgets: dict[str, Any] = {
         "dialect": StringField("Dialect (" + " | ".join(DIALECT_NAMES) + ")", widget=BS3TextFieldWidget()),
         "organization": StringField("Organization", widget=BS3TextFieldWidget()),
         "project": StringField("Project", widget=BS3TextFieldWidget()),
@@ -136,3 +142,8 @@ def legacy_form_widgets() -> dict[str, Any]:
         "max_retries": IntegerField("Max retries", widget=BS3TextFieldWidget()),
         "console_url_template": StringField("Batch page URL template", widget=BS3TextFieldWidget()),
     }
+    for name in DIALECT_FIELDS:
+        spec = CONN_FIELDS[name]
+        kind = IntegerField if "integer" in spec["schema"]["type"] else StringField
+        widgets.setdefault(name, kind(spec["label"], widget=BS3TextFieldWidget()))
+    return widgets

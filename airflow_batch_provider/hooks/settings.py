@@ -27,7 +27,12 @@ SECRET_HEADER_WORDS = ("auth", "key", "token", "secret", "password", "cookie", "
 
 
 def normalize_base_url(
-    host: str | None, *, port: int | None = None, schema: str | None = None, default: str
+    host: str | None,
+    *,
+    port: int | None = None,
+    schema: str | None = None,
+    default: str,
+    api_path: str = "/v1",
 ) -> str:
     """The API root URL from a connection: scheme, host, port and a version path (``/v1`` if none).
 
@@ -35,6 +40,7 @@ def normalize_base_url(
     :param port: the connection port, used when the URL names none.
     :param schema: the connection schema, used as the path when the URL has none.
     :param default: the dialect's public URL, used when host is empty.
+    :param api_path: the path when neither the URL nor the schema names one (the dialect's).
     """
     text = (host or "").strip() or default
     if "://" not in text:
@@ -48,7 +54,7 @@ def normalize_base_url(
         netloc = f"{netloc}:{port}"
     path = parts.path.rstrip("/")
     if not path:
-        path = "/" + (schema.strip("/") if schema and schema.strip("/") else "v1")
+        path = "/" + (schema.strip("/") if schema and schema.strip("/") else api_path.strip("/"))
     return urlunsplit((parts.scheme, netloc, path, parts.query, ""))
 
 
@@ -89,6 +95,8 @@ class BatchApiSettings:
     :param max_download_bytes: the most decoded bytes of one downloaded or streamed file.
     :param allow_private_redirects: a file's redirect may reach private, link-local and
         instance-metadata addresses (see ``hooks.redirects``).
+    :param auth: signs each request when the dialect authenticates by a token fetched at run time
+        (None: ``auth_headers`` carry the key).
     """
 
     conn_id: str
@@ -101,6 +109,7 @@ class BatchApiSettings:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     max_download_bytes: int = DEFAULT_MAX_DOWNLOAD_BYTES
     allow_private_redirects: bool = False
+    auth: httpx.Auth | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # Settings built by hand too: the base URL shows in links, messages and this repr.
@@ -122,6 +131,8 @@ class BatchApiSettings:
         for name, value in self.headers.items():
             if value and any(word in name.lower() for word in SECRET_HEADER_WORDS):
                 found.append(value)
+        # A token fetched at run time is a secret too, for as long as it is the current one.
+        found.extend(getattr(self.auth, "secret_values", ()))
         return tuple(found)
 
     def client_headers(self) -> dict[str, str]:
@@ -140,7 +151,14 @@ class BatchApiSettings:
         return httpx.Timeout(self.timeout, connect=min(self.timeout, CONNECT_TIMEOUT))
 
     def client_kwargs(self) -> dict[str, Any]:
-        return {
+        kwargs: dict[str, Any] = {}
+        if self.auth is not None:
+            kwargs["auth"] = self.auth
+        # Constant query parameters (an API version) go on every call; httpx merges each
+        # call's own parameters into them.
+        if self.dialect.query_params:
+            kwargs["params"] = dict(self.dialect.query_params)
+        return kwargs | {
             "base_url": self.base_url + "/",
             "headers": self.client_headers(),
             "timeout": self.httpx_timeout(),
@@ -175,8 +193,12 @@ def settings_from_connection(
     # Older web servers saved form fields as "extra__<conn_type>__<field>"; accept both spellings.
     prefix = f"extra__{conn_type}__"
     extra = {str(k).removeprefix(prefix): v for k, v in raw_extra.items() if v not in (None, "")}
-    dialect = dialect or get_dialect(extra.get("dialect"))
-    dialect.check_connection(extra, conn_id)
+    dialect = (dialect or get_dialect(extra.get("dialect"))).configure(extra, conn_id)
+    if dialect.requires_host and not (conn.host or "").strip():
+        raise ConfigurationError(
+            f"connection {conn_id!r}: dialect {dialect.name!r} has no public URL; set the connection's "
+            f"host to the account's endpoint (like {dialect.default_base_url})"
+        )
     headers = extra.get("headers") or {}
     if isinstance(headers, str):
         try:
@@ -193,19 +215,27 @@ def settings_from_connection(
         retry = retry_policy or RetryPolicy.from_extra(extra, max_retries)
     except ValueError as exc:
         raise ConfigurationError(f"connection {conn_id!r}: {exc}") from None
+    base_url = normalize_base_url(
+        conn.host,
+        port=conn.port,
+        schema=conn.schema,
+        default=dialect.default_base_url,
+        api_path=dialect.api_path,
+    )
+    dialect.check_base_url(base_url, conn_id)
+    api_key = conn.password or extra.get("api_key") or None
     return BatchApiSettings(
         conn_id=conn_id,
-        base_url=normalize_base_url(
-            conn.host, port=conn.port, schema=conn.schema, default=dialect.default_base_url
-        ),
+        base_url=base_url,
         dialect=dialect,
-        api_key=conn.password or extra.get("api_key") or None,
+        api_key=api_key,
         extra=dict(extra),
         headers={str(k): str(v) for k, v in headers.items()},
         timeout=timeout_s,
         retry=retry,
         max_download_bytes=_positive_int(extra, "max_download_bytes", DEFAULT_MAX_DOWNLOAD_BYTES, conn_id),
         allow_private_redirects=_flag(extra, "allow_private_redirects", conn_id),
+        auth=dialect.request_auth(api_key, extra, base_url, conn_id),
     )
 
 

@@ -228,6 +228,7 @@ class SubmitBatchOperator(BaseOperator):
         self.cancel_on_timeout = cancel_on_timeout
         self.cancel_on_kill = cancel_on_kill
         self._batch_ids: list[str] = []
+        self._line_defaults: dict[str, Any] = {}
         # This try's XCom (with the outcome once waited), for lineage; None until it submitted.
         self.submission: dict[str, Any] | None = None
 
@@ -241,6 +242,8 @@ class SubmitBatchOperator(BaseOperator):
         hook = self.hook()
         dialect = hook.dialect
         dialect.check_completion_window(self.completion_window)
+        # Checked with each hand-made line as it will be sent (_unsupported).
+        self._line_defaults = self._defaults(hook)
         shards, state_dir, manifest_file = self._plan(dialect)
         identity = RunIdentity.from_context(context)
         # Chosen once per try; both stores keep the same intent -> batch id protocol.
@@ -729,6 +732,24 @@ class SubmitBatchOperator(BaseOperator):
         checked = self._validated(dialect, path, self.endpoint)
         return checked
 
+    def _unsupported(self, dialect: Dialect, obj: dict[str, Any], number: int) -> list[Problem]:
+        """What the vendor cannot express in a hand-made line, as it will be sent (with the
+        ``model`` override), as a problem naming the line; [] when nothing."""
+        line = obj
+        if isinstance(obj.get("body"), dict) and (self.model or self._line_defaults):
+            # As it will be sent: the request defaults fill what the line lacks, then the model.
+            body = {**self._line_defaults, **obj["body"]}
+            line = {**obj, "body": {**body, "model": self.model} if self.model else body}
+        reason = dialect.unsupported(line)
+        if reason is None:
+            return []
+        custom_id = obj.get("custom_id")
+        return [
+            Problem(
+                number, "unsupported", reason, custom_id=custom_id if isinstance(custom_id, str) else None
+            )
+        ]
+
     def _validated(self, dialect: Dialect, path: ObjectStoragePath, endpoint: str | None) -> ShardInput:
         """Validate a file with the dialect's rules while hashing it; a bad file fails naming its lines."""
         rules = dialect.validation_rules()
@@ -744,6 +765,8 @@ class SubmitBatchOperator(BaseOperator):
             stream = _HashingReader(raw_stream, digest)
             for raw in iter_raw_lines(stream, rules.limits.max_line_bytes):  # type: ignore[arg-type]
                 obj, found = validator.check_raw(raw)
+                if obj is not None and not found:
+                    found = self._unsupported(dialect, obj, raw.number)
                 if first_url is None and obj is not None and isinstance(obj.get("url"), str):
                     first_url = obj["url"]
                 count += len(found)

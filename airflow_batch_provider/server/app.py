@@ -50,6 +50,7 @@ class ServerState:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.wire: Wire = get_wire(config.dialect)
+        self.wire.bearer_token = config.bearer_token
         self.store = Store(config.data_dir, config.max_storage_bytes)
         self.faults = Faults(config.faults.model_copy())
         self.backend = make_backend(config)
@@ -68,6 +69,7 @@ async def _guard(request: Request) -> None:
     faults = st.faults
     faults.count("requests")
     st.wire.check_auth(request.headers, st.config.api_key)
+    st.wire.check_request(request.url.path, request.query_params)
     forced = request.headers.get(FAULT_HEADER, "").strip().lower()
     if forced and forced not in REQUEST_FAULTS and forced not in BATCH_FAULTS:
         raise st.wire.error(
@@ -134,12 +136,14 @@ def create_app(config: ServerConfig) -> FastAPI:
         )
         return ORJSON(err.body, status_code=err.status)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_guard)])
-    _files_routes(v1)
-    _batch_routes(v1)
-    _message_batch_routes(v1)
-    _inference_routes(v1)
-    app.include_router(v1)
+    # Each prefix the mode's vendor serves its API under (``/v1``; Azure: ``/openai/v1``, ``/openai``).
+    for prefix in get_wire(config.dialect).path_prefixes:
+        api = APIRouter(prefix=prefix, dependencies=[Depends(_guard)])
+        _files_routes(api)
+        _batch_routes(api)
+        _message_batch_routes(api)
+        _inference_routes(api)
+        app.include_router(api)
     app.include_router(_admin_router())
     ui.install(app)
 
@@ -374,6 +378,11 @@ def _files_routes(r: APIRouter) -> None:
             "filename": sink.filename,
             "purpose": purpose,
         }
+        try:
+            rec.update(wire.upload_fields(sink.fields))
+        except ApiError:
+            st.store.file_path(file_id).unlink(missing_ok=True)
+            raise
         st.store.add_file(rec)
         st.faults.count("files_uploaded")
         return wire.render_file(rec)
@@ -472,15 +481,20 @@ def _batch_routes(r: APIRouter) -> None:
                 param="input_file_id",
             )
         forced = request.state.fault
+        if forced == "token_limit":
+            st.faults.count("token_limit")
+            raise wire.token_limit_exceeded()
         cfg = st.faults.config
-        flags = {
-            "fail": forced == "fail_validation" or cfg.fail_validation,
+        flags: dict[str, Any] = {
+            "fail": forced in ("fail_validation", "token_limit_failed") or cfg.fail_validation,
             "expire": forced == "expire" or cfg.expire_batches,
             "stall": forced == "stall" or cfg.stall_batches,
         }
         for name, on in flags.items():
             if on:
                 st.faults.count(f"batch_{name}")
+        if forced == "token_limit_failed":
+            flags["fail_code"] = "token_limit_exceeded"
         rec = new_batch_record(
             st.store.new_id("batch_", wire.id_style),
             created,

@@ -35,6 +35,10 @@ ECHO_MAX_N = 128  # choices of one chat completion
 ECHO_MAX_OUTPUT_CHARS = 4_000_000  # characters of generated text in one answer (all choices)
 ECHO_MAX_SCHEMA_VALUES = 10_000  # JSON values (objects, array items, scalars) of one structured answer
 ECHO_MAX_INPUTS = 2_048  # items of a list input (embeddings, moderations, completion prompts)
+# A chat request whose last user message holds this text is answered with a 400 (code
+# ``echo_error``): a deterministic failed row, the same in every dialect mode, for demos and tests.
+ECHO_ERROR_MARK = "[[echo:error]]"
+ECHO_ERROR_CODE = "echo_error"
 ECHO_MAX_EMBEDDING_INPUTS = ECHO_MAX_INPUTS  # inputs of one embeddings request
 ECHO_MAX_EMBEDDING_VALUES = 524_288  # inputs x dimensions of one embeddings request
 # What one request may carry into the echo model (its "context"), checked on every endpoint before
@@ -176,6 +180,8 @@ class EchoBackend:
         try:
             check_request_size(body)
             return 200, handler(body, f"echo:{model or 'default'}")
+        except _AskedForError as exc:
+            return 400, error_body(str(exc), code=ECHO_ERROR_CODE)
         except _BadRequest as exc:
             return 400, error_body(str(exc), param=exc.param)
         except (ValueError, TypeError, AttributeError, KeyError, OverflowError, RecursionError) as exc:
@@ -197,6 +203,8 @@ class EchoBackend:
             prompt_parts.append(text)
             if message.get("role") == "user":
                 last_user = text
+        if ECHO_ERROR_MARK in last_user:
+            raise _AskedForError(f"the request asked the echo model for an error ({ECHO_ERROR_MARK})")
         prompt = " ".join(prompt_parts)
         n = body.get("n") or 1
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= ECHO_MAX_N:
@@ -361,6 +369,10 @@ class _BadRequest(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class _AskedForError(_BadRequest):
+    """The request carries ``ECHO_ERROR_MARK``: a failed line on purpose."""
 
 
 class _Budget:

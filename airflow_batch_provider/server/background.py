@@ -11,6 +11,7 @@ from typing import Any
 
 import uvicorn
 
+from airflow_batch_provider.dialects import get_dialect
 from airflow_batch_provider.server.app import create_app
 from airflow_batch_provider.server.config import ServerConfig
 
@@ -32,7 +33,11 @@ class BackgroundServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.config.host}:{self.port}/v1"
+        """The API root in the mode's first path style (``/v1``; Azure: ``/openai/v1``)."""
+        from airflow_batch_provider.server.wire import WIRES
+
+        prefix = WIRES[get_dialect(self.config.dialect).name].path_prefixes[0]
+        return f"http://{self.config.host}:{self.port}{prefix}"
 
     @property
     def root_url(self) -> str:

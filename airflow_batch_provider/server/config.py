@@ -13,7 +13,9 @@ from airflow_batch_provider.limits import Limits
 # Fault kinds a request can ask for with the X-Batch-Fault header.
 REQUEST_FAULTS = ("429", "500", "503", "slow", "drop", "quota")
 # Fault kinds that change a batch when sent on POST /v1/batches.
-BATCH_FAULTS = ("fail_validation", "expire", "stall")
+# "token_limit" refuses the create, "token_limit_failed" fails the new batch with that code (the two
+# ways Azure reports a full enqueued token quota).
+BATCH_FAULTS = ("fail_validation", "expire", "stall", "token_limit", "token_limit_failed")
 # Largest Retry-After (seconds) and slow-call delay an admin may set.
 MAX_RETRY_AFTER = 86_400.0
 MAX_SLOW_SECONDS = 600.0
@@ -71,6 +73,8 @@ class ServerConfig(BaseModel):
     :param backend: what answers each line: ``echo`` (offline, deterministic) or ``upstream``.
     :param dialect: vendor wire shape to speak (openai, doubleword, zerogpu, xai, mistral, anthropic).
     :param api_key: when set, every /v1 call must present it (in the dialect's auth header).
+    :param bearer_token: a token accepted as ``Authorization: Bearer`` beside the key, by modes
+        whose vendor also takes an identity provider's token (azure: Microsoft Entra ID).
     :param time_scale: real seconds per simulated second of the lifecycle.
     :param validate_seconds: simulated time a batch spends validating.
     :param finalize_seconds: simulated time a batch spends finalizing.
@@ -105,6 +109,7 @@ class ServerConfig(BaseModel):
     backend: Literal["echo", "upstream"] = "echo"
     dialect: str = "openai"
     api_key: str | None = None
+    bearer_token: str | None = None
     time_scale: float = Field(1.0, gt=0)
     validate_seconds: float = Field(2.0, ge=0)
     finalize_seconds: float = Field(2.0, ge=0)

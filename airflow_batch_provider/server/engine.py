@@ -31,6 +31,13 @@ from airflow_batch_provider.server.wire import Wire
 
 log = logging.getLogger(__name__)
 
+# Messages of injected batch failures with a vendor's code (the X-Batch-Fault "token_limit_failed").
+FAIL_MESSAGES = {
+    "token_limit_exceeded": "The number of enqueued tokens has surpassed the configured limit for "
+    "this deployment (fault injection). Please either increase the limit or try again once the "
+    "current jobs have finished.",
+}
+
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 _POLL = 0.05  # real seconds between checks of a stalled batch
 # Test hook: a process whose environment names a publishing step here dies (os._exit) right
@@ -332,17 +339,9 @@ class Engine:
             self._finish(rec, "cancelled")
             return
         if rec["flags"]["fail"]:
-            self._fail(
-                rec,
-                [
-                    {
-                        "code": "forced_failure",
-                        "line": None,
-                        "message": "validation failed (fault injection)",
-                        "param": None,
-                    }
-                ],
-            )
+            code = rec["flags"].get("fail_code") or "forced_failure"
+            message = FAIL_MESSAGES.get(code, "validation failed (fault injection)")
+            self._fail(rec, [{"code": code, "line": None, "message": message, "param": None}])
             return
         path = self.store.file_path(rec["input_file_id"])
         if not path.exists():

@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key-env", metavar="VAR", help="require the API key held in this environment variable"
     )
     parser.add_argument(
+        "--bearer-token-env",
+        metavar="VAR",
+        help="also accept this environment variable's token as 'Authorization: Bearer' "
+        "(dialect azure: stands in for a Microsoft Entra ID token)",
+    )
+    parser.add_argument(
         "--upstream", metavar="URL", help="OpenAI-compatible base URL (with /v1) for --backend upstream"
     )
     parser.add_argument(
@@ -90,6 +96,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
             raise SystemExit(f"--api-key-env {args.api_key_env}: the variable is not set or empty")
+    bearer_token = None
+    if getattr(args, "bearer_token_env", None):
+        bearer_token = os.environ.get(args.bearer_token_env)
+        if not bearer_token:
+            raise SystemExit(f"--bearer-token-env {args.bearer_token_env}: the variable is not set or empty")
     return ServerConfig(
         host=args.host,
         allowed_hosts=args.allowed_hosts,
@@ -98,6 +109,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         backend=args.backend,
         dialect=args.dialect,
         api_key=api_key,
+        bearer_token=bearer_token,
         time_scale=args.time_scale,
         validate_seconds=args.validate_seconds,
         finalize_seconds=args.finalize_seconds,
@@ -151,10 +163,18 @@ def run(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     config = config.model_copy(update={"port": port})
     key_note = f" (API key from ${args.api_key_env})" if args.api_key_env else ""
+    if getattr(args, "bearer_token_env", None):
+        key_note += f" (bearer token from ${args.bearer_token_env})"
+    # The API root in the mode's first path style; a vendor with more than one names the others.
+    from airflow_batch_provider.server.wire import get_wire
+
+    first, *others = get_wire(config.dialect).path_prefixes
+    also = f" (also under {', '.join(others)})" if others else ""
     # Bound to every interface, the server is reached by a name it serves (0.0.0.0 is none of them).
     shown = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host  # noqa: S104
     print(
-        f"Local batch server ({config.dialect} dialect, {config.backend} backend) at http://{shown}:{port}/v1{key_note}\n"
+        f"Local batch server ({config.dialect} dialect, {config.backend} backend) at "
+        f"http://{shown}:{port}{first}{also}{key_note}\n"
         f"  data: {config.data_dir.resolve()}  time scale: {config.time_scale:g}",
         flush=True,
     )

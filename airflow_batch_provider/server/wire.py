@@ -72,9 +72,29 @@ class Wire:
     batches_route = "batches"
     # Whether input lines are the vendor's own shape, read through ``canonical_line``.
     vendor_lines = False
+    # Where the API is mounted; each prefix serves the same files and batches.
+    path_prefixes: tuple[str, ...] = ("/v1",)
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
+        # A bearer token accepted beside the key, for vendors that take an identity provider's
+        # token (``ServerConfig.bearer_token``); None: only the key.
+        self.bearer_token: str | None = None
+
+    def check_request(self, path: str, query: Mapping[str, str]) -> None:
+        """What the vendor requires of a request's path and query (an API version); nothing here."""
+
+    def upload_fields(self, fields: Mapping[str, str]) -> dict[str, Any]:
+        """What an upload's form fields beside ``file`` and ``purpose`` add to the file record."""
+        return {}
+
+    def token_limit_exceeded(self) -> ApiError:
+        """A create refused because the deployment's enqueued token quota is full."""
+        return self.error(
+            400,
+            "This mode's vendor has no enqueued token limit; the token_limit fault needs --dialect azure.",
+            code="unsupported_fault",
+        )
 
     # ---- errors and auth ----------------------------------------------------------
     def error(
@@ -747,6 +767,121 @@ class MistralWire(Wire):
         return tail == "cancel"
 
 
+class AzureWire(Wire):
+    """Azure OpenAI: OpenAI's shapes under ``/openai/v1`` (no version) and ``/openai`` (with
+    ``api-version`` on every call), the key in ``api-key`` or an Entra ID bearer token, Azure's
+    401 body, file expiry (``expires_after``, 14 to 30 days) and ``token_limit_exceeded``."""
+
+    name = "azure"
+    path_prefixes = ("/openai/v1", "/openai")
+    MIN_EXPIRY = 14 * 24 * 3600
+    MAX_EXPIRY = 30 * 24 * 3600
+
+    def presented_key(self, headers: Mapping[str, str]) -> str | None:
+        return (headers.get("api-key") or "").strip() or None
+
+    def check_auth(self, headers: Mapping[str, str], api_key: str | None) -> None:
+        if api_key is None and self.bearer_token is None:
+            return
+        key = self.presented_key(headers)
+        bearer = super().presented_key(headers)
+        # The key in api-key (the AzureOpenAI client), or as a bearer (the OpenAI client on the
+        # v1 path); else a bearer equal to the stand-in Entra ID token.
+        accepted = (
+            (key is not None and api_key is not None and hmac.compare_digest(key.encode(), api_key.encode()))
+            or (
+                bearer is not None
+                and api_key is not None
+                and hmac.compare_digest(bearer.encode(), api_key.encode())
+            )
+            or (
+                bearer is not None
+                and self.bearer_token is not None
+                and hmac.compare_digest(bearer.encode(), self.bearer_token.encode())
+            )
+        )
+        if not accepted:
+            # Azure answers a missing, wrong or expired credential alike, never echoing it.
+            raise self.error(401, "")
+
+    def error(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> ApiError:
+        if status == 401:
+            body = {
+                "error": {
+                    "code": "401",
+                    "message": "Access denied due to invalid subscription key or wrong API endpoint. "
+                    "Make sure to provide a valid key for an active subscription and use a correct "
+                    "regional API endpoint for your resource.",
+                }
+            }
+            return ApiError(status, body, headers)
+        return super().error(status, message, type_=type_, code=code, param=param, headers=headers, **extra)
+
+    def check_request(self, path: str, query: Mapping[str, str]) -> None:
+        # The classic API names its version on every call; the v1 API takes none.
+        if not path.startswith("/openai/v1/") and not (query.get("api-version") or "").strip():
+            raise self.error(
+                400, "Missing required query parameter 'api-version'.", code="BadRequest", type_="BadRequest"
+            )
+
+    def upload_fields(self, fields: Mapping[str, str]) -> dict[str, Any]:
+        anchor = fields.get("expires_after[anchor]")
+        seconds = fields.get("expires_after[seconds]")
+        if anchor is None and seconds is None:
+            return {}
+        return {"expires_after_seconds": self._expiry("expires_after", anchor, seconds)}
+
+    def _expiry(self, name: str, anchor: Any, seconds: Any) -> int:
+        """The seconds of an ``expires_after``-shaped value, checked as Azure does (14 to 30 days)."""
+        if anchor != "created_at":
+            raise self.error(400, f"{name}.anchor must be 'created_at'.", param=f"{name}.anchor")
+        if isinstance(seconds, str) and seconds.strip().isdigit():
+            seconds = int(seconds)
+        if not isinstance(seconds, int) or isinstance(seconds, bool):
+            raise self.error(400, f"{name}.seconds must be an integer.", param=f"{name}.seconds")
+        if not self.MIN_EXPIRY <= seconds <= self.MAX_EXPIRY:
+            raise self.error(
+                400,
+                f"{name}.seconds must be between {self.MIN_EXPIRY} and {self.MAX_EXPIRY}.",
+                param=f"{name}.seconds",
+            )
+        return seconds
+
+    def parse_create(self, body: Any) -> dict[str, Any]:
+        created = super().parse_create(body)
+        output = body.get("output_expires_after")
+        if output is not None:
+            if not isinstance(output, Mapping):
+                raise self.error(400, "output_expires_after must be an object.", param="output_expires_after")
+            self._expiry("output_expires_after", output.get("anchor"), output.get("seconds"))
+        return created
+
+    def render_file(self, rec: Mapping[str, Any]) -> dict[str, Any]:
+        out = super().render_file(rec)
+        seconds = rec.get("expires_after_seconds")
+        if isinstance(seconds, int):
+            out["expires_at"] = _ts(rec["created_at"] + seconds)
+        return out
+
+    def token_limit_exceeded(self) -> ApiError:
+        return self.error(
+            400,
+            "The number of enqueued tokens has surpassed the configured limit for this deployment. "
+            "Please either increase the limit or try again once the current jobs have finished.",
+            code="token_limit_exceeded",
+        )
+
+
 class AnthropicWire(Wire):
     """Anthropic Message Batches: ``/v1/messages/batches`` with the requests inline in the create,
     ``x-api-key`` + ``anthropic-version``, ``processing_status`` and five request counts, a
@@ -1029,7 +1164,8 @@ def _blocks_text(content: Any) -> str:
 
 
 WIRES: dict[str, type[Wire]] = {
-    cls.name: cls for cls in (Wire, DoublewordWire, ZeroGPUWire, XAIWire, MistralWire, AnthropicWire)
+    cls.name: cls
+    for cls in (Wire, DoublewordWire, ZeroGPUWire, XAIWire, MistralWire, AzureWire, AnthropicWire)
 }
 
 

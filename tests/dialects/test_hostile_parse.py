@@ -16,7 +16,7 @@ import pytest
 from airflow_batch_provider.dialects import DIALECTS, get_dialect
 from airflow_batch_provider.exceptions import BatchApiResponseError, UnknownBatchStatusError
 
-OPENAI_SHAPED = ("openai", "doubleword", "zerogpu")
+OPENAI_SHAPED = ("openai", "doubleword", "zerogpu", "azure")
 # Every registered dialect: a new one must say here how its items look (test_every_dialect_is_covered).
 ALL = tuple(sorted(DIALECTS))
 

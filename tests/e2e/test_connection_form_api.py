@@ -70,6 +70,8 @@ def test_hook_meta_carries_the_fields_and_per_dialect_hints(cluster: AirflowClus
     dialect = extra["dialect"]
     # Every registered dialect is offered, each with its default base URL in the hint.
     assert dialect["schema"]["enum"] == sorted(DIALECTS)
+    # Fields a single dialect reads come from that dialect (Azure's API version, auth, expiry).
+    assert set(extra) >= {"api_version", "auth", "tenant_id", "client_id", "file_expiry_seconds"}
     hint = dialect["description"]
     for cls in DIALECTS.values():
         assert cls.default_base_url in hint

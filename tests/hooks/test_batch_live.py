@@ -22,7 +22,7 @@ from airflow_batch_provider.hooks.create import made_from
 from airflow_batch_provider.hooks.retry import RetryPolicy
 from airflow_batch_provider.models import Batch, BatchState
 
-DIALECTS = ["openai", "doubleword", "zerogpu", "xai"]
+DIALECTS = ["openai", "doubleword", "zerogpu", "xai", "azure"]
 KEY = "sk-live-secret-0987654321"
 ENDPOINT = "/v1/chat/completions"
 FAST = RetryPolicy(max_retries=4, backoff_initial=0.005, backoff_max=0.02, retry_after_max=0.05)
@@ -189,7 +189,7 @@ def test_429_forever_exhausts_retries(live) -> None:
     assert server.stats()["counters"]["status_429"] == FAST.max_retries + 1
 
 
-@pytest.mark.parametrize("dialect", ["openai", "doubleword", "zerogpu"])
+@pytest.mark.parametrize("dialect", ["openai", "doubleword", "zerogpu", "azure"])
 def test_download_survives_dropped_connections(live, tmp_path: Path, dialect: str) -> None:
     server, hook = live(dialect)
     ids = write_input(tmp_path / "in.jsonl", n=200)

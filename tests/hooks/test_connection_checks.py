@@ -11,7 +11,7 @@ import pytest
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from tests.fixtures.hook import FAST
 
-DIALECTS = ["openai", "doubleword", "zerogpu", "xai", "mistral", "anthropic"]
+DIALECTS = ["openai", "doubleword", "zerogpu", "xai", "mistral", "anthropic", "azure"]
 KEY = "sk-checks-secret-4242"
 
 
@@ -132,6 +132,15 @@ def test_a_wrong_key_at_anthropic_fails_authenticated_and_never_shows_a_key(
     ok, message = _hook(monkeypatch, server.connection_json(api_key=wrong)).test_connection()
     assert not ok
     assert message.startswith("BatchApiAuthError: ") and "invalid x-api-key" in message
+
+
+def test_a_wrong_key_at_azure_fails_authenticated_and_never_shows_a_key(batch_server, monkeypatch) -> None:
+    # Azure refuses a wrong api-key with its own 401 body ({"error": {"code": "401", ...}}).
+    server = batch_server(dialect="azure", api_key=KEY)
+    wrong = "azure-wrong-99999"
+    ok, message = _hook(monkeypatch, server.connection_json(api_key=wrong)).test_connection()
+    assert not ok
+    assert message.startswith("BatchApiAuthError: ") and "Access denied" in message
     assert "reachable: yes (HTTP 401)" in message and "authenticated: NO (HTTP 401)" in message
     assert wrong not in message and KEY not in message
 
@@ -150,3 +159,54 @@ def test_anthropic_and_openai_paths_are_told_apart(
     assert f"reachable: yes (HTTP {status})" in message and f"dialect: NO (HTTP {status}" in message
     if spoken == "anthropic":
         assert "anthropic-version: header is required" in message
+
+
+@pytest.mark.parametrize("api_version", [None, "2024-10-21"])
+def test_an_azure_connection_at_an_openai_server_is_told_apart(
+    batch_server, monkeypatch, api_version
+) -> None:
+    # Azure's /openai/... paths are not OpenAI's /v1: a 404 whose hint names Azure's API root.
+    server = batch_server(dialect="openai")
+    extra = {"dialect": "azure", **({"api_version": api_version} if api_version else {})}
+    connection = _with(server.connection_json(), host=server.root_url, extra=extra)
+    ok, message = _hook(monkeypatch, connection).test_connection()
+    assert not ok
+    root = "/openai" if api_version else "/openai/v1"
+    assert "reachable: yes (HTTP 404)" in message
+    assert (
+        f"dialect: NO (HTTP 404; check that the base URL ends with the API version (e.g. {root})" in message
+    )
+
+
+def test_an_azure_entra_token_is_checked(batch_server, monkeypatch) -> None:
+    import time
+
+    from azure.core.credentials import AccessToken
+
+    import airflow_batch_provider.dialects.azure as azure_module
+
+    token = "entra-check-token-31337"
+    server = batch_server(dialect="azure", api_key=KEY, bearer_token=token)
+
+    class Credential:
+        def __init__(self, value: str | None) -> None:
+            self.value = value
+
+        def get_token(self, *scopes: str, **kwargs: object) -> AccessToken:
+            if self.value is None:
+                raise RuntimeError("AADSTS700016: application not found in the directory")
+            return AccessToken(self.value, int(time.time()) + 3600)
+
+    connection = _with(server.connection_json(), password=None, extra={"auth": "entra"})
+    monkeypatch.setattr(azure_module, "make_credential", lambda *a, **k: Credential(token))
+    ok, message = _hook(monkeypatch, connection).test_connection()
+    assert ok, message
+    assert "authenticated: yes (the token was accepted)" in message and token not in message
+    # A token the API refuses, and no token at all (the identity provider said no).
+    monkeypatch.setattr(azure_module, "make_credential", lambda *a, **k: Credential("not-the-token"))
+    ok, message = _hook(monkeypatch, connection).test_connection()
+    assert not ok and "authenticated: NO (HTTP 401)" in message and "not-the-token" not in message
+    monkeypatch.setattr(azure_module, "make_credential", lambda *a, **k: Credential(None))
+    ok, message = _hook(monkeypatch, connection).test_connection()
+    assert not ok and message.startswith("BatchApiAuthError: Microsoft Entra ID refused a token")
+    assert "reachable: not checked | authenticated: NO (no token)" in message

@@ -30,7 +30,7 @@ from airflow_batch_provider.staging import write_manifest
 from airflow_batch_provider.submission import KEY_NAME, RunIdentity, StateStore, SubmitState, batch_metadata
 from tests.fixtures.airflow import write_batch_jsonl
 
-DIALECTS = ["openai", "doubleword", "zerogpu", "xai", "mistral", "anthropic"]
+DIALECTS = ["openai", "doubleword", "zerogpu", "xai", "mistral", "anthropic", "azure"]
 FAST = {"poll_interval": 0.05, "max_poll_interval": 0.2}
 
 
@@ -558,3 +558,23 @@ def test_submit_and_wait_deferrable_under_airflow_dags_test(
     assert len(batches) == 1 and batches[0].state.value == "completed"
     # The resumed task found its submission again (passed through the deferral's kwargs).
     assert len(list((tmp_path / "submit-state").glob("*.json"))) == 1
+
+
+async def test_a_hand_made_line_the_vendor_cannot_express_fails_before_any_upload(
+    server_for: Any, task_context: Any, tmp_path: Path
+) -> None:
+    # Azure runs each line on body.model's deployment: a hand-made line without one is refused
+    # by name at submit, for a dialect that uploads the file as it is (no encoding pass) too.
+    server = server_for("azure")
+    source = write_batch_jsonl(tmp_path / "in.jsonl", 3)
+    lines = source.read_bytes().splitlines()
+    second = orjson.loads(lines[1])
+    del second["body"]["model"]
+    source.write_bytes(b"\n".join([lines[0], orjson.dumps(second), lines[2]]) + b"\n")
+    op = SubmitBatchOperator(task_id="submit", source=str(source), wait_for_completion=False)
+    with pytest.raises(JsonlValidationError, match=r"line 2: Azure OpenAI needs body.model.*\[unsupported\]"):
+        op.execute(task_context())
+    assert server.stats()["counters"].get("files_uploaded", 0) == 0
+    # With a model override every line names the deployment: the same file goes.
+    op = SubmitBatchOperator(task_id="submit", source=str(source), wait_for_completion=False, model="echo-1")
+    assert op.execute(task_context())["batch_ids"]

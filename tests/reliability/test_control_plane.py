@@ -29,7 +29,7 @@ def fault_counts(stats: dict[str, Any]) -> dict[str, int]:
     }
 
 
-@pytest.mark.parametrize("dialect", ["openai", "doubleword", "zerogpu", "xai", "mistral"])
+@pytest.mark.parametrize("dialect", ["openai", "doubleword", "zerogpu", "xai", "mistral", "azure"])
 async def test_pipeline_survives_control_plane_faults(
     batch_server: Any,
     pipeline: Pipeline,

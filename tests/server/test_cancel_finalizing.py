@@ -8,7 +8,7 @@ import pytest
 from tests.server.helpers import chat_line, create, jsonl, read_lines, upload, wait_for
 
 
-@pytest.mark.parametrize("dialect", ["openai", "doubleword"])
+@pytest.mark.parametrize("dialect", ["openai", "doubleword", "azure"])
 def test_cancel_while_finalizing_answers_the_real_outcome(batch_server, dialect):
     # Finalizing lasts 3 real seconds: long enough to cancel inside it.
     server = batch_server(dialect=dialect, finalize_seconds=3000)

@@ -254,7 +254,7 @@ def test_xai_list_pages_with_pagination_token(batch_server):
     assert seen == ids[::-1]
 
 
-@pytest.mark.parametrize("dialect", ["openai", "doubleword", "zerogpu", "xai"])
+@pytest.mark.parametrize("dialect", ["openai", "doubleword", "zerogpu", "xai", "azure"])
 def test_client_dialect_reads_every_batch_state_it_sees(batch_server, dialect):
     server = batch_server(dialect=dialect)
     client_dialect = get_dialect(dialect)
@@ -382,7 +382,7 @@ def test_zerogpu_cancel_of_a_finished_batch_answers_409(batch_server):
     assert refused.status_code == 409
 
 
-@pytest.mark.parametrize("dialect", ["openai", "doubleword", "zerogpu", "xai"])
+@pytest.mark.parametrize("dialect", ["openai", "doubleword", "zerogpu", "xai", "azure"])
 def test_quota_fault_answers_insufficient_quota(batch_server, dialect):
     server = batch_server(dialect=dialect)
     with _client(server, **{"X-Batch-Fault": "quota"}) as client:

@@ -9,7 +9,7 @@ import httpx
 import orjson
 import pytest
 
-from airflow_batch_provider.server.backends import EchoBackend, embed, schema_value
+from airflow_batch_provider.server.backends import ECHO_ERROR_MARK, EchoBackend, embed, schema_value
 
 echo = EchoBackend(embedding_dim=12)
 
@@ -148,3 +148,24 @@ def test_sync_endpoints_on_the_server(batch_server):
     assert len(emb.json()["data"][0]["embedding"]) == 5
     assert streamed.status_code == 400
     assert not_json.status_code == 400
+
+
+def test_the_error_mark_fails_the_request_on_purpose():
+    # A deterministic failed row for demos and tests: only the last user message counts.
+    backend = EchoBackend()
+    status, body = backend.answer(
+        "/v1/chat/completions",
+        {"model": "m", "messages": [{"role": "user", "content": f"x {ECHO_ERROR_MARK}"}]},
+    )
+    assert status == 400 and body["error"]["code"] == "echo_error"
+    status, _ = backend.answer(
+        "/v1/chat/completions",
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": ECHO_ERROR_MARK},
+                {"role": "user", "content": "a plain question"},
+            ],
+        },
+    )
+    assert status == 200

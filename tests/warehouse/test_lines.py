@@ -403,7 +403,7 @@ def parsing_warehouse(request: pytest.FixtureRequest) -> Any:
     return request.getfixturevalue(f"{'pg' if request.param == 'postgres' else 'duckdb'}_warehouse")
 
 
-@pytest.mark.parametrize("dialect", ["openai", "doubleword", "zerogpu"])
+@pytest.mark.parametrize("dialect", ["openai", "doubleword", "zerogpu", "azure"])
 @pytest.mark.parametrize("with_bad_json", [False, True], ids=["json", "a line not json"])
 def test_the_database_writes_the_rows_of_the_python_path(
     parsing_warehouse: Any, dialect: str, with_bad_json: bool
