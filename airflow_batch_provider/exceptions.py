@@ -142,6 +142,11 @@ class StaleSubmissionStateError(BatchProviderError):
     """A shard changed since an earlier try submitted it and the policy is to fail."""
 
 
+class AmbiguousOrphanError(BatchProviderError):
+    """After a crash between create and recording the id, several batches could be the lost
+    one and the vendor's batches carry no tag that tells them apart: nothing is guessed."""
+
+
 class BatchFailedError(BatchProviderError):
     """A batch ended failed, expired, cancelled, timed out, or polling gave up."""
 

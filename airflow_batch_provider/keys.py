@@ -1,7 +1,8 @@
 """custom_id from a row's key columns, and the way back from staged key values to typed Python.
 
 A custom_id must be stable across runs (the same key always gives the same id, in any
-process), at most 64 characters (the strictest vendor limit) and distinct for distinct keys.
+process), at most 64 characters of ``[a-zA-Z0-9_-]`` (the strictest rule of any vendor)
+and distinct for distinct keys.
 A single integer key, or a single short string key made of safe characters, is used as is so
 ids stay readable in vendor consoles; everything else is hashed. Hashed ids start with
 ``HASH_PREFIX`` and a readable id never does, so the two forms cannot collide. The way back
@@ -35,7 +36,9 @@ HASH_PREFIX = "k-"
 _HASH_CHARS = 26
 MAX_PREFIX = MAX_CUSTOM_ID - len(HASH_PREFIX) - _HASH_CHARS
 
-_SAFE = re.compile(r"[A-Za-z0-9_.:-]+")
+# Characters every vendor takes in a custom_id: the strictest rule is ^[a-zA-Z0-9_-]{1,64}$, so a
+# readable id (and a prefix) uses nothing else; hashed ids are base32 after "k-".
+_SAFE = re.compile(r"[A-Za-z0-9_-]+")
 _INTEGER_TEXT = re.compile(r"-?[0-9]+")
 
 KEY_TYPES = ("integer", "float", "text", "boolean", "date", "timestamp", "json")
@@ -45,7 +48,10 @@ _DUPLICATES_SHOWN = 10
 def check_prefix(prefix: str) -> str:
     """Return ``prefix`` if it can start a custom_id, else raise ``ValueError`` saying why."""
     if prefix and not _SAFE.fullmatch(prefix):
-        raise ValueError(f"custom_id prefix {prefix!r} may only use letters, digits and _ . : -")
+        raise ValueError(
+            f"custom_id prefix {prefix!r} may only use letters, digits, _ and - "
+            "(the characters every vendor accepts in a custom_id)"
+        )
     if len(prefix) > MAX_PREFIX:
         raise ValueError(f"custom_id prefix {prefix!r} is longer than {MAX_PREFIX} characters")
     return prefix
@@ -112,7 +118,7 @@ def custom_id_for(values: Sequence[Any], prefix: str = "") -> str:
     """The custom_id of a row with key ``values``: stable, at most 64 characters, distinct per key.
 
     :param values: the row's key column values, in key column order.
-    :param prefix: optional text put in front (letters, digits, ``_.:-``; at most ``MAX_PREFIX``).
+    :param prefix: optional text put in front (letters, digits, ``_-``; at most ``MAX_PREFIX``).
     """
     if len(values) == 1:
         value = values[0]

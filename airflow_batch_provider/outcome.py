@@ -94,9 +94,12 @@ def progress_line(batches: Sequence[Batch], elapsed_seconds: float | None = None
     state_text = ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
     done = counts.completed + counts.failed
     percent = 100.0 * done / counts.total if counts.total else 0.0
+    # Lines neither answered nor failed yet; a vendor that counts only at the end (every line
+    # "processing" until then) shows them all here rather than a bare 0%.
+    processing = f"{counts.pending} processing, " if counts.pending else ""
     text = (
         f"{len(batches)} batch(es): {state_text}; lines {counts.completed} completed, "
-        f"{counts.failed} failed, {counts.total} total ({percent:.1f}%)"
+        f"{counts.failed} failed, {processing}{counts.total} total ({percent:.1f}%)"
     )
     if elapsed_seconds is not None:
         text += f"; elapsed {_duration(elapsed_seconds)}"

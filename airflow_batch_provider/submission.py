@@ -83,11 +83,16 @@ class RunIdentity:
         return f"abp-{digest}-s{shard:05d}"
 
 
-def effective_fingerprint(fingerprint: str, model: str | None) -> str:
-    """The shard fingerprint, changed by a model override (a new model is new work)."""
-    if not model:
+def effective_fingerprint(
+    fingerprint: str, model: str | None, defaults: Mapping[str, Any] | None = None
+) -> str:
+    """The shard fingerprint, changed by a model override or request defaults (new work)."""
+    if not model and not defaults:
         return fingerprint
-    return hashlib.sha256(f"{fingerprint}\x00model={model}".encode()).hexdigest()
+    text = f"{fingerprint}\x00model={model}" if model else fingerprint
+    if defaults:
+        text += "\x00defaults=" + orjson.dumps(dict(defaults), option=orjson.OPT_SORT_KEYS).decode()
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def batch_metadata(
@@ -153,6 +158,9 @@ class SubmitState(BaseModel):
     input_file_id: str | None = None
     # The model the create call names, for a dialect that puts it on the job (from the shard).
     model: str | None = None
+    # How many requests an "inline" create carries: with ``intent_at``, how the batch of a
+    # create lost in a crash is recognised at a vendor whose batches carry no tags.
+    requests: int | None = None
     batch_id: str | None = None
     intent_at: datetime | None = None
     created_at: datetime | None = None

@@ -9,8 +9,8 @@ is, with no model override, gets no pass at all (:func:`needs_pass`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import IO, TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
@@ -25,13 +25,20 @@ if TYPE_CHECKING:
 _MAX_LINE = 1 << 30
 
 
-def needs_pass(dialect: Dialect, model: str | None) -> bool:
+def needs_pass(dialect: Dialect, model: str | None, defaults: Mapping[str, Any] | None = None) -> bool:
     """Whether a shard must be read line by line before upload (else it is uploaded as it is).
 
     :param dialect: the connection's dialect.
     :param model: a model override for every line (the submit operator's ``model``), or None.
+    :param defaults: body fields given to every line that lacks them, or None.
     """
-    return bool(model) or dialect.encodes_lines or dialect.model_placement == "job"
+    return (
+        bool(model)
+        or bool(defaults)
+        or dialect.encodes_lines
+        or dialect.model_placement == "job"
+        or dialect.submission_mode == "inline"
+    )
 
 
 class ShardEncoder:
@@ -45,13 +52,25 @@ class ShardEncoder:
     :param dialect: the connection's dialect.
     :param where: the shard's path, for messages.
     :param model: replace ``body.model`` on every line (None: keep each line's).
+    :param defaults: body fields set on every line that lacks them (``max_tokens`` for a vendor
+        that requires it), before the line is checked.
     """
 
-    def __init__(self, dialect: Dialect, *, where: str, model: str | None = None) -> None:
+    def __init__(
+        self,
+        dialect: Dialect,
+        *,
+        where: str,
+        model: str | None = None,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> None:
         self.dialect = dialect
         self.where = where
         self.model = model
+        self.defaults = dict(defaults or {})
         self.job_model: str | None = None
+        # Lines given so far.
+        self.count = 0
         self._job_line = 0
 
     def lines(self, stream: IO[bytes]) -> Iterator[bytes]:
@@ -70,6 +89,8 @@ class ShardEncoder:
             body = obj.get("body") if isinstance(obj, dict) else None
             if not isinstance(body, dict):
                 raise self._error(number, "no body object")
+            for key, value in self.defaults.items():
+                body.setdefault(key, value)
             if self.model:
                 body["model"] = self.model
             if job:
@@ -79,8 +100,10 @@ class ShardEncoder:
                 if reason is not None:
                     raise self._error(number, reason)
                 encoded = dialect.encode_line(obj)
+                self.count += 1
                 yield (encoded if isinstance(encoded, bytes) else dumps_line(encoded)) + b"\n"
             else:
+                self.count += 1
                 yield dumps_line(obj) + b"\n"
         if job and self.job_model is None:
             raise JsonlValidationError(
@@ -110,3 +133,36 @@ class ShardEncoder:
 
     def _error(self, number: int, message: str) -> JsonlValidationError:
         return JsonlValidationError(f"{self.where} line {number}: {message}")
+
+
+def write_inline_body(
+    encoder: ShardEncoder, source: IO[bytes], out: IO[bytes], fields: Mapping[str, Any]
+) -> tuple[int, int]:
+    """Write the create body of an "inline" dialect: ``fields`` plus the encoded lines as a JSON
+    array under ``dialect.inline_requests_key``, streamed one line at a time (never one object
+    of every request in memory). Past the dialect's request or byte limit it fails naming both,
+    before anything is sent.
+
+    :param encoder: encodes the shard's lines.
+    :param source: the canonical shard.
+    :param out: where the body goes (a local temp file, sent with an exact length).
+    :return: (body bytes, requests).
+    """
+    dialect = encoder.dialect
+    limits = dialect.limits
+    key = orjson.dumps(dialect.inline_requests_key)
+    head = orjson.dumps(dict(fields))[:-1] + (b"," if fields else b"") + key + b":["
+    out.write(head)
+    size = len(head)
+    for line in encoder.lines(source):
+        piece = (b"," if encoder.count > 1 else b"") + line.rstrip(b"\n")
+        out.write(piece)
+        size += len(piece)
+        if encoder.count > limits.max_lines or size + 2 > limits.max_file_bytes:
+            raise JsonlValidationError(
+                f"{encoder.where}: more than {limits.max_lines:,} requests or {limits.max_file_bytes:,} "
+                f"bytes, dialect {dialect.name!r}'s limit for one batch; build it again (shards are cut "
+                "at the dialect's limits) or lower max_lines / max_file_bytes"
+            )
+    out.write(b"]}")
+    return size + 2, encoder.count

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 import subprocess
 import sys
 from decimal import Decimal
@@ -22,8 +23,39 @@ from airflow_batch_provider.keys import (
 def test_short_safe_single_keys_stay_readable() -> None:
     assert custom_id_for([42]) == "42"
     assert custom_id_for([-7]) == "-7"
-    assert custom_id_for(["ticket-001.a:b_c"]) == "ticket-001.a:b_c"
+    assert custom_id_for(["ticket-001_b"]) == "ticket-001_b"
     assert custom_id_for([42], prefix="run1-") == "run1-42"
+
+
+# Anthropic's rule, the strictest of every vendor's.
+EVERY_VENDOR = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        ["ticket-001.a:b_c"],  # '.' and ':' are not Anthropic's: the key is hashed, not kept
+        ["a.b"],
+        ["x:y"],
+        ["has space"],
+        [-(10**40)],
+        [dt.date(2024, 2, 3)],
+        ["ünï"],
+        [7, "x.y"],
+        ["x" * 64],
+    ],
+)
+def test_every_custom_id_is_one_every_vendor_accepts(values: list[object]) -> None:
+    assert EVERY_VENDOR.fullmatch(custom_id_for(values)), custom_id_for(values)
+    assert EVERY_VENDOR.fullmatch(custom_id_for(values, prefix="run_7-")), custom_id_for(
+        values, prefix="run_7-"
+    )
+
+
+@pytest.mark.parametrize("prefix", ["run.1-", "a:b", "x y"])
+def test_a_prefix_every_vendor_would_not_accept_is_refused(prefix: str) -> None:
+    with pytest.raises(ValueError, match="may only use letters, digits, _ and -"):
+        check_prefix(prefix)
 
 
 @pytest.mark.parametrize(

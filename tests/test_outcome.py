@@ -120,7 +120,8 @@ def test_event_round_trip_and_validation() -> None:
 def test_progress_line() -> None:
     text = progress_line([batch("b1", "in_progress", completed=5), batch("b2", "validating")], 75)
     assert text == (
-        "2 batch(es): 1 in_progress, 1 validating; lines 5 completed, 0 failed, 20 total (25.0%);"
+        "2 batch(es): 1 in_progress, 1 validating; lines 5 completed, 0 failed, 15 processing, 20 total"
+        " (25.0%);"
         " elapsed 1m15s"
     )
 

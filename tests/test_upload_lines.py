@@ -179,3 +179,85 @@ def test_create_of_a_job_model_dialect_without_a_model_is_refused(
     hook = BatchApiHook(dialect=JobModelDialect.name)
     with pytest.raises(ConfigurationError, match="takes the model on the batch"):
         hook.create_batch(input_file_id="file-1", endpoint="/v1/chat/completions")
+
+
+# ---- inline submission: the create body streamed from the encoded shard -----------------------
+
+
+class TinyInlineDialect(dialects.AnthropicDialect):
+    """Anthropic's inline create with limits small enough to pass in a test."""
+
+    name = "tiny-inline-test"
+    limits = dialects.Limits(max_lines=3, max_file_bytes=2000, max_line_bytes=2000)
+
+
+def chat_lines(count: int, text: str = "hi") -> bytes:
+    return b"".join(
+        orjson.dumps(
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": [{"role": "user", "content": f"{text} {i}"}]},
+            }
+        )
+        + b"\n"
+        for i in range(count)
+    )
+
+
+def test_inline_body_is_the_encoded_requests_as_one_json_object() -> None:
+    from airflow_batch_provider.upload_lines import write_inline_body
+
+    dialect = get_dialect("anthropic")
+    out = io.BytesIO()
+    encoder = ShardEncoder(dialect, where="shard", defaults={"max_tokens": 9})
+    size, count = write_inline_body(encoder, io.BytesIO(chat_lines(3)), out, {})
+    body = orjson.loads(out.getvalue())
+    assert (size, count) == (len(out.getvalue()), 3)
+    assert list(body) == ["requests"]
+    assert [r["custom_id"] for r in body["requests"]] == ["r0", "r1", "r2"]
+    assert body["requests"][1]["params"] == {
+        "model": "m",
+        "max_tokens": 9,
+        "messages": [{"role": "user", "content": "hi 1"}],
+    }
+    # Other create fields a dialect names go before the requests.
+    out = io.BytesIO()
+    write_inline_body(
+        ShardEncoder(dialect, where="s", defaults={"max_tokens": 9}), io.BytesIO(chat_lines(1)), out, {"a": 1}
+    )
+    assert list(orjson.loads(out.getvalue())) == ["a", "requests"]
+
+
+@pytest.mark.parametrize(("lines", "text", "what"), [(4, "hi", "4 requests"), (2, "x" * 1200, "bytes")])
+def test_inline_body_past_the_dialects_limit_fails_before_anything_is_sent(
+    lines: int, text: str, what: str
+) -> None:
+    from airflow_batch_provider.upload_lines import write_inline_body
+
+    encoder = ShardEncoder(TinyInlineDialect(), where="shard-7", defaults={"max_tokens": 9})
+    with pytest.raises(JsonlValidationError, match=r"shard-7: more than 3 requests or 2,000 bytes"):
+        write_inline_body(encoder, io.BytesIO(chat_lines(lines, text)), io.BytesIO(), {})
+
+
+def test_inline_body_of_a_large_shard_is_written_in_flat_memory(tmp_path: Path) -> None:
+    import tracemalloc
+
+    from airflow_batch_provider.upload_lines import write_inline_body
+
+    shard = tmp_path / "shard.jsonl"
+    with shard.open("wb") as handle:
+        for _ in range(20):
+            handle.write(chat_lines(1000, "x" * 1000))  # ~22 MB of canonical lines
+    encoder = ShardEncoder(get_dialect("anthropic"), where="shard", defaults={"max_tokens": 9})
+    tracemalloc.start()
+    try:
+        with shard.open("rb") as src, (tmp_path / "body.json").open("wb") as out:
+            size, count = write_inline_body(encoder, src, out, {})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert count == 20_000 and size == (tmp_path / "body.json").stat().st_size > 20 << 20
+    # One line at a time: the peak is a small fraction of the body, never the body itself.
+    assert peak < 4 << 20, f"peak {peak:,} bytes"

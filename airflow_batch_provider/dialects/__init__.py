@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from airflow_batch_provider.dialects.anthropic import AnthropicDialect
 from airflow_batch_provider.dialects.azure import AzureOpenAIDialect
 from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage
 from airflow_batch_provider.dialects.doubleword import DoublewordDialect
@@ -20,6 +21,7 @@ DIALECTS: dict[str, type[Dialect]] = {
         ZeroGPUDialect,
         XAIDialect,
         MistralDialect,
+        AnthropicDialect,
         AzureOpenAIDialect,
     )
 }
@@ -48,6 +50,7 @@ def get_dialect(name: str | Dialect | None) -> Dialect:
 
 __all__ = [
     "DIALECTS",
+    "AnthropicDialect",
     "AzureOpenAIDialect",
     "Dialect",
     "DoublewordDialect",

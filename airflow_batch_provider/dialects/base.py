@@ -41,8 +41,19 @@ def bind_models(namespace: dict[str, Any], *names: str) -> None:
 
 
 # What the hook can read results from. "files": the batch's output and error files;
-# "results_endpoint": a paged endpoint on the batch itself (xAI, Doubleword).
-ResultsMode = Literal["files", "results_endpoint"]
+# "results_endpoint": a paged endpoint on the batch itself (xAI, Doubleword); "results_url": one
+# JSONL stream at the URL the ended batch names (``Dialect.results_url_of``; Anthropic).
+ResultsMode = Literal["files", "results_endpoint", "results_url"]
+# How a batch is submitted. "file": the encoded shard is uploaded, and the create names the
+# file; "inline": the create call's body carries the encoded requests themselves (Anthropic),
+# streamed from the shard as ``{..., "requests": [line, line, ...]}``.
+SubmissionMode = Literal["file", "inline"]
+# How a batch whose create went unrecorded (a crash, a lost answer) is found again. "tags": by the
+# metadata (or name) it was created with, which the listing shows (and may filter by);
+# "time_and_count": the vendor keeps no tag, so by its creation time and request count (which
+# an "inline" submission records with its intent), one match adopted and several refused (the
+# submit operator's docstring states the guarantee).
+OrphanLookup = Literal["tags", "time_and_count"]
 # Where a request's model goes. "line": each line's ``body.model`` (OpenAI); "job": one model
 # named on the create call, taken from the shard's lines (which must all name the same one).
 ModelPlacement = Literal["line", "job"]
@@ -146,6 +157,8 @@ class Dialect:
     lists_batches: ClassVar[bool] = True
     # The key of a listed batch object that holds its id (``listed_batch`` looks batches up by it).
     listed_id_key: ClassVar[str] = "id"
+    # The query parameter that asks for the page after a batch id (``last_id`` of this page).
+    list_cursor_param: ClassVar[str] = "after"
     results_page_size: ClassVar[int] = 1000
     # The vendor's web page of one batch (``{batch_id}`` filled in), for the tasks' extra links;
     # None where the vendor documents none. Used only when the connection is the vendor's own host.
@@ -159,6 +172,12 @@ class Dialect:
     #: ``encode_line`` into an encoded copy before uploading. False (OpenAI's shape): the staged
     #: file is uploaded as it is, with no pass over its lines.
     encodes_lines: ClassVar[bool] = False
+    #: How a batch is submitted (see ``SubmissionMode``).
+    submission_mode: ClassVar[SubmissionMode] = "file"
+    #: The key of the create body that holds the encoded requests ("inline" dialects).
+    inline_requests_key: ClassVar[str] = "requests"
+    #: How a batch whose create went unrecorded is found again (see ``OrphanLookup``).
+    orphan_lookup: ClassVar[OrphanLookup] = "tags"
     #: Whether the connection must name the host: the vendor has no one public URL (each
     #: account has its own endpoint), so ``default_base_url`` is only a hint.
     requires_host: ClassVar[bool] = False
@@ -367,6 +386,16 @@ class Dialect:
             body["metadata"] = dict(metadata)
         return body
 
+    def inline_create_body(
+        self, *, endpoint: str, completion_window: str, metadata: Mapping[str, str] | None, model: str | None
+    ) -> dict[str, Any]:
+        """The fields of an "inline" create body beside its requests (``inline_requests_key``)."""
+        raise NotImplementedError(f"dialect {self.name!r} submits a file, not inline requests")
+
+    def results_url_of(self, batch: Batch) -> str | None:
+        """The URL of the batch's one results stream ("results_url" dialects), None until it has one."""
+        return None
+
     def parse_batch(self, raw: Mapping[str, Any]) -> Batch:
         """Map the vendor's batch object to the normalised ``Batch``.
 
@@ -449,7 +478,7 @@ class Dialect:
             raise BatchApiResponseError(f"{LIST_WHAT}: last_id is {type(last).__name__}, not a string")
         if not last and data:
             last = self.listed_id(data[-1])
-        next_params = {**params, "after": last} if has_more and last else None
+        next_params = {**params, self.list_cursor_param: last} if has_more and last else None
         return data, next_params
 
     def parse_list_items(

@@ -55,7 +55,9 @@ from airflow_batch_provider.hooks.connection_form import (
 )
 from airflow_batch_provider.hooks.create import (
     AMBIGUOUS_LOOKUPS,
+    INLINE_SCAN,
     BatchCreate,
+    InlineMatch,
     newest_created,
 )
 from airflow_batch_provider.hooks.lines import DOWNLOAD_CAP, LINES_PER_TURN, ResumableLines
@@ -69,11 +71,13 @@ from airflow_batch_provider.hooks.results import (
     results_body,
     results_mode,
     results_pages,
+    results_stream_url,
 )
 from airflow_batch_provider.hooks.retry import RetryPolicy
 from airflow_batch_provider.hooks.settings import BatchApiSettings, settings_from_connection
 from airflow_batch_provider.hooks.transport import (
     CallDeadline,
+    FileBody,
     PathSource,
     aiter_decoded,
     aread_capped,
@@ -520,10 +524,13 @@ class BatchApiHook(BaseHook):
         return self._iter_jsonl(file_id, raw=True)
 
     def _iter_jsonl(
-        self, file_id: str, *, lenient: bool = False, raw: bool = False
+        self, file_id: str, *, lenient: bool = False, raw: bool = False, call: Call | None = None
     ) -> Iterator[tuple[int, Any]]:
-        """``(line number, object)``; with ``lenient`` a bad line gives its error instead of raising."""
-        lines = ResumableLines(self.get_settings(), file_id, self.log, lenient=lenient, raw=raw)
+        """``(line number, object)``; with ``lenient`` a bad line gives its error instead of raising.
+
+        :param call: the request reading the stream, when it is not the file's content.
+        """
+        lines = ResumableLines(self.get_settings(), file_id, self.log, lenient=lenient, raw=raw, call=call)
         while True:
             try:
                 lines.attempt()
@@ -555,10 +562,12 @@ class BatchApiHook(BaseHook):
             yield item
 
     async def _aiter_jsonl(
-        self, file_id: str, *, lenient: bool = False, raw: bool = False
+        self, file_id: str, *, lenient: bool = False, raw: bool = False, call: Call | None = None
     ) -> AsyncIterator[tuple[int, Any]]:
         """Async twin of ``_iter_jsonl``."""
-        lines = ResumableLines(await self.aget_settings(), file_id, self.log, lenient=lenient, raw=raw)
+        lines = ResumableLines(
+            await self.aget_settings(), file_id, self.log, lenient=lenient, raw=raw, call=call
+        )
         # Lines given, for the loop's turns: the consumer may not await between them.
         given = 0
         while True:
@@ -592,12 +601,14 @@ class BatchApiHook(BaseHook):
     def create_batch(
         self,
         *,
-        input_file_id: str,
+        input_file_id: str | None = None,
         endpoint: str,
         completion_window: str = "24h",
         metadata: Mapping[str, str] | None = None,
         name: str | None = None,
         model: str | None = None,
+        inline: FileBody | None = None,
+        not_these: Iterable[str] = (),
     ) -> Batch:
         """Create a batch from an uploaded file, never paying twice for one call.
 
@@ -612,10 +623,26 @@ class BatchApiHook(BaseHook):
         :param metadata: tags identifying the run; also how a lost create is found again.
         :param name: a batch name, for dialects that name batches.
         :param model: the one model of the file, for dialects that put the model on the job.
+        :param inline: for a dialect whose ``submission_mode`` is "inline", the create body (the
+            encoded requests) streamed from a local file, instead of ``input_file_id``. Such a
+            vendor's batches carry no tags: after an ambiguous failure the batch is looked for
+            by its creation time and request count (``inline.requests``; one match is adopted,
+            several raise, none retries); without a count the failure is raised.
+        :param not_these: ids of batches known not to be this create's (the caller's other
+            shards), left out of that lookup.
         """
         settings = self.get_settings()
         create = BatchCreate(
-            settings, self.log, input_file_id, endpoint, completion_window, metadata, name, model=model
+            settings,
+            self.log,
+            input_file_id,
+            endpoint,
+            completion_window,
+            metadata,
+            name,
+            model=model,
+            inline=inline,
+            not_these=not_these,
         )
         while True:
             try:
@@ -625,8 +652,12 @@ class BatchApiHook(BaseHook):
                 tags = create.failed(exc)
                 for _ in range(AMBIGUOUS_LOOKUPS):
                     time.sleep(create.settle(exc))
+                    match = create.inline_match()
                     try:
-                        found = self.find_created_batch(tags, input_file_id=input_file_id)
+                        if match is None:
+                            found = self.find_created_batch(tags, input_file_id=input_file_id)
+                        else:
+                            found = create.one_inline(exc, self.find_inline_batches(match))
                     except BatchApiError as lookup:
                         raise create.lookup_failed(exc, lookup) from lookup
                     if found is not None:
@@ -635,17 +666,28 @@ class BatchApiHook(BaseHook):
     async def acreate_batch(
         self,
         *,
-        input_file_id: str,
+        input_file_id: str | None = None,
         endpoint: str,
         completion_window: str = "24h",
         metadata: Mapping[str, str] | None = None,
         name: str | None = None,
         model: str | None = None,
+        inline: FileBody | None = None,
+        not_these: Iterable[str] = (),
     ) -> Batch:
         """Async twin of ``create_batch`` (same duplicate protection)."""
         settings = await self.aget_settings()
         create = BatchCreate(
-            settings, self.log, input_file_id, endpoint, completion_window, metadata, name, model=model
+            settings,
+            self.log,
+            input_file_id,
+            endpoint,
+            completion_window,
+            metadata,
+            name,
+            model=model,
+            inline=inline,
+            not_these=not_these,
         )
         while True:
             try:
@@ -655,8 +697,12 @@ class BatchApiHook(BaseHook):
                 tags = create.failed(exc)
                 for _ in range(AMBIGUOUS_LOOKUPS):
                     await asyncio.sleep(create.settle(exc))
+                    match = create.inline_match()
                     try:
-                        found = await self.afind_created_batch(tags, input_file_id=input_file_id)
+                        if match is None:
+                            found = await self.afind_created_batch(tags, input_file_id=input_file_id)
+                        else:
+                            found = create.one_inline(exc, await self.afind_inline_batches(match))
                     except BatchApiError as lookup:
                         raise create.lookup_failed(exc, lookup) from lookup
                     if found is not None:
@@ -846,6 +892,21 @@ class BatchApiHook(BaseHook):
         """Async twin of ``find_created_batch``."""
         return newest_created(await self.afind_batches(tags), input_file_id=input_file_id, accept=accept)
 
+    def find_inline_batches(self, match: InlineMatch) -> InlineMatch:
+        """Read the listing (newest first) into ``match`` until it is past ``match.since``: the
+        batches that may be a lost inline create (no tags: by creation time and request count)."""
+        for batch in self.list_batches(limit=INLINE_SCAN):
+            if not match.see(batch):
+                break
+        return match
+
+    async def afind_inline_batches(self, match: InlineMatch) -> InlineMatch:
+        """Async twin of ``find_inline_batches``."""
+        async for batch in self.alist_batches(limit=INLINE_SCAN):
+            if not match.see(batch):
+                break
+        return match
+
     # ---- results ---------------------------------------------------------------------------
     def _results_page(self, dialect: Dialect, pages: Pages, response: httpx.Response) -> list[ResultLine]:
         """The lines of the page just read; a page past the batch's size raises."""
@@ -864,7 +925,8 @@ class BatchApiHook(BaseHook):
         offers files), else pages the batch's results endpoint.
 
         :param batch: the batch or its id.
-        :param mode: force ``files`` or ``results_endpoint``.
+        :param mode: force ``files``, ``results_endpoint`` or ``results_url`` (the one JSONL
+            stream an ended batch names; resumed after a drop like a file).
         :param on_bad_line: a result file line that is not JSON, not an object or unreadable by
             the dialect: ``fail`` (raise naming it) or ``record`` (yield it as a failed line with
             code ``invalid_result_line``, the reason, file and line, and the custom_id it has, or "").
@@ -872,11 +934,20 @@ class BatchApiHook(BaseHook):
         dialect = self.dialect
         if isinstance(batch, str):
             batch = self.get_batch(batch)
-        if results_mode(dialect, batch, mode) == "files":
-            read = result_line_or_bad if on_bad_line == "record" else result_line
+        chosen = results_mode(dialect, batch, mode)
+        read = result_line_or_bad if on_bad_line == "record" else result_line
+        if chosen == "files":
             for file_id, source in result_files(batch):
                 for number, obj in self._iter_jsonl(file_id, lenient=on_bad_line == "record"):
                     yield read(dialect, obj, source, file_id, number)
+            return
+        if chosen == "results_url":
+            url = results_stream_url(self.get_settings(), batch)
+            if url is None:
+                return
+            call = calls.results_stream(url, batch.id, f"reading results of batch {batch.id}")
+            for number, obj in self._iter_jsonl(batch.id, lenient=on_bad_line == "record", call=call):
+                yield read(dialect, obj, "output", f"results of batch {batch.id}", number)
             return
         pages = results_pages(dialect, batch)
         while pages.params is not None:
@@ -891,11 +962,20 @@ class BatchApiHook(BaseHook):
         dialect = (await self.aget_settings()).dialect
         if isinstance(batch, str):
             batch = await self.aget_batch(batch)
-        if results_mode(dialect, batch, mode) == "files":
-            read = result_line_or_bad if on_bad_line == "record" else result_line
+        chosen = results_mode(dialect, batch, mode)
+        read = result_line_or_bad if on_bad_line == "record" else result_line
+        if chosen == "files":
             for file_id, source in result_files(batch):
                 async for number, obj in self._aiter_jsonl(file_id, lenient=on_bad_line == "record"):
                     yield read(dialect, obj, source, file_id, number)
+            return
+        if chosen == "results_url":
+            url = results_stream_url(await self.aget_settings(), batch)
+            if url is None:
+                return
+            call = calls.results_stream(url, batch.id, f"reading results of batch {batch.id}")
+            async for number, obj in self._aiter_jsonl(batch.id, lenient=on_bad_line == "record", call=call):
+                yield read(dialect, obj, "output", f"results of batch {batch.id}", number)
             return
         pages = results_pages(dialect, batch)
         while pages.params is not None:

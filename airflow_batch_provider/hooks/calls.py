@@ -15,7 +15,7 @@ import httpx
 
 from airflow_batch_provider.dialects import Dialect
 from airflow_batch_provider.exceptions import ConfigurationError, JsonlValidationError
-from airflow_batch_provider.hooks.transport import MAX_CONTROL_BODY, MultipartUpload, PathSource
+from airflow_batch_provider.hooks.transport import MAX_CONTROL_BODY, FileBody, MultipartUpload, PathSource
 
 LIST_ACTION = "listing batches"
 # Result lines are far smaller than this; the cap only stops a broken server from filling memory.
@@ -32,7 +32,7 @@ class Call:
     :param what: the object a 404 is about (``batch 'b1'``).
     :param params: query parameters.
     :param json: a JSON body.
-    :param upload: a multipart body streamed from a file.
+    :param upload: a body streamed from a file (a multipart upload, or an inline create's JSON).
     :param stream: return a 2xx response open, its body unread.
     :param foreign_redirects: let a redirect reach another origin (without credentials).
     :param max_body: the most bytes of a body read whole.
@@ -45,7 +45,7 @@ class Call:
     what: str | None = None
     params: Mapping[str, Any] | None = None
     json: Any = None
-    upload: MultipartUpload | None = None
+    upload: FileBody | None = None
     stream: bool = False
     foreign_redirects: bool = False
     max_body: int = MAX_CONTROL_BODY
@@ -100,6 +100,17 @@ def file_content(dialect: Dialect, file_id: str, action: str) -> Call:
 
 def create_batch(dialect: Dialect, body: Mapping[str, Any], input_file_id: str) -> Call:
     return Call("POST", dialect.batches_path, f"creating a batch from file {input_file_id}", json=body)
+
+
+def create_inline(dialect: Dialect, body: FileBody) -> Call:
+    """An "inline" create: the body (the encoded requests) is streamed from a local file."""
+    return Call("POST", dialect.batches_path, f"creating a batch from {body.filename}", upload=body)
+
+
+def results_stream(url: str, batch_id: str, action: str) -> Call:
+    """A batch's one results stream at ``url`` (the hook checks its origin first). A redirect
+    to object storage is followed without credentials, as for a file's content."""
+    return Call("GET", url, action, f"results of batch {batch_id!r}", stream=True, foreign_redirects=True)
 
 
 def get_batch(dialect: Dialect, batch_id: str) -> Call:

@@ -80,14 +80,28 @@ class ResumableLines:
     :param file_id: the vendor file id.
     :param log: where restarts are logged.
     :param lenient: give a ``BadLine`` for a line that is not a JSON object instead of raising.
+    :param call: the request that reads the stream (default: the file's content).
     """
 
     def __init__(
-        self, settings: BatchApiSettings, file_id: str, log: Any, *, lenient: bool = False, raw: bool = False
+        self,
+        settings: BatchApiSettings,
+        file_id: str,
+        log: Any,
+        *,
+        lenient: bool = False,
+        raw: bool = False,
+        call: calls.Call | None = None,
     ) -> None:
-        self.where = f"file {file_id!r}"
-        self.action = f"reading file {file_id}"
-        self.call = calls.file_content(settings.dialect, file_id, self.action)
+        if call is None:
+            self.where = f"file {file_id!r}"
+            self.action = f"reading file {file_id}"
+            self.call = calls.file_content(settings.dialect, file_id, self.action)
+        else:
+            # Another JSONL stream than a file's content (a batch's results_url).
+            self.where = call.what or file_id
+            self.action = call.action
+            self.call = call
         self.timeout = settings.timeout
         self.limit = settings.max_download_bytes
         self._restarts = Restarts(settings, self.action, log)

@@ -15,11 +15,15 @@ import httpx
 import orjson
 
 from airflow_batch_provider.dialects import Dialect
-from airflow_batch_provider.exceptions import BatchApiResponseError, ConfigurationError
+from airflow_batch_provider.exceptions import (
+    BatchApiRedirectError,
+    BatchApiResponseError,
+    ConfigurationError,
+)
 from airflow_batch_provider.hooks.attempts import message_of
 from airflow_batch_provider.hooks.lines import BadLine
 from airflow_batch_provider.hooks.settings import BatchApiSettings
-from airflow_batch_provider.hooks.transport import REDACTED, parse_json_body
+from airflow_batch_provider.hooks.transport import REDACTED, origin_of, parse_json_body
 from airflow_batch_provider.models import Batch, LineError, ResultLine
 
 T = TypeVar("T")
@@ -38,7 +42,29 @@ def results_mode(dialect: Dialect, batch: Batch, mode: str | None) -> str:
         return "files"
     if "results_endpoint" in dialect.results_modes:
         return "results_endpoint"
+    if "results_url" in dialect.results_modes:
+        return "results_url"
     return "files"
+
+
+def results_stream_url(settings: BatchApiSettings, batch: Batch) -> str | None:
+    """The absolute URL of the batch's results stream (None while it has none), refused when it
+    is on another origin than the API: the connection's key is sent with it, and must never go
+    to a host the connection does not name."""
+    url = settings.dialect.results_url_of(batch)
+    if url is None:
+        return None
+    base = httpx.URL(settings.base_url)
+    try:
+        full = base.join(url)
+    except (httpx.InvalidURL, UnicodeError) as exc:
+        raise BatchApiResponseError(f"batch {batch.id} has an unreadable results_url ({exc})") from None
+    if full.scheme not in ("http", "https") or origin_of(full) != origin_of(base):
+        raise BatchApiRedirectError(
+            f"batch {batch.id}: its results_url is on {origin_of(full)}, not the API's origin "
+            f"{origin_of(base)}; not read, so the API key is never sent there"
+        )
+    return str(full)
 
 
 def result_files(batch: Batch) -> list[tuple[str, str]]:

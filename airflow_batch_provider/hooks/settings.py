@@ -239,6 +239,26 @@ def settings_from_connection(
     )
 
 
+def request_defaults(value: Any, where: str) -> dict[str, Any]:
+    """Body fields for every line that lacks them (``request_defaults``: a mapping or its JSON).
+
+    :param value: the connection extra's or an operator's ``request_defaults`` (None: none).
+    :param where: what gave it, for the error (``connection 'x'``).
+    """
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            raise ConfigurationError(f"{where}: request_defaults is not valid JSON") from None
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(
+            f'{where}: request_defaults must be an object of body fields, e.g. {{"max_tokens": 1024}}'
+        )
+    return {str(k): v for k, v in value.items()}
+
+
 def _positive_int(extra: Mapping[str, Any], name: str, default: int, conn_id: str) -> int:
     """The extra ``name`` as a whole number above zero (``default`` when unset)."""
     value = extra.get(name)

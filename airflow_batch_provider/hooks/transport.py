@@ -611,63 +611,49 @@ def _quote(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', "%22").replace("\r", "%0D").replace("\n", "%0A")
 
 
-class MultipartUpload:
-    """A ``multipart/form-data`` body whose file part is read from disk chunk by chunk.
+class FileBody:
+    """A request body read from a file chunk by chunk, with an exact ``Content-Length``.
 
-    httpx's own multipart encoder reads the file synchronously, which would block an event
-    loop; this one yields the same bytes from a sync iterator or an async one whose reads run
-    in a worker thread. Each attempt calls ``iter_sync``/``aiter`` anew and reopens the file, so
-    a retried upload sends the whole file again. The body has a known length (no chunked
-    transfer encoding), which every vendor accepts.
+    httpx would read a file body synchronously, which would block an event loop; this one
+    yields the file's bytes (between ``head`` and ``tail``) from a sync iterator or an async one
+    whose reads run in a worker thread. Each attempt calls ``iter_sync``/``aiter`` anew and
+    reopens the file, so a retried request sends the whole body again.
 
     :param source: a local path or an ``ObjectStoragePath``.
-    :param filename: the name sent in the form; defaults to the source's name.
-    :param fields: plain form fields sent before the file (e.g. ``purpose``).
-    :param size: the file size in bytes, when the caller already knows it.
+    :param filename: a name for messages; defaults to the source's name.
+    :param size: the file size in bytes.
+    :param content_type: the body's media type.
+    :param requests: how many batch requests the body holds (an inline create), if known.
     """
 
-    content_type = "application/octet-stream"
-
     def __init__(
-        self, source: PathSource, *, filename: str | None, fields: dict[str, str], size: int
+        self,
+        source: PathSource,
+        *,
+        filename: str | None,
+        size: int,
+        content_type: str = "application/json",
+        requests: int | None = None,
     ) -> None:
         self.source = source
+        self.requests = requests
         self.filename = filename or source_name(source)
         self.size = size
-        self.boundary = secrets.token_hex(16)
-        parts = []
-        for name, value in fields.items():
-            parts.append(
-                f"--{self.boundary}\r\n"
-                f'Content-Disposition: form-data; name="{_quote(name)}"\r\n\r\n{value}\r\n'
-            )
-        parts.append(
-            f"--{self.boundary}\r\n"
-            f'Content-Disposition: form-data; name="file"; filename="{_quote(self.filename)}"\r\n'
-            f"Content-Type: {self.content_type}\r\n\r\n"
-        )
-        self.head = "".join(parts).encode()
-        self.tail = f"\r\n--{self.boundary}--\r\n".encode()
-
-    @classmethod
-    def from_source(
-        cls, source: PathSource, *, filename: str | None, fields: dict[str, str]
-    ) -> MultipartUpload:
-        handle, size = _open_source(source)
-        handle.close()
-        return cls(source, filename=filename, fields=fields, size=size)
+        self.body_type = content_type
+        self.head = b""
+        self.tail = b""
 
     @property
     def headers(self) -> dict[str, str]:
         return {
-            "Content-Type": f"multipart/form-data; boundary={self.boundary}",
+            "Content-Type": self.body_type,
             "Content-Length": str(len(self.head) + self.size + len(self.tail)),
         }
 
     def _check(self, sent: int) -> None:
         if sent != self.size:
             # The Content-Length already promised self.size bytes; a file that changed under
-            # us must fail loudly rather than upload something else.
+            # us must fail loudly rather than send something else.
             raise BatchApiError(
                 f"{self.filename}: file changed during upload ({sent:,} bytes read, {self.size:,} expected)"
             )
@@ -699,6 +685,52 @@ class MultipartUpload:
             await asyncio.to_thread(handle.close)
         self._check(sent)
         yield self.tail
+
+
+class MultipartUpload(FileBody):
+    """A ``multipart/form-data`` body whose file part is read from disk chunk by chunk.
+
+    The body has a known length (no chunked transfer encoding), which every vendor accepts.
+
+    :param source: a local path or an ``ObjectStoragePath``.
+    :param filename: the name sent in the form; defaults to the source's name.
+    :param fields: plain form fields sent before the file (e.g. ``purpose``).
+    :param size: the file size in bytes, when the caller already knows it.
+    """
+
+    content_type = "application/octet-stream"
+
+    def __init__(
+        self, source: PathSource, *, filename: str | None, fields: dict[str, str], size: int
+    ) -> None:
+        self.boundary = secrets.token_hex(16)
+        super().__init__(
+            source,
+            filename=filename,
+            size=size,
+            content_type=f"multipart/form-data; boundary={self.boundary}",
+        )
+        parts = []
+        for name, value in fields.items():
+            parts.append(
+                f"--{self.boundary}\r\n"
+                f'Content-Disposition: form-data; name="{_quote(name)}"\r\n\r\n{value}\r\n'
+            )
+        parts.append(
+            f"--{self.boundary}\r\n"
+            f'Content-Disposition: form-data; name="file"; filename="{_quote(self.filename)}"\r\n'
+            f"Content-Type: {self.content_type}\r\n\r\n"
+        )
+        self.head = "".join(parts).encode()
+        self.tail = f"\r\n--{self.boundary}--\r\n".encode()
+
+    @classmethod
+    def from_source(
+        cls, source: PathSource, *, filename: str | None, fields: dict[str, str]
+    ) -> MultipartUpload:
+        handle, size = _open_source(source)
+        handle.close()
+        return cls(source, filename=filename, fields=fields, size=size)
 
 
 # A run of blank lines (whitespace only): skipped in one regex match, not line by line in Python.

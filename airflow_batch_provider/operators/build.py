@@ -65,7 +65,8 @@ class SqlToBatchJsonlOperator(BaseOperator):
         the row (``model_conflict``); its other keys take precedence over ``body``.
     :param body_callable: a Python callable ``row dict -> body dict``.
     :param input_column: for embeddings: the column holding the text to embed.
-    :param body: body defaults merged into every line (max_tokens, temperature, response_format...).
+    :param body: body defaults merged into every line (max_tokens, temperature, response_format...),
+        over the batch connection's extra ``request_defaults`` when ``batch_conn_id`` is given.
     :param endpoint: the url every line targets (templated); default chat completions, or
         embeddings when ``input_column`` is given.
     :param model: the model (templated); omit it to set it later with ``airflow-batch prepare``.
@@ -214,9 +215,20 @@ class SqlToBatchJsonlOperator(BaseOperator):
             body_template=self.body_template,
             body_callable=self.body_callable,
             input_column=self.input_column,
-            defaults=self.body,
+            defaults={**self._connection_defaults(), **self.body},
             model=self.model,
         )
+
+    def _connection_defaults(self) -> dict[str, Any]:
+        """The batch connection's ``request_defaults`` (e.g. a vendor's required ``max_tokens``),
+        under the operator's ``body``; none without a ``batch_conn_id``."""
+        if not self.batch_conn_id:
+            return {}
+        from airflow_batch_provider.hooks.batch import BatchApiHook
+        from airflow_batch_provider.hooks.settings import request_defaults
+
+        extra = BatchApiHook(self.batch_conn_id).get_settings().extra.get("request_defaults")
+        return request_defaults(extra, f"connection {self.batch_conn_id!r}")
 
     def _endpoint(self) -> str:
         return self.endpoint or self._body_source().default_endpoint()

@@ -25,6 +25,7 @@ from airflow.sdk.configuration import conf
 
 from airflow_batch_provider.constants import DEFAULT_CONN_ID
 from airflow_batch_provider.exceptions import (
+    AmbiguousOrphanError,
     BatchApiNotFoundError,
     ConfigurationError,
     JsonlValidationError,
@@ -55,7 +56,7 @@ from airflow_batch_provider.submission import (
     now_utc,
 )
 from airflow_batch_provider.triggers.batch import BatchTrigger
-from airflow_batch_provider.upload_lines import ShardEncoder, needs_pass
+from airflow_batch_provider.upload_lines import ShardEncoder, needs_pass, write_inline_body
 from airflow_batch_provider.waiting import (
     PartialPolicy,
     apply_outcome_policy,
@@ -111,6 +112,10 @@ class SubmitBatchOperator(BaseOperator):
     :param model: replace ``body.model`` on every line while uploading (templated). For a
         dialect whose model_placement is "job", this or the lines' one model is
         named on the create call; a file naming two models, or none, fails before any upload.
+    :param request_defaults: body fields given to every line that lacks them, over the
+        connection extra ``request_defaults`` (templated); e.g. ``{"max_tokens": 1024}`` for a
+        vendor that requires ``max_tokens``. A line that still lacks what its vendor requires
+        fails the submit before anything is sent, naming the line.
     :param state_store: where each shard's intent and batch id live between tries: ``auto``
         (Airflow's task state store when the task has one, Airflow 3.3+; else files),
         ``task_state_store`` (fail without one) or ``file`` (``submit-state/`` files, see ``state_path``).
@@ -130,6 +135,23 @@ class SubmitBatchOperator(BaseOperator):
     :param on_partial_failure: ``succeed`` or ``fail`` when lines failed in completed batches.
     :param cancel_on_timeout: cancel unfinished batches when the wait times out.
     :param cancel_on_kill: cancel the batches when the task is killed.
+
+    **A crash between create and recording the batch id.** The intent (with its time and, for
+    a vendor taking requests inline, its request count) is durable before every create, and
+    the id after it. A retry that finds an intent without an id looks for the batch before
+    creating one. Where batches carry tags it adopts the newest batch tagged with the shard's
+    idempotency key and fingerprint. Where they carry none and the listing cannot filter (a
+    dialect whose ``orphan_lookup`` is "time_and_count"), it lists the batches created since the intent
+    (allowing 60 s of clock skew) with exactly the intent's request count, not taken by another
+    shard of this try: one such batch is adopted; none means the create never happened and the
+    shard is submitted; several raise ``AmbiguousOrphanError`` naming them, and nothing is
+    created or guessed. (A create that fails ambiguously, a 5xx or a dropped answer, is looked
+    for the same way at once.) Not guaranteed there: a batch of another task or run with the
+    same request count created in that window, while this one's create was lost, is
+    indistinguishable and would be adopted. When several are named, find the one holding this
+    shard's custom_ids (its results, or the vendor's console), cancel the others, and record
+    its id in the shard's state (or delete the state to submit again, accepting a possible
+    duplicate).
     """
 
     template_fields: Sequence[str] = (
@@ -138,9 +160,10 @@ class SubmitBatchOperator(BaseOperator):
         "endpoint",
         "metadata",
         "model",
+        "request_defaults",
         "state_path",
     )
-    template_fields_renderers = {"metadata": "json"}
+    template_fields_renderers = {"metadata": "json", "request_defaults": "json"}
     ui_color = "#dbe9f6"
     # "Batch 1".. "Batch 4": each batch's page at the vendor or on the local server (see links.py).
     operator_extra_links = batch_page_links()
@@ -156,6 +179,7 @@ class SubmitBatchOperator(BaseOperator):
         completion_window: str = "24h",
         metadata: Mapping[str, str] | None = None,
         model: str | None = None,
+        request_defaults: Mapping[str, Any] | None = None,
         state_store: StateStoreChoice = "auto",
         state_path: str | None = None,
         on_stale_state: StalePolicy = "cancel_and_resubmit",
@@ -188,6 +212,7 @@ class SubmitBatchOperator(BaseOperator):
         self.completion_window = completion_window
         self.metadata = metadata
         self.model = model
+        self.request_defaults = request_defaults
         self.state_store = state_store
         self.state_path = state_path
         self.on_stale_state = on_stale_state
@@ -203,6 +228,7 @@ class SubmitBatchOperator(BaseOperator):
         self.cancel_on_timeout = cancel_on_timeout
         self.cancel_on_kill = cancel_on_kill
         self._batch_ids: list[str] = []
+        self._line_defaults: dict[str, Any] = {}
         # This try's XCom (with the outcome once waited), for lineage; None until it submitted.
         self.submission: dict[str, Any] | None = None
 
@@ -216,6 +242,8 @@ class SubmitBatchOperator(BaseOperator):
         hook = self.hook()
         dialect = hook.dialect
         dialect.check_completion_window(self.completion_window)
+        # Checked with each hand-made line as it will be sent (_unsupported).
+        self._line_defaults = self._defaults(hook)
         shards, state_dir, manifest_file = self._plan(dialect)
         identity = RunIdentity.from_context(context)
         # Chosen once per try; both stores keep the same intent -> batch id protocol.
@@ -317,7 +345,8 @@ class SubmitBatchOperator(BaseOperator):
     ) -> SubmitState:
         """Submit one shard, or re-attach to the batch an earlier try made for it."""
         key = identity.key(shard.index)
-        fingerprint = effective_fingerprint(shard.fingerprint, self.model)
+        defaults = self._defaults(hook)
+        fingerprint = effective_fingerprint(shard.fingerprint, self.model, defaults)
         state = store.read(key)
         replaced: list[str] = []
         if state is not None and state.fingerprint != fingerprint:
@@ -332,7 +361,11 @@ class SubmitBatchOperator(BaseOperator):
             state = None
         if state is not None:
             # Intent without an id: the create may have happened before a crash. Look first.
-            found = self._find_orphan(hook, key, fingerprint, state.input_file_id)
+            found = (
+                self._find_inline_orphan(hook, state)
+                if dialect.orphan_lookup == "time_and_count"
+                else self._find_orphan(hook, key, fingerprint, state.input_file_id)
+            )
             if found is not None:
                 self.log.info(
                     "Shard %d: found batch %s created by an earlier try; re-attaching", shard.index, found.id
@@ -342,15 +375,17 @@ class SubmitBatchOperator(BaseOperator):
                 store.write(state)
                 return state
             replaced = state.replaced_batch_ids
+        if dialect.submission_mode == "inline":
+            return self._create_inline(hook, store, identity, shard, key, fingerprint, replaced, defaults)
         file_id = (
             state.input_file_id
             if state is not None and self._file_exists(hook, state.input_file_id)
             else None
         )
         if file_id is None:
-            file_id, model = self._upload(hook, shard)
+            file_id, model = self._upload(hook, shard, defaults)
         else:
-            model = self._job_model(dialect, shard, state)
+            model = self._job_model(dialect, shard, state, defaults)
         state = SubmitState(
             key=key,
             shard=shard.index,
@@ -380,6 +415,101 @@ class SubmitBatchOperator(BaseOperator):
         store.write(state)
         self.log.info("Shard %d: created batch %s from file %s", shard.index, batch.id, file_id)
         return state
+
+    def _create_inline(
+        self,
+        hook: BatchApiHook,
+        store: SubmissionStateStore,
+        identity: RunIdentity,
+        shard: ShardInput,
+        key: str,
+        fingerprint: str,
+        replaced: list[str],
+        defaults: Mapping[str, Any],
+    ) -> SubmitState:
+        """Create a batch whose requests travel in the create call (``submission_mode`` "inline").
+
+        The body is encoded from the canonical shard into a local temp file, one line at a time,
+        and streamed with its exact length; the intent (time and request count) is durable
+        before the create, the id after it.
+        """
+        from airflow_batch_provider.hooks.transport import FileBody
+
+        dialect = hook.dialect
+        encoder = ShardEncoder(dialect, where=str(shard.path), model=self.model, defaults=defaults)
+        fields = dialect.inline_create_body(
+            endpoint=shard.endpoint, completion_window=self.completion_window, metadata=None, model=None
+        )
+        fd, tmp = tempfile.mkstemp(prefix="abp-create-", suffix=".json")
+        try:
+            with os.fdopen(fd, "wb", buffering=1 << 20) as out, open_read(shard.path) as src:
+                size, count = write_inline_body(encoder, src, out, fields)
+            state = SubmitState(
+                key=key,
+                shard=shard.index,
+                fingerprint=fingerprint,
+                dag_id=identity.dag_id,
+                task_id=identity.task_id,
+                run_id=identity.run_id,
+                map_index=identity.map_index,
+                endpoint=shard.endpoint,
+                requests=count,
+                intent_at=now_utc(),
+                replaced_batch_ids=replaced,
+            )
+            store.write(state)
+            body = FileBody(tmp, filename=f"{shard.path.name} ({count} requests)", size=size, requests=count)
+            # The batches of this try's other shards are not this one's, whatever their size.
+            batch = hook.create_batch(
+                endpoint=shard.endpoint,
+                completion_window=self.completion_window,
+                inline=body,
+                not_these=self._batch_ids,
+            )
+        finally:
+            os.unlink(tmp)
+        state.batch_id = batch.id
+        state.created_at = batch.created_at or now_utc()
+        store.write(state)
+        self.log.info("Shard %d: created batch %s with %d inline request(s)", shard.index, batch.id, count)
+        return state
+
+    def _find_inline_orphan(self, hook: BatchApiHook, state: SubmitState) -> Batch | None:
+        """The batch a lost inline create made: the one batch created since the intent (less
+        ``CLOCK_SKEW``) with the intent's request count; None if there is none; several raise."""
+        from airflow_batch_provider.hooks.create import CLOCK_SKEW, InlineMatch
+
+        if state.intent_at is None or state.requests is None:
+            return None
+        match = hook.find_inline_batches(
+            InlineMatch(
+                since=state.intent_at - CLOCK_SKEW,
+                requests=state.requests,
+                exclude=frozenset(self._batch_ids),
+            )
+        )
+        found = [b for b in match.found if not (self.resubmit_failed and b.state in _BAD_END)]
+        if len(found) > 1:
+            raise AmbiguousOrphanError(
+                f"shard {state.shard}: an earlier try recorded its intent at {state.intent_at.isoformat()} "
+                f"but no batch id, and {len(found)} batches with its {state.requests} request(s) were "
+                f"created since: {', '.join(b.id for b in found)}. The vendor's batches carry no tag, so "
+                "none is adopted and none is created. Find the one holding this shard's custom_ids "
+                "(its results or the vendor's console), cancel the others, and record its id as "
+                f"batch_id in the shard's state ({state.key}); or delete that state to submit again "
+                "(a duplicate batch is then possible)"
+            )
+        return found[0] if found else None
+
+    def _defaults(self, hook: BatchApiHook) -> dict[str, Any]:
+        """Body defaults for every line: the connection's ``request_defaults``, then the operator's."""
+        from airflow_batch_provider.hooks.settings import request_defaults
+
+        extra = hook.get_settings().extra.get("request_defaults")
+        return {
+            **request_defaults(extra, f"connection {self.batch_conn_id!r}"),
+            **request_defaults(self.request_defaults, f"task {self.task_id!r}"),
+        }
 
     def _reattach(self, hook: BatchApiHook, state: SubmitState) -> SubmitState | None:
         assert state.batch_id is not None
@@ -440,15 +570,17 @@ class SubmitBatchOperator(BaseOperator):
             return False
         return True
 
-    def _upload(self, hook: BatchApiHook, shard: ShardInput) -> tuple[str, str | None]:
+    def _upload(
+        self, hook: BatchApiHook, shard: ShardInput, defaults: Mapping[str, Any] | None = None
+    ) -> tuple[str, str | None]:
         """Upload the shard; (file id, the model for the create call of a job-model dialect)."""
         dialect = hook.dialect
-        if not needs_pass(dialect, self.model):
+        if not needs_pass(dialect, self.model, defaults):
             return hook.upload_file(shard.path, filename=shard.path.name), None
         # The staged shard stays canonical: the vendor's copy (override model, encoded lines) is
         # streamed into a local temp file, then that is streamed up. A line the vendor cannot take
         # fails here, before anything is uploaded.
-        encoder = ShardEncoder(dialect, where=str(shard.path), model=self.model)
+        encoder = ShardEncoder(dialect, where=str(shard.path), model=self.model, defaults=defaults)
         fd, tmp = tempfile.mkstemp(prefix="abp-submit-", suffix=".jsonl")
         try:
             with os.fdopen(fd, "wb", buffering=1 << 20) as out, open_read(shard.path) as src:
@@ -458,14 +590,22 @@ class SubmitBatchOperator(BaseOperator):
         finally:
             os.unlink(tmp)
 
-    def _job_model(self, dialect: Dialect, shard: ShardInput, state: SubmitState | None) -> str | None:
+    def _job_model(
+        self,
+        dialect: Dialect,
+        shard: ShardInput,
+        state: SubmitState | None,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> str | None:
         """The create call's model when an earlier try's upload is reused (job-model dialects only)."""
         if dialect.model_placement != "job":
             return None
         if state is not None and state.model:
             return state.model
         with open_read(shard.path) as src:
-            return ShardEncoder(dialect, where=str(shard.path), model=self.model).drain(src)
+            return ShardEncoder(dialect, where=str(shard.path), model=self.model, defaults=defaults).drain(
+                src
+            )
 
     # ---- input -------------------------------------------------------------------------
     def _plan(self, dialect: Dialect) -> tuple[list[ShardInput], ObjectStoragePath, ObjectStoragePath | None]:
@@ -596,8 +736,10 @@ class SubmitBatchOperator(BaseOperator):
         """What the vendor cannot express in a hand-made line, as it will be sent (with the
         ``model`` override), as a problem naming the line; [] when nothing."""
         line = obj
-        if self.model and isinstance(obj.get("body"), dict):
-            line = {**obj, "body": {**obj["body"], "model": self.model}}
+        if isinstance(obj.get("body"), dict) and (self.model or self._line_defaults):
+            # As it will be sent: the request defaults fill what the line lacks, then the model.
+            body = {**self._line_defaults, **obj["body"]}
+            line = {**obj, "body": {**body, "model": self.model} if self.model else body}
         reason = dialect.unsupported(line)
         if reason is None:
             return []

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any, cast
 from urllib.parse import quote
 
@@ -24,7 +25,7 @@ from airflow_batch_provider.server.faults import Faults
 from airflow_batch_provider.server.hosts import HostCheckMiddleware, allowed_hosts
 from airflow_batch_provider.server.results import DoublewordResults, xai_page
 from airflow_batch_provider.server.store import Store, now
-from airflow_batch_provider.server.wire import ApiError, Wire, get_wire
+from airflow_batch_provider.server.wire import AnthropicWire, ApiError, Wire, get_wire
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         api = APIRouter(prefix=prefix, dependencies=[Depends(_guard)])
         _files_routes(api)
         _batch_routes(api)
+        _message_batch_routes(api)
         _inference_routes(api)
         app.include_router(api)
     app.include_router(_admin_router())
@@ -587,6 +589,167 @@ def _batch_routes(r: APIRouter) -> None:
             ) from None
         headers = wire.results_headers(rec, skip, data.count(b"\n"))
         return Response(data, media_type="application/x-ndjson", headers=headers)
+
+
+# ---- Anthropic Message Batches ---------------------------------------------------------------
+def _message_batch_routes(r: APIRouter) -> None:
+    """``/v1/messages/batches``: the requests come inline in the create; one results stream."""
+
+    def own(request: Request) -> tuple[ServerState, AnthropicWire]:
+        st = _own(request, "messages/batches")
+        assert isinstance(st.wire, AnthropicWire)
+        return st, st.wire
+
+    @r.post("/messages/batches")
+    async def create(request: Request) -> dict[str, Any]:
+        st, wire = own(request)
+        limits = st.config.limits()
+        raw = await _read_body(st, request, limits.max_file_bytes)
+        try:
+            body = await asyncio.to_thread(orjson.loads, raw)
+        except orjson.JSONDecodeError:
+            raise wire.error(400, "Request body is not valid JSON.") from None
+        requests = wire.parse_requests(body, limits.max_lines)
+        _storage_room(st)
+        forced = request.state.fault
+        cfg = st.faults.config
+        flags = {
+            "fail": forced == "fail_validation" or cfg.fail_validation,
+            "expire": forced == "expire" or cfg.expire_batches,
+            "stall": forced == "stall" or cfg.stall_batches,
+        }
+        if flags["fail"]:
+            # Anthropic checks a batch when it is created: a bad one is a 400, never a batch.
+            st.faults.count("batch_fail")
+            raise wire.error(400, "requests: validation failed (fault injection)")
+        for name in ("expire", "stall"):
+            if flags[name]:
+                st.faults.count(f"batch_{name}")
+        file_id = st.store.new_id("file-")
+        path = st.store.file_path(file_id)
+        size = await asyncio.to_thread(_write_requests, path, requests)
+        del body, requests, raw
+        st.store.add_file(
+            {
+                "id": file_id,
+                "bytes": size,
+                "created_at": now(),
+                "filename": "requests.jsonl",
+                "purpose": "batch",
+            }
+        )
+        created = {
+            "input_file_id": file_id,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            "metadata": None,
+            "name": None,
+        }
+        rec = new_batch_record(
+            st.store.new_id("msgbatch_"), created, wire.window_seconds("24h"), st.config, flags
+        )
+        lines, problems = await asyncio.to_thread(
+            validate_file, path, st.engine.rules, rec["endpoint"], 1, partial(wire.canonical_line, rec=rec)
+        )
+        if problems:
+            st.store.delete_file(file_id)
+            problem = problems[0]
+            where = f"requests.{int(problem['line']) - 1}: " if problem.get("line") else ""
+            raise wire.error(400, f"{where}{problem['message']}")
+        rec["request_counts"]["total"] = lines
+        rec["status"] = "in_progress"
+        rec["in_progress_at"] = now()
+        st.engine.submit(rec)
+        st.faults.count("batches_created")
+        return _absolute(request, wire.render_batch(rec))
+
+    @r.get("/messages/batches")
+    async def list_batches(request: Request) -> dict[str, Any]:
+        st, wire = own(request)
+        limit, after, before = wire.list_window(request.query_params)
+
+        def page() -> dict[str, Any]:
+            items, _ = st.store.list_batches(after=None, limit=1 << 30)
+            ids = [i["id"] for i in items]
+            if after is not None or before is not None:
+                anchor = after if after is not None else before
+                if anchor not in ids:
+                    raise wire.not_found("message batch", str(anchor))
+                at = ids.index(anchor)
+                start, end = (at + 1, at + 1 + limit) if after is not None else (max(at - limit, 0), at)
+                more = end < len(items) if after is not None else start > 0
+            else:
+                start, end, more = 0, limit, len(items) > limit
+            chosen = [st.engine.active.get(i["id"], i) for i in items[start:end]]
+            listing = wire.render_batch_list(chosen, more)
+            listing["data"] = [_absolute(request, b) for b in listing["data"]]
+            return listing
+
+        return await asyncio.to_thread(page)
+
+    @r.get("/messages/batches/{batch_id}")
+    async def get(batch_id: str, request: Request) -> dict[str, Any]:
+        st, wire = own(request)
+        return _absolute(request, wire.render_batch(_batch(st, batch_id)))
+
+    @r.post("/messages/batches/{batch_id}/cancel")
+    async def cancel(batch_id: str, request: Request) -> dict[str, Any]:
+        st, _ = own(request)
+        return _absolute(request, _cancel(st, batch_id))
+
+    @r.get("/messages/batches/{batch_id}/results")
+    async def results(batch_id: str, request: Request) -> Response:
+        st, wire = own(request)
+        rec = _batch(st, batch_id)
+        if wire.status_of(rec) != "ended":
+            raise wire.error(
+                400, f"Message Batch {batch_id} has not ended; its results are not available yet."
+            )
+        paths = [
+            st.store.file_path(fid)
+            for fid in (rec.get("output_file_id"), rec.get("error_file_id"))
+            if fid and st.store.file_path(fid).exists()
+        ]
+        size = sum(p.stat().st_size for p in paths)
+        drop = request.state.fault == "drop" or (
+            not request.state.fault and st.faults.fires("drop", st.faults.config.drop_rate)
+        )
+        if drop:
+            st.faults.count("drop")
+
+        async def body() -> AsyncIterator[bytes]:
+            sent = 0
+            for path in paths:
+                with open(path, "rb") as fh:  # noqa: ASYNC230 - local 64 KiB reads, as for file content
+                    while chunk := fh.read(_DOWNLOAD_CHUNK):
+                        if drop and sent + len(chunk) > size // 2:
+                            yield chunk[: max(size // 2 - sent, 0)]
+                            raise ConnectionAbortedError("injected dropped connection")
+                        sent += len(chunk)
+                        yield chunk
+
+        return StreamingResponse(
+            body(), media_type="application/binary", headers={"Content-Length": str(size)}
+        )
+
+
+def _write_requests(path: Any, requests: list[Any]) -> int:
+    """Store an inline create's requests as JSONL (one ``{custom_id, params}`` a line); its size."""
+    size = 0
+    with open(path, "wb") as out:
+        for item in requests:
+            data = orjson.dumps(item) + b"\n"
+            out.write(data)
+            size += len(data)
+    return size
+
+
+def _absolute(request: Request, batch: dict[str, Any]) -> dict[str, Any]:
+    """A batch object whose ``results_url`` names the host the client called."""
+    url = batch.get("results_url")
+    if isinstance(url, str) and url.startswith("/"):
+        batch["results_url"] = str(request.base_url).rstrip("/") + url
+    return batch
 
 
 def _own(request: Request, route: str) -> ServerState:

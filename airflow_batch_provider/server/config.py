@@ -71,7 +71,7 @@ class ServerConfig(BaseModel):
     :param port: port to bind (0 picks a free one).
     :param data_dir: directory holding the SQLite metadata and the files.
     :param backend: what answers each line: ``echo`` (offline, deterministic) or ``upstream``.
-    :param dialect: vendor wire shape to speak (openai, doubleword, zerogpu, xai, mistral).
+    :param dialect: vendor wire shape to speak (openai, doubleword, zerogpu, xai, mistral, anthropic).
     :param api_key: when set, every /v1 call must present it (in the dialect's auth header).
     :param bearer_token: a token accepted as ``Authorization: Bearer`` beside the key, by modes
         whose vendor also takes an identity provider's token (azure: Microsoft Entra ID).

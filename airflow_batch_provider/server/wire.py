@@ -8,6 +8,7 @@ dialects are tested against shapes they did not produce themselves.
 from __future__ import annotations
 
 import hmac
+import re
 import uuid
 from collections.abc import Mapping
 from datetime import datetime, timezone
@@ -881,8 +882,290 @@ class AzureWire(Wire):
         )
 
 
+class AnthropicWire(Wire):
+    """Anthropic Message Batches: ``/v1/messages/batches`` with the requests inline in the create,
+    ``x-api-key`` + ``anthropic-version``, ``processing_status`` and five request counts, a
+    ``limit``/``after_id``/``before_id`` listing and one results stream per ended batch."""
+
+    name = "anthropic"
+    batches_route = "messages/batches"
+    vendor_lines = True
+    upload_requires_purpose = False
+    cancel_final_status = 400
+    MAX_LIST = 1000
+    _TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        402: "billing_error",
+        403: "permission_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        429: "rate_limit_error",
+        500: "api_error",
+        504: "timeout_error",
+        529: "overloaded_error",
+    }
+    _VERSION = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+    _CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+    _STOP = {
+        "stop": "end_turn",
+        "length": "max_tokens",
+        "tool_calls": "tool_use",
+        "content_filter": "refusal",
+    }
+
+    def error(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> ApiError:
+        kind = self._TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        request_id = f"req_{uuid.uuid4().hex[:24]}"
+        body = {"type": "error", "error": {"type": kind, "message": message}, "request_id": request_id}
+        return ApiError(status, body, {**(headers or {}), "request-id": request_id})
+
+    def presented_key(self, headers: Mapping[str, str]) -> str | None:
+        # The API documents ``x-api-key``; the official SDK (2.x) sends the key as a bearer token.
+        return (headers.get("x-api-key") or "").strip() or super().presented_key(headers)
+
+    def check_key(self, headers: Mapping[str, str], api_key: str | None) -> None:
+        if api_key is None:
+            return
+        presented = self.presented_key(headers)
+        if presented is None:
+            raise self.error(401, "x-api-key header is required")
+        if not hmac.compare_digest(presented.encode(), api_key.encode()):
+            raise self.error(401, "invalid x-api-key")
+
+    def check_auth(self, headers: Mapping[str, str], api_key: str | None) -> None:
+        self.check_key(headers, api_key)
+        version = (headers.get("anthropic-version") or "").strip()
+        if not version:
+            raise self.error(400, "anthropic-version: header is required")
+        if not self._VERSION.fullmatch(version):
+            raise self.error(400, f"anthropic-version: {version!r} is not a valid version")
+
+    def quota_exceeded(self) -> ApiError:
+        return self.error(402, "Your credit balance is too low (injected by the local batch server).")
+
+    def rate_limited(self, retry_after: float) -> ApiError:
+        return self.error(
+            429,
+            "Rate limit reached (injected by the local batch server).",
+            headers={"retry-after": f"{retry_after:g}"},
+        )
+
+    def server_error(self, status: int, retry_after: float) -> ApiError:
+        headers = {"retry-after": f"{retry_after:g}"} if status == 503 else {}
+        return self.error(status, f"Injected {status} from the local batch server.", headers=headers)
+
+    # ---- create -----------------------------------------------------------------------
+    def parse_requests(self, body: Any, max_requests: int) -> list[dict[str, Any]]:
+        """The ``requests`` of a create body, checked as the API checks them (400 naming the item)."""
+        if not isinstance(body, Mapping):
+            raise self.error(400, "Request body must be a JSON object.")
+        unknown = sorted(set(body) - {"requests"})
+        if unknown:
+            raise self.error(400, f"{unknown[0]}: Extra inputs are not permitted")
+        requests = body.get("requests")
+        if not isinstance(requests, list) or not requests:
+            raise self.error(400, "requests: Field required (a non-empty list)")
+        if len(requests) > max_requests:
+            raise self.error(
+                413, f"requests: at most {max_requests:,} requests per batch, got {len(requests):,}"
+            )
+        seen: set[str] = set()
+        for index, item in enumerate(requests):
+            where = f"requests.{index}"
+            if not isinstance(item, Mapping):
+                raise self.error(400, f"{where}: Input should be an object")
+            extra = sorted(set(item) - {"custom_id", "params"})
+            if extra:
+                raise self.error(400, f"{where}.{extra[0]}: Extra inputs are not permitted")
+            custom_id = item.get("custom_id")
+            if not isinstance(custom_id, str) or not self._CUSTOM_ID.fullmatch(custom_id):
+                raise self.error(
+                    400, f"{where}.custom_id: String should match pattern '^[a-zA-Z0-9_-]{{1,64}}$'"
+                )
+            if custom_id in seen:
+                raise self.error(400, f"{where}.custom_id: duplicate custom_id {custom_id!r}")
+            seen.add(custom_id)
+            params = item.get("params")
+            if not isinstance(params, Mapping):
+                raise self.error(400, f"{where}.params: Field required")
+            if not isinstance(params.get("model"), str) or not params.get("model"):
+                raise self.error(400, f"{where}.params.model: Field required")
+            tokens = params.get("max_tokens")
+            if type(tokens) is not int or tokens < 1:
+                raise self.error(400, f"{where}.params.max_tokens: Field required (an integer >= 1)")
+            messages = params.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise self.error(400, f"{where}.params.messages: Field required (a non-empty list)")
+            if params.get("stream") is True:
+                raise self.error(400, f"{where}.params.stream: streaming is not supported in batches")
+        return requests
+
+    def canonical_line(self, obj: Any, rec: Mapping[str, Any]) -> Any:
+        """``{custom_id, params}`` as the chat-completions line the backend answers."""
+        if not isinstance(obj, dict) or not isinstance(obj.get("params"), dict):
+            raise ValueError("an Anthropic batch request is {custom_id, params}")
+        params = obj["params"]
+        messages: list[dict[str, Any]] = []
+        system = params.get("system")
+        if system:
+            messages.append({"role": "system", "content": _blocks_text(system)})
+        for message in params.get("messages") or []:
+            if isinstance(message, dict):
+                messages.append(
+                    {"role": message.get("role"), "content": _blocks_text(message.get("content"))}
+                )
+        body: dict[str, Any] = {"model": params.get("model"), "messages": messages}
+        for key in ("max_tokens", "temperature", "top_p"):
+            if params.get(key) is not None:
+                body[key] = params[key]
+        if params.get("stop_sequences"):
+            body["stop"] = list(params["stop_sequences"])
+        return {"custom_id": obj.get("custom_id"), "method": "POST", "url": rec["endpoint"], "body": body}
+
+    # ---- batch objects ----------------------------------------------------------------
+    def status_of(self, rec: Mapping[str, Any]) -> str:
+        status = str(rec["status"])
+        if status in ("completed", "failed", "expired", "cancelled"):
+            return "ended"
+        return "canceling" if status == "cancelling" else "in_progress"
+
+    def request_counts(self, rec: Mapping[str, Any]) -> dict[str, int]:
+        """The five counts: every request "processing" until the batch ends."""
+        counts = rec["request_counts"]
+        total = int(counts["total"])
+        if self.status_of(rec) != "ended":
+            return {"processing": total, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
+        progress = rec.get("progress") or {}
+        canceled = int(progress.get("cancelled") or 0)
+        expired = int(progress.get("expired") or 0)
+        succeeded = int(counts["completed"])
+        return {
+            "processing": 0,
+            "succeeded": succeeded,
+            "errored": max(total - succeeded - canceled - expired, 0),
+            "canceled": canceled,
+            "expired": expired,
+        }
+
+    def render_batch(self, rec: Mapping[str, Any]) -> dict[str, Any]:
+        ended = self.status_of(rec) == "ended"
+        ended_at = (
+            rec.get("completed_at")
+            or rec.get("failed_at")
+            or rec.get("expired_at")
+            or rec.get("cancelled_at")
+        )
+        return {
+            "id": rec["id"],
+            "type": "message_batch",
+            "processing_status": self.status_of(rec),
+            "request_counts": self.request_counts(rec),
+            "ended_at": _iso(ended_at) if ended else None,
+            "created_at": _iso(rec["created_at"]),
+            "expires_at": _iso(rec.get("expires_at")),
+            "archived_at": None,
+            "cancel_initiated_at": _iso(rec.get("cancelling_at")),
+            # A path: the route makes it absolute on the host the client called.
+            "results_url": f"/v1/messages/batches/{rec['id']}/results" if ended else None,
+        }
+
+    def list_window(self, params: Mapping[str, str]) -> tuple[int, str | None, str | None]:
+        """(limit, after_id, before_id) of a listing."""
+        limit = _int_param(params.get("limit"), 20, "limit", self)
+        if not 1 <= limit <= self.MAX_LIST:
+            raise self.error(400, f"limit: Input should be between 1 and {self.MAX_LIST}")
+        after, before = params.get("after_id") or None, params.get("before_id") or None
+        if after and before:
+            raise self.error(400, "Only one of after_id and before_id may be given")
+        return limit, after, before
+
+    def render_batch_list(self, items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+        data = [self.render_batch(r) for r in items]
+        return {
+            "data": data,
+            "has_more": has_more,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+        }
+
+    # ---- result lines -------------------------------------------------------------------
+    def response_line(
+        self, line_id: str, custom_id: str, status: int, body: Any, request_id: str
+    ) -> tuple[bool, dict[str, Any]]:
+        if 200 <= status < 300 and isinstance(body, Mapping):
+            return True, {
+                "custom_id": custom_id,
+                "result": {"type": "succeeded", "message": self._message(body)},
+            }
+        inner = body.get("error") if isinstance(body, Mapping) else None
+        message = inner.get("message") if isinstance(inner, Mapping) else None
+        return False, self._errored(custom_id, status, str(message or f"request failed with HTTP {status}"))
+
+    def system_line(
+        self, line_id: str, custom_id: str, code: str, message: str | None = None, param: Any = None
+    ) -> dict[str, Any]:
+        if code == "batch_expired":
+            return {"custom_id": custom_id, "result": {"type": "expired"}}
+        if code == "batch_cancelled":
+            return {"custom_id": custom_id, "result": {"type": "canceled"}}
+        return self._errored(custom_id, 500, message or SYSTEM_MESSAGES.get(code, code))
+
+    def _errored(self, custom_id: str, status: int, message: str) -> dict[str, Any]:
+        kind = self._TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        return {
+            "custom_id": custom_id,
+            "result": {
+                "type": "errored",
+                "error": {"type": "error", "error": {"type": kind, "message": message}, "request_id": None},
+            },
+        }
+
+    def _message(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """A chat-completion answer as a Messages answer."""
+        choice = (body.get("choices") or [{}])[0]
+        reply = choice.get("message") or {}
+        usage = body.get("usage") or {}
+        finish = choice.get("finish_reason")
+        return {
+            "id": f"msg_{uuid.uuid4().hex[:24]}",
+            "type": "message",
+            "role": "assistant",
+            "model": body.get("model"),
+            "content": [{"type": "text", "text": str(reply.get("content") or "")}],
+            "stop_reason": self._STOP.get(finish, "end_turn"),
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": int(usage.get("prompt_tokens") or 0),
+                "output_tokens": int(usage.get("completion_tokens") or 0),
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0,
+            },
+        }
+
+
+def _blocks_text(content: Any) -> str:
+    """The text of a Messages content (a string, or blocks of which the text ones count)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+    return ""
+
+
 WIRES: dict[str, type[Wire]] = {
-    cls.name: cls for cls in (Wire, DoublewordWire, ZeroGPUWire, XAIWire, MistralWire, AzureWire)
+    cls.name: cls
+    for cls in (Wire, DoublewordWire, ZeroGPUWire, XAIWire, MistralWire, AzureWire, AnthropicWire)
 }
 
 

@@ -61,10 +61,29 @@ def mistral_item(batch_id: str, **fields: Any) -> dict[str, Any]:
     }
 
 
+def anthropic_item(batch_id: str, **fields: Any) -> dict[str, Any]:
+    if "status" in fields:
+        fields["processing_status"] = fields.pop("status")
+    return {
+        "id": batch_id,
+        "type": "message_batch",
+        "processing_status": "in_progress",
+        "request_counts": {"processing": 2, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0},
+        "created_at": "2026-01-04T12:00:00Z",
+        "expires_at": "2026-01-05T12:00:00Z",
+        "ended_at": None,
+        "archived_at": None,
+        "cancel_initiated_at": None,
+        "results_url": None,
+        **fields,
+    }
+
+
 ITEMS: dict[str, Callable[..., dict[str, Any]]] = {
     **dict.fromkeys(OPENAI_SHAPED, openai_item),
     "xai": xai_item,
     "mistral": mistral_item,
+    "anthropic": anthropic_item,
 }
 
 
@@ -117,9 +136,19 @@ MISTRAL_FIELDS: dict[str, dict[str, Any]] = {
     "input-files-number": {"input_files": [5]},
     "output-file-path": {"output_file": "../admin"},
 }
-FIELDS = {"xai": XAI_FIELDS, "mistral": MISTRAL_FIELDS}
+ANTHROPIC_FIELDS: dict[str, dict[str, Any]] = {
+    "created-1e20": {"created_at": 1e20},
+    "created-garbage": {"created_at": "yesterday-ish"},
+    "expires-object": {"expires_at": {"at": 1}},
+    "counts-text": {"request_counts": "two"},
+    "count-text": {"request_counts": {"processing": "two"}},
+    "count-negative": {"request_counts": {"processing": -1}},
+    "count-bool": {"request_counts": {"succeeded": True}},
+    "results-url-number": {"results_url": 5},
+}
+FIELDS = {"xai": XAI_FIELDS, "mistral": MISTRAL_FIELDS, "anthropic": ANTHROPIC_FIELDS}
 # The status each dialect reports for a batch in progress, and one it does not know.
-UNKNOWN_STATUS = {"mistral": "PAUSED"}
+UNKNOWN_STATUS = {"mistral": "PAUSED", "anthropic": "paused"}
 
 
 def bad_fields(dialect: str) -> list[dict[str, Any]]:
@@ -155,7 +184,7 @@ def test_a_batch_that_is_not_an_object_or_has_no_string_id_is_a_response_error(d
             d.parse_batch({**item_of(dialect)("b1"), key: bad_id})
 
 
-@pytest.mark.parametrize("dialect", [*OPENAI_SHAPED, "mistral"])
+@pytest.mark.parametrize("dialect", [*OPENAI_SHAPED, "mistral", "anthropic"])
 def test_an_unknown_status_is_a_read_error_of_its_batch(dialect: str) -> None:
     d = get_dialect(dialect)
     for status in (UNKNOWN_STATUS.get(dialect, "queued"), 5, ["completed"]):

@@ -1098,6 +1098,7 @@ def test_connection_form_matches_airflow_schemas() -> None:
     }
     jsonschema.validate(entry, conn_schema)
     assert CONN_FIELDS["dialect"]["schema"]["enum"] == [
+        "anthropic",
         "azure",
         "doubleword",
         "mistral",

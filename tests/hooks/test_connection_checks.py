@@ -11,7 +11,7 @@ import pytest
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from tests.fixtures.hook import FAST
 
-DIALECTS = ["openai", "doubleword", "zerogpu", "xai", "mistral", "azure"]
+DIALECTS = ["openai", "doubleword", "zerogpu", "xai", "mistral", "anthropic", "azure"]
 KEY = "sk-checks-secret-4242"
 
 
@@ -123,6 +123,17 @@ def test_mistral_and_openai_paths_are_told_apart(
     assert "reachable: yes (HTTP 404)" in message and "dialect: NO (HTTP 404" in message
 
 
+def test_a_wrong_key_at_anthropic_fails_authenticated_and_never_shows_a_key(
+    batch_server, monkeypatch
+) -> None:
+    # Anthropic refuses a wrong key with {"type": "error", "error": {"type": "authentication_error"}}.
+    server = batch_server(dialect="anthropic", api_key=KEY)
+    wrong = "sk-ant-wrong-99999"
+    ok, message = _hook(monkeypatch, server.connection_json(api_key=wrong)).test_connection()
+    assert not ok
+    assert message.startswith("BatchApiAuthError: ") and "invalid x-api-key" in message
+
+
 def test_a_wrong_key_at_azure_fails_authenticated_and_never_shows_a_key(batch_server, monkeypatch) -> None:
     # Azure refuses a wrong api-key with its own 401 body ({"error": {"code": "401", ...}}).
     server = batch_server(dialect="azure", api_key=KEY)
@@ -132,6 +143,22 @@ def test_a_wrong_key_at_azure_fails_authenticated_and_never_shows_a_key(batch_se
     assert message.startswith("BatchApiAuthError: ") and "Access denied" in message
     assert "reachable: yes (HTTP 401)" in message and "authenticated: NO (HTTP 401)" in message
     assert wrong not in message and KEY not in message
+
+
+@pytest.mark.parametrize(("configured", "spoken"), [("anthropic", "openai"), ("openai", "anthropic")])
+def test_anthropic_and_openai_paths_are_told_apart(
+    batch_server, monkeypatch, configured: str, spoken: str
+) -> None:
+    # Message batches live under /v1/messages/batches: OpenAI's server answers 404 there; an
+    # Anthropic server refuses a call without its anthropic-version header (400, naming it).
+    server = batch_server(dialect=spoken)
+    connection = _with(server.connection_json(), extra={"dialect": configured})
+    ok, message = _hook(monkeypatch, connection).test_connection()
+    assert not ok
+    status = 400 if spoken == "anthropic" else 404
+    assert f"reachable: yes (HTTP {status})" in message and f"dialect: NO (HTTP {status}" in message
+    if spoken == "anthropic":
+        assert "anthropic-version: header is required" in message
 
 
 @pytest.mark.parametrize("api_version", [None, "2024-10-21"])

@@ -770,6 +770,198 @@ async def test_results_endpoint_that_never_ends_is_stopped(
     assert served["pages"] == 8
 
 
+# ---- Anthropic: the one results stream at the batch's results_url ------------------------------
+
+
+def anthropic_batch(results_url: str) -> dict[str, Any]:
+    return {
+        "id": "b1",
+        "type": "message_batch",
+        "processing_status": "ended",
+        "request_counts": {"processing": 0, "succeeded": 2, "errored": 0, "canceled": 0, "expired": 0},
+        "created_at": "2026-01-01T00:00:00Z",
+        "expires_at": "2026-01-02T00:00:00Z",
+        "ended_at": "2026-01-01T01:00:00Z",
+        "archived_at": None,
+        "cancel_initiated_at": None,
+        "results_url": results_url,
+    }
+
+
+def anthropic_line(custom_id: str) -> bytes:
+    message = {
+        "id": f"msg_{custom_id}",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude",
+        "content": [{"type": "text", "text": f"answer {custom_id}"}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 1, "output_tokens": 2},
+    }
+    return orjson.dumps({"custom_id": custom_id, "result": {"type": "succeeded", "message": message}}) + b"\n"
+
+
+async def test_results_url_on_another_origin_is_refused_without_sending_the_key(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    api, elsewhere = hostile_server(), hostile_server()
+    elsewhere.route("/results", reply(200, anthropic_line("a")))
+    api.route("/v1/messages/batches/b1", reply(200, anthropic_batch(f"{elsewhere.origin}/results")))
+    hook = hostile_hook(api, dialect="anthropic")
+    with pytest.raises(BatchApiRedirectError) as sync_error:
+        list(hook.iter_results("b1"))
+    with pytest.raises(BatchApiRedirectError) as async_error:
+        [line async for line in hook.aiter_results("b1")]
+    await hook.aclose()
+    hook.close()
+    for error in (sync_error.value, async_error.value):
+        text = str(error)
+        assert elsewhere.origin.split("://")[1] in text and "never sent there" in text, text
+        assert SECRET not in text
+    assert elsewhere.requests == []
+
+
+async def test_results_url_redirect_to_object_store_carries_no_credentials(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    api, store = hostile_server(), hostile_server()
+    content = anthropic_line("a") + anthropic_line("b")
+    store.route("/signed/results.jsonl", reply(200, content))
+    api.route(
+        "/v1/messages/batches/b1", reply(200, anthropic_batch(f"{api.base_url}/messages/batches/b1/results"))
+    )
+    api.route("/v1/messages/batches/b1/results", redirect(f"{store.origin}/signed/results.jsonl?sig=abc"))
+    hook = hostile_hook(api, dialect="anthropic")
+    assert [line.custom_id for line in hook.iter_results("b1")] == ["a", "b"]
+    assert [line.custom_id async for line in hook.aiter_results("b1")] == ["a", "b"]
+    await hook.aclose()
+    hook.close()
+    # The API got the key as x-api-key with the version; the object store got nothing of it.
+    results = api.seen("/v1/messages/batches/b1/results")
+    assert len(results) == 2 and all(r.headers["x-api-key"] == SECRET for r in results)
+    assert all(r.headers["anthropic-version"] == "2023-06-01" for r in results)
+    assert len(store.requests) == 2 and credentials_in(store) == []
+
+
+async def test_results_stream_dropped_mid_way_is_resumed_each_line_once(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook]
+) -> None:
+    content = b"".join(anthropic_line(f"r{i}") for i in range(6))
+
+    def dropped(ex: Exchange) -> None:
+        # Promise the whole stream, send half of it (cut inside a line), then close.
+        ex.head(200, {"Content-Type": "application/binary"}, len(content))
+        ex.send(content[: len(content) // 2 + 7])
+
+    api = hostile_server()
+    api.route("/v1/messages/batches/b1", reply(200, anthropic_batch("/v1/messages/batches/b1/results")))
+    api.route(
+        "/v1/messages/batches/b1/results",
+        sequence(dropped, reply(200, content), dropped, reply(200, content)),
+    )
+    hook = hostile_hook(api, dialect="anthropic")
+    ids = [f"r{i}" for i in range(6)]
+    sync_lines = [line.custom_id for line in hook.iter_results("b1")]
+    async_lines = [line.custom_id async for line in hook.aiter_results("b1")]
+    await hook.aclose()
+    hook.close()
+    assert sync_lines == ids and async_lines == ids
+    assert len(api.seen("/v1/messages/batches/b1/results")) == 4
+
+
+async def test_inline_create_streams_the_file_with_its_exact_length(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], tmp_path: Path
+) -> None:
+    from airflow_batch_provider.hooks.transport import FileBody
+
+    body = orjson.dumps(
+        {"requests": [{"custom_id": f"r{i}", "params": {"x": "y" * 100}} for i in range(500)]}
+    )
+    path = tmp_path / "create.json"
+    path.write_bytes(body)
+    running = {**anthropic_batch(""), "processing_status": "in_progress", "results_url": None}
+    api = hostile_server()
+    api.route("POST /v1/messages/batches", reply(200, running))
+    hook = hostile_hook(api, dialect="anthropic")
+    inline = FileBody(path, filename="create.json", size=len(body))
+    assert hook.create_batch(endpoint="/v1/chat/completions", inline=inline).id == "b1"
+    assert (await hook.acreate_batch(endpoint="/v1/chat/completions", inline=inline)).id == "b1"
+    await hook.aclose()
+    hook.close()
+    sent = api.seen("/v1/messages/batches")
+    assert len(sent) == 2
+    for seen in sent:
+        assert seen.body == body
+        assert seen.headers["content-length"] == str(len(body)) and "transfer-encoding" not in seen.headers
+        assert seen.headers["content-type"] == "application/json" and seen.headers["x-api-key"] == SECRET
+
+
+def _now_batch(batch_id: str, requests: int) -> dict[str, Any]:
+    import datetime as dt
+
+    created = dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z")
+    return {
+        **anthropic_batch(""),
+        "id": batch_id,
+        "processing_status": "in_progress",
+        "results_url": None,
+        "ended_at": None,
+        "created_at": created,
+        "request_counts": {"processing": requests, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0},
+    }
+
+
+@pytest.mark.parametrize(
+    ("listed", "outcome"),
+    [
+        (["lost:3", "other:4"], "adopted"),  # the one batch of its size created since: the lost create
+        ([], "created"),  # nothing was created: the create is sent again, once
+        (["lost:3", "twin:3"], "refused"),  # two of its size: not guessed, not retried
+    ],
+)
+async def test_an_ambiguous_inline_create_is_found_by_its_time_and_request_count(
+    hostile_server: Callable[[], HostileServer],
+    hostile_hook: Callable[..., BatchApiHook],
+    tmp_path: Path,
+    listed: list[str],
+    outcome: str,
+) -> None:
+    from airflow_batch_provider.hooks.transport import FileBody
+
+    path = tmp_path / "create.json"
+    path.write_bytes(b'{"requests":[]}')
+    batches = [_now_batch(item.split(":")[0], int(item.split(":")[1])) for item in listed]
+    for client in ("sync", "async"):
+        api = hostile_server()
+        api.route(
+            "GET /v1/messages/batches",
+            reply(200, {"data": batches, "has_more": False, "first_id": None, "last_id": None}),
+        )
+        api.route(
+            "POST /v1/messages/batches",
+            sequence(reply(500, {"type": "error"}), reply(200, _now_batch("new", 3))),
+        )
+        hook = hostile_hook(api, dialect="anthropic")
+        inline = FileBody(path, filename="create.json", size=path.stat().st_size, requests=3)
+
+        async def create() -> Any:
+            if client == "sync":
+                return hook.create_batch(endpoint="/v1/chat/completions", inline=inline)
+            return await hook.acreate_batch(endpoint="/v1/chat/completions", inline=inline)
+
+        if outcome == "refused":
+            with pytest.raises(BatchApiError, match="2 batches with its 3 request\\(s\\).*lost, twin"):
+                await create()
+        else:
+            made = await create()
+            assert made.id == {"adopted": "lost", "created": "new"}[outcome], client
+        await hook.aclose()
+        hook.close()
+        posts = [r for r in api.seen("/v1/messages/batches") if r.method == "POST"]
+        assert len(posts) == (2 if outcome == "created" else 1), client
+
+
 # ---- listings end (issue #23, point 2) -----------------------------------------------------------
 
 
@@ -966,3 +1158,29 @@ async def test_an_unreadable_batch_answer_is_a_response_error(
         await hook.aget_batch("b1")
     await hook.aclose()
     hook.close()
+
+
+async def test_an_ambiguous_inline_create_never_adopts_a_batch_of_the_callers_other_shards(
+    hostile_server: Callable[[], HostileServer], hostile_hook: Callable[..., BatchApiHook], tmp_path: Path
+) -> None:
+    # The submit's earlier shard made "shard-0", of the same size, a moment ago: it is not this one.
+    from airflow_batch_provider.hooks.transport import FileBody
+
+    path = tmp_path / "create.json"
+    path.write_bytes(b'{"requests":[]}')
+    api = hostile_server()
+    api.route(
+        "GET /v1/messages/batches",
+        reply(
+            200, {"data": [_now_batch("shard-0", 3)], "has_more": False, "first_id": None, "last_id": None}
+        ),
+    )
+    api.route(
+        "POST /v1/messages/batches", sequence(reply(500, {"type": "error"}), reply(200, _now_batch("new", 3)))
+    )
+    hook = hostile_hook(api, dialect="anthropic")
+    inline = FileBody(path, filename="create.json", size=path.stat().st_size, requests=3)
+    made = hook.create_batch(endpoint="/v1/chat/completions", inline=inline, not_these=["shard-0"])
+    hook.close()
+    assert made.id == "new"
+    assert len([r for r in api.seen("/v1/messages/batches") if r.method == "POST"]) == 2

@@ -564,6 +564,14 @@ def readable(w: World) -> str:
     return w.readable_file
 
 
+def inline_match(requests: int) -> Any:
+    from datetime import datetime, timezone
+
+    from airflow_batch_provider.hooks.create import InlineMatch
+
+    return InlineMatch(since=datetime(2000, 1, 1, tzinfo=timezone.utc), requests=requests)
+
+
 # The create arguments; each twin gets metadata of its own, so a lookup finds only its batch.
 CREATE: dict[str, Any] = {
     "input_file_id": lambda w: w.input_file_id,
@@ -671,6 +679,13 @@ ROWS: list[Row] = [
     Row("find_batches[empty]", *twins("find_batches", {})),
     Row("find_batches[limit=2]", *twins("find_batches", lambda w: w.metadata, limit=2)),
     Row("find_created_batch", *twins("find_created_batch", lambda w: w.metadata)),
+    # Batches of one size created since a time (an inline create's lookup): the same ids both ways.
+    Row(
+        "find_inline_batches",
+        *twins("find_inline_batches", lambda w: inline_match(w.done.request_counts.total)),
+        lambda match: sorted(b.id for b in match.found),
+    ),
+    Row("find_inline_batches[no such size]", *twins("find_inline_batches", lambda w: inline_match(10**9))),
     Row("find_created_batch[no match]", *twins("find_created_batch", {"airflow_batch_key": "nothing"})),
     Row(
         "find_created_batch[other input file]",

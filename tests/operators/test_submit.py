@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +30,7 @@ from airflow_batch_provider.staging import write_manifest
 from airflow_batch_provider.submission import KEY_NAME, RunIdentity, StateStore, SubmitState, batch_metadata
 from tests.fixtures.airflow import write_batch_jsonl
 
-DIALECTS = ["openai", "doubleword", "zerogpu", "xai", "mistral", "azure"]
+DIALECTS = ["openai", "doubleword", "zerogpu", "xai", "mistral", "anthropic", "azure"]
 FAST = {"poll_interval": 0.05, "max_poll_interval": 0.2}
 
 
@@ -41,7 +42,11 @@ def server_for(batch_server: Any, monkeypatch: pytest.MonkeyPatch) -> Callable[.
         # Short real validating and finalizing phases (0.3 s each at the test time scale): batches are still
         # running when the task defers, so the trigger path is what these tests exercise.
         server = batch_server(dialect=dialect, **{"validate_seconds": 300, "finalize_seconds": 300, **config})
-        monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
+        conn = json.loads(server.connection_json())
+        if dialect == "anthropic":
+            # The written lines have no max_tokens, which Anthropic requires: the connection gives it.
+            conn["extra"]["request_defaults"] = {"max_tokens": 16}
+        monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", json.dumps(conn))
         return server
 
     return start
@@ -122,8 +127,8 @@ async def test_failed_every_dialect(server_for: Any, task_context: Any, tmp_path
     try:
         event, finish = await submit_and_wait(op, ctx)
     except BatchApiBadRequestError as exc:
-        # ZeroGPU validates synchronously: the create itself is refused, naming the line.
-        assert dialect == "zerogpu", exc
+        # ZeroGPU and Anthropic validate synchronously: the create itself is refused.
+        assert dialect in ("zerogpu", "anthropic"), exc
         return
     assert event["status"] == "failed", event
     batch_id = event["batch_ids"][0]
