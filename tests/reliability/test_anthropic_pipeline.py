@@ -325,31 +325,6 @@ async def test_a_line_without_max_tokens_fails_the_submit_before_anything_is_sen
     assert pipeline.build("no-tokens-3", batch_conn_id="batch_api_default", **BUILD)["rows_written"] == 2
 
 
-async def test_the_results_table_is_the_same_as_openais(
-    batch_server: Any, pg_warehouse: Any, tmp_path: Path, task_context: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Changing the connection's vendor changes nothing in the results table but who answered.
-    seed_texts(pg_warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
-    tables: dict[str, dict[int, tuple[str, str | None, str | None]]] = {}
-    columns: dict[str, list[str]] = {}
-    for dialect in ("openai", "anthropic"):
-        serve(batch_server, monkeypatch, dialect=dialect)
-        pipeline = Pipeline(pg_warehouse, tmp_path / dialect, task_context)
-        await pipeline.run(f"same-{dialect}", f"answers_{dialect}", build=BUILD)
-        tables[dialect] = rows_of(pipeline, f"answers_{dialect}")
-        columns[dialect] = [
-            r[0]
-            for r in pg_warehouse.rows(
-                "SELECT column_name FROM information_schema.columns "
-                f"WHERE table_name = 'answers_{dialect}' AND table_schema = current_schema() "
-                "ORDER BY ordinal_position"
-            )
-        ]
-    assert columns["anthropic"] == columns["openai"] and "status" in columns["openai"]
-    assert tables["anthropic"] == tables["openai"]
-    assert {s for s, _, _ in tables["anthropic"].values()} == {"succeeded"}
-
-
 async def test_each_shards_create_names_the_earlier_shards_batches_as_not_its_own(
     batch_server: Any, pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
 ) -> None:
