@@ -2,7 +2,8 @@
 
 The batch server speaks Mistral (``serve --dialect mistral``: jobs, the model on the job,
 ``{custom_id, body}`` lines); the connection's dialect is ``mistral``. Every terminal outcome
-lands every row with its status, and the results table is checked against every other vendor in test_every_vendor.py.
+lands every row with its status; ``test_every_vendor.py`` checks the results table against every
+other vendor's.
 """
 
 from __future__ import annotations
