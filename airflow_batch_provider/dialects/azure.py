@@ -15,6 +15,9 @@ files); what differs is where the API lives, how a request authenticates, and th
   ``client_id`` and the password as its client secret) or ``DefaultAzureCredential`` (managed
   identity, workload identity, environment; extra ``client_id`` picks a user-assigned identity).
   The token is refreshed before it expires; the async client gets it from ``azure.identity.aio``.
+- **Endpoints.** Staging keeps the canonical ``/v1/chat/completions``; on the classic API each
+  uploaded line's ``url`` and the create's ``endpoint`` read ``/chat/completions`` (the form of
+  Microsoft's classic samples), on the v1 API ``/v1/chat/completions`` (its REST reference).
 - **The model** of each line (``body.model``) is the deployment's name and must be the same on
   every line of a file. At most 100,000 requests and 200 MB per file.
 - **File expiry.** Uploads carry ``expires_after`` and creates ``output_expires_after`` (anchor
@@ -148,6 +151,9 @@ class AzureOpenAIDialect(Dialect):
         self.api_version = api_version
         self.auth = auth
         self.file_expiry_seconds = file_expiry_seconds
+        # The classic API names endpoints without the version segment (``/chat/completions``, in
+        # each line's ``url`` and the create's ``endpoint``); the v1 API's reference with it.
+        self.encodes_lines = api_version is not None
 
     def __repr__(self) -> str:
         path = f"classic api-version={self.api_version}" if self.api_version else "v1"
@@ -296,6 +302,23 @@ class AzureOpenAIDialect(Dialect):
             return "Azure OpenAI needs body.model, the batch deployment's name, on every line"
         return None
 
+    def wire_endpoint(self, endpoint: str) -> str:
+        """The endpoint as this connection's API names it: ``/v1/chat/completions`` on the v1
+        API, ``/chat/completions`` on the classic one (Microsoft's classic samples and files).
+
+        :param endpoint: a canonical endpoint (``/v1/...``).
+        """
+        if self.api_version and endpoint.startswith("/v1/"):
+            return endpoint[len("/v1") :]
+        return endpoint
+
+    def encode_line(self, canonical: dict[str, Any]) -> dict[str, Any]:
+        """The canonical line with its ``url`` as the classic API names it (classic only)."""
+        url = canonical.get("url")
+        if isinstance(url, str):
+            canonical["url"] = self.wire_endpoint(url)
+        return canonical
+
     # ---- batches --------------------------------------------------------------------
     def create_batch_body(
         self,
@@ -311,7 +334,7 @@ class AzureOpenAIDialect(Dialect):
         against the resource's file cap too, so they expire like the input."""
         body = super().create_batch_body(
             input_file_id=input_file_id,
-            endpoint=endpoint,
+            endpoint=self.wire_endpoint(endpoint),
             completion_window=completion_window,
             metadata=metadata,
             name=name,

@@ -170,8 +170,9 @@ class Dialect:
     model_placement: ClassVar[ModelPlacement] = "line"
     #: Whether submit passes every staged (canonical) line through ``unsupported`` and
     #: ``encode_line`` into an encoded copy before uploading. False (OpenAI's shape): the staged
-    #: file is uploaded as it is, with no pass over its lines.
-    encodes_lines: ClassVar[bool] = False
+    #: file is uploaded as it is, with no pass over its lines. Not a ClassVar: a configured
+    #: dialect may encode on some connections only (Azure's classic API).
+    encodes_lines: bool = False
     #: How a batch is submitted (see ``SubmissionMode``).
     submission_mode: ClassVar[SubmissionMode] = "file"
     #: The key of the create body that holds the encoded requests ("inline" dialects).

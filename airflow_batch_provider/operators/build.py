@@ -304,7 +304,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
             body=self._body_source(),
             on_null=self.on_null,
             prefix=prefix,
-            unsupported=dialect.unsupported if dialect.encodes_lines else None,
+            unsupported=dialect.unsupported,
         )
         with stream_rows(
             hook, query, self.parameters, batch_size=self.fetch_batch_size, session_sql=self.session_sql

@@ -774,8 +774,24 @@ class AzureWire(Wire):
 
     name = "azure"
     path_prefixes = ("/openai/v1", "/openai")
+    # Lines name their endpoint as the classic samples do (``/chat/completions``) or as the v1
+    # reference does (``/v1/chat/completions``); both are read as the canonical form.
+    vendor_lines = True
     MIN_EXPIRY = 14 * 24 * 3600
     MAX_EXPIRY = 30 * 24 * 3600
+
+    def canonical_endpoint(self, endpoint: Any) -> Any:
+        """``/chat/completions`` read as ``/v1/chat/completions`` (a supported endpoint only)."""
+        if isinstance(endpoint, str) and not endpoint.startswith("/v1/"):
+            versioned = "/v1" + endpoint
+            if versioned in self.dialect.endpoints:
+                return versioned
+        return endpoint
+
+    def canonical_line(self, obj: Any, rec: Mapping[str, Any]) -> Any:
+        if isinstance(obj, dict) and "url" in obj:
+            obj["url"] = self.canonical_endpoint(obj["url"])
+        return obj
 
     def presented_key(self, headers: Mapping[str, str]) -> str | None:
         return (headers.get("api-key") or "").strip() or None
@@ -858,6 +874,8 @@ class AzureWire(Wire):
         return seconds
 
     def parse_create(self, body: Any) -> dict[str, Any]:
+        if isinstance(body, Mapping) and "endpoint" in body:
+            body = {**body, "endpoint": self.canonical_endpoint(body["endpoint"])}
         created = super().parse_create(body)
         output = body.get("output_expires_after")
         if output is not None:

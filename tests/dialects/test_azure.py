@@ -260,3 +260,23 @@ async def test_make_credential_builds_azure_identitys_own_credentials() -> None:
     assert isinstance(
         make_credential(principal, None, asynchronous=False), azure.identity.DefaultAzureCredential
     )
+
+
+@pytest.mark.parametrize(
+    ("extra", "wire"),
+    [({}, "/v1/chat/completions"), ({"api_version": "2024-10-21"}, "/chat/completions")],
+    ids=["v1", "classic"],
+)
+def test_each_api_gets_the_endpoint_as_it_names_it(extra: dict[str, Any], wire: str) -> None:
+    # Microsoft's classic samples name the endpoint /chat/completions in every line and in the
+    # create; the v1 reference /v1/chat/completions. Staging keeps the canonical form.
+    dialect = settings(extra).dialect
+    canonical = {"custom_id": "k-1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "d"}}
+    assert dialect.encodes_lines == bool(extra)
+    if dialect.encodes_lines:
+        assert dialect.encode_line(dict(canonical))["url"] == wire
+    body = dialect.create_batch_body(
+        input_file_id="file-1", endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert body["endpoint"] == wire
+    assert dialect.wire_endpoint("/v1/embeddings") == wire.replace("chat/completions", "embeddings")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from azure.core.credentials import AccessToken
 
@@ -95,6 +96,14 @@ async def test_completed_with_mixed_rows_lands_every_row(
     # The uploaded input file carries Azure's expiry: 14 days after its creation.
     uploaded = hook.get_file(batch.input_file_id or "")
     assert uploaded["expires_at"] == uploaded["created_at"] + 14 * 24 * 3600
+    # Each API's own name of the endpoint in the uploaded lines: the classic API's samples
+    # /chat/completions, the v1 reference /v1/chat/completions. Staging keeps the canonical one.
+    wire = "/chat/completions" if path == "classic" else "/v1/chat/completions"
+    assert {line["url"] for line in hook.iter_file_lines(batch.input_file_id or "")} == {wire}
+    staged = (wh_pipeline.staging_root / "reliability" / "mixed").rglob("shard-*.jsonl")
+    assert {orjson.loads(raw)["url"] for f in staged for raw in f.read_bytes().splitlines()} == {
+        "/v1/chat/completions"
+    }
     rows = rows_of(wh_pipeline)
     statuses = [s for s, _, _ in rows.values()]
     assert len(rows) == ROWS and statuses.count("failed") == failures

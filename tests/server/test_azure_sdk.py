@@ -40,10 +40,22 @@ def wait(client: openai.OpenAI, batch: Any, statuses: tuple[str, ...] = TERMINAL
     return batch
 
 
-def round_trip(client: openai.OpenAI, tmp_path: Path) -> list[str]:
-    """Upload, create, retrieve, content, cancel a second batch, list; the requests' paths."""
+# How Microsoft's batch guide names the endpoint: in the lines and the create of its classic
+# (AzureOpenAI + api_version) samples, ``/chat/completions``; its v1 samples put
+# ``/v1/chat/completions`` in the lines and ``/chat/completions`` in the create.
+CLASSIC = ("/chat/completions", "/chat/completions")
+V1_SAMPLE = ("/v1/chat/completions", "/chat/completions")
+V1_REFERENCE = ("/v1/chat/completions", "/v1/chat/completions")
+
+
+def round_trip(client: openai.OpenAI, tmp_path: Path, form: tuple[str, str] = V1_REFERENCE) -> list[str]:
+    """Upload, create, retrieve, content, cancel a second batch, list; the requests' paths.
+
+    :param form: the endpoint as the lines' ``url`` and the create's ``endpoint`` name it.
+    """
+    line_url, endpoint = form
     path = tmp_path / "in.jsonl"
-    path.write_bytes(jsonl(chat_line(i, model=DEPLOYMENT) for i in range(6)))
+    path.write_bytes(jsonl(chat_line(i, model=DEPLOYMENT, url=line_url) for i in range(6)))
     uploaded = client.files.create(
         file=path.open("rb"),
         purpose="batch",
@@ -53,7 +65,7 @@ def round_trip(client: openai.OpenAI, tmp_path: Path) -> list[str]:
     assert uploaded.expires_at == uploaded.created_at + FOURTEEN_DAYS
     batch = client.batches.create(
         input_file_id=uploaded.id,
-        endpoint="/v1/chat/completions",
+        endpoint=endpoint,  # type: ignore[arg-type]  # the SDK's type lists OpenAI's /v1 form only
         completion_window="24h",
         metadata={"airflow_batch_key": "run-a"},
         extra_body={"output_expires_after": {"anchor": "created_at", "seconds": FOURTEEN_DAYS}},
@@ -70,7 +82,7 @@ def round_trip(client: openai.OpenAI, tmp_path: Path) -> list[str]:
 
     other = client.batches.create(
         input_file_id=uploaded.id,
-        endpoint="/v1/chat/completions",
+        endpoint=endpoint,  # type: ignore[arg-type]
         completion_window="24h",
         extra_headers={"X-Batch-Fault": "stall"},
     )
@@ -105,7 +117,7 @@ def test_azure_openai_client_on_the_classic_path_with_a_key(batch_server: Any, t
         max_retries=0,
         http_client=recorded_client(recorder),
     )
-    round_trip(client, tmp_path)
+    round_trip(client, tmp_path, CLASSIC)
     paths = {path for path, _, _ in recorder.seen}
     assert {"/openai/files", "/openai/batches"} <= paths
     assert all(p.startswith("/openai/") and not p.startswith("/openai/v1/") for p in paths)
@@ -129,7 +141,7 @@ def test_azure_openai_client_with_an_entra_token_provider(batch_server: Any, tmp
         max_retries=0,
         http_client=recorded_client(recorder),
     )
-    round_trip(client, tmp_path)
+    round_trip(client, tmp_path, CLASSIC)
     assert calls and all(auth == {"authorization": f"Bearer {TOKEN}"} for _, _, auth in recorder.seen)
     # A token the server does not accept is refused in Azure's 401 shape, echoing nothing.
     stale = openai.AzureOpenAI(
@@ -146,7 +158,8 @@ def test_azure_openai_client_with_an_entra_token_provider(batch_server: Any, tmp
     assert "expired-token" not in refused.value.response.text and KEY not in refused.value.response.text
 
 
-def test_openai_client_on_the_v1_path(batch_server: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("form", [V1_SAMPLE, V1_REFERENCE], ids=["v1-sample", "v1-reference"])
+def test_openai_client_on_the_v1_path(batch_server: Any, tmp_path: Path, form: tuple[str, str]) -> None:
     server = batch_server(dialect="azure", api_key=KEY)
     assert server.base_url == f"{server.root_url}/openai/v1"
     recorder = Recorder()
@@ -156,7 +169,7 @@ def test_openai_client_on_the_v1_path(batch_server: Any, tmp_path: Path) -> None
         max_retries=0,
         http_client=recorded_client(recorder),
     )
-    round_trip(client, tmp_path)
+    round_trip(client, tmp_path, form)
     assert all(
         path.startswith("/openai/v1/") and "api-version" not in query for path, query, _ in recorder.seen
     )
