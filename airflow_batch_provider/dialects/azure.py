@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 from airflow_batch_provider.dialects.base import Dialect
 from airflow_batch_provider.exceptions import BatchApiAuthError, ConfigurationError
 from airflow_batch_provider.limits import MB, Limits
+from airflow_batch_provider.redaction import redact
 
 if TYPE_CHECKING:
     import httpx
@@ -367,8 +368,7 @@ def _token(access: Any) -> Token:
 def _token_error(exc: Exception, secret: str | None) -> BatchApiAuthError:
     """The error of a failed token request: its kind and first line, never the client secret."""
     text = (str(exc).strip().splitlines() or [""])[0][:300]
-    if secret:
-        text = text.replace(secret, "***")
+    text = redact(text, secret)
     return BatchApiAuthError(
         f"Microsoft Entra ID refused a token for {ENTRA_SCOPE}: {type(exc).__name__}: {text}"
     )
