@@ -842,13 +842,17 @@ def test_a_template_model_never_overrides_the_operator_model_silently(
     assert [(r["key"], r["code"], r["column"]) for r in rejects] == [([2], "model_conflict", "model")]
     assert "'other'" in rejects[0]["reason"] and "'m'" in rejects[0]["reason"]
     assert [line["body"]["model"] for line in all_lines(out, staging.read_manifest(out))] == ["m"]
-    # Without an operator model, the template's model is the model (on a dialect whose files may
-    # mix models; OpenAI's may not, so there the second model is a reject of its own).
+    # Without an operator model, the template's model is the model: on a dialect whose files may
+    # mix models in one shard; on OpenAI's, whose files may not, in one shard per model.
     _, out = build(sqlite_warehouse, tmp_path, body_template=template, dialect="doubleword")
-    assert [line["body"]["model"] for line in all_lines(out, staging.read_manifest(out))] == ["m", "other"]
+    manifest = staging.read_manifest(out)
+    assert len(manifest.shards) == 1
+    assert [line["body"]["model"] for line in all_lines(out, manifest)] == ["m", "other"]
     _, out = build(sqlite_warehouse, tmp_path, body_template=template)
-    assert [line["body"]["model"] for line in all_lines(out, staging.read_manifest(out))] == ["m"]
-    assert [(r["key"], r["code"]) for r in read_jsonl(out / "rejects.jsonl")] == [([2], "mismatched_model")]
+    manifest = staging.read_manifest(out)
+    assert [(s.index, s.lines) for s in manifest.shards] == [(0, 1), (1, 1)]
+    assert [line["body"]["model"] for line in all_lines(out, manifest)] == ["m", "other"]
+    assert read_jsonl(out / "rejects.jsonl") == []
 
 
 # ---- a data-triggered template error (issue #13 point 18) -------------------------------------
