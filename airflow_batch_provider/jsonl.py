@@ -91,6 +91,16 @@ def iter_raw_lines(stream: IO[bytes], max_line_bytes: int) -> Iterator[RawLine]:
         yield RawLine(number, b"", size, oversize=True)
 
 
+def json_error_text(exc: ValueError) -> str:
+    """What the JSON parser said of one line, placed by its column only (the caller names the
+    line, so the parser's own "line 1" would be a second, wrong line number)."""
+    msg = getattr(exc, "msg", None)
+    column = getattr(exc, "colno", None)
+    if isinstance(msg, str) and isinstance(column, int):
+        return f"{msg} at column {column}"
+    return str(exc)
+
+
 def dumps_line(obj: Any) -> bytes:
     """Serialise one JSONL line (no newline) the way every writer of this package does."""
     return orjson.dumps(obj)
@@ -221,7 +231,7 @@ class LineValidator:
                 return None, [
                     Problem(raw.number, "invalid_utf8", f"line is not valid UTF-8 (byte {uexc.start})")
                 ]
-            return None, [Problem(raw.number, "invalid_json", f"line is not valid JSON: {exc}")]
+            return None, [Problem(raw.number, "invalid_json", f"not valid JSON: {json_error_text(exc)}")]
         return obj if isinstance(obj, dict) else None, self.check_object(obj, raw.number)
 
     def check_object(self, obj: Any, number: int) -> list[Problem]:
@@ -380,4 +390,4 @@ def iter_objects(stream: IO[bytes], max_line_bytes: int = 1 << 30) -> Iterator[t
         try:
             yield raw.number, orjson.loads(raw.data)
         except orjson.JSONDecodeError as exc:
-            raise ValueError(f"line {raw.number}: not valid JSON: {exc}") from None
+            raise ValueError(f"line {raw.number}: not valid JSON: {json_error_text(exc)}") from None

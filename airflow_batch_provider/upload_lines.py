@@ -15,7 +15,7 @@ from typing import IO, TYPE_CHECKING, Any
 import orjson
 
 from airflow_batch_provider.exceptions import JsonlValidationError
-from airflow_batch_provider.jsonl import dumps_line, iter_raw_lines
+from airflow_batch_provider.jsonl import dumps_line, iter_raw_lines, json_error_text
 
 if TYPE_CHECKING:
     from airflow_batch_provider.dialects.base import Dialect
@@ -85,7 +85,7 @@ class ShardEncoder:
             try:
                 obj = orjson.loads(raw.data)
             except orjson.JSONDecodeError as exc:
-                raise self._error(number, f"not valid JSON: {exc}") from None
+                raise self._error(number, f"not valid JSON: {json_error_text(exc)}") from None
             body = obj.get("body") if isinstance(obj, dict) else None
             if not isinstance(body, dict):
                 raise self._error(number, "no body object")

@@ -35,7 +35,7 @@ from airflow_batch_provider.exceptions import (
     BatchApiServerError,
 )
 from airflow_batch_provider.hooks.retry import retry_after_seconds
-from airflow_batch_provider.jsonl import repeated_key
+from airflow_batch_provider.jsonl import json_error_text, repeated_key
 from airflow_batch_provider.redaction import Secrets, occurs, redact
 
 if TYPE_CHECKING:
@@ -802,7 +802,9 @@ def parse_json_line(data: bytes, number: int, where: str) -> Any:
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
-        raise BatchApiResponseError(f"{where} line {number} is not valid JSON: {exc}") from None
+        raise BatchApiResponseError(
+            f"{where} line {number} is not valid JSON: {json_error_text(exc)}"
+        ) from None
     ambiguous = repeated_key(data, obj)
     if ambiguous is not None:
         raise BatchApiResponseError(f"{where} line {number} {ambiguous}")
