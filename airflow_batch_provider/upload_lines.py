@@ -15,7 +15,7 @@ from typing import IO, TYPE_CHECKING, Any
 import orjson
 
 from airflow_batch_provider.exceptions import JsonlValidationError
-from airflow_batch_provider.jsonl import dumps_line, iter_raw_lines, json_error_text
+from airflow_batch_provider.jsonl import dumps_line, iter_raw_lines, json_error_text, missing_model_message
 
 if TYPE_CHECKING:
     from airflow_batch_provider.dialects.base import Dialect
@@ -95,6 +95,10 @@ class ShardEncoder:
                 body["model"] = self.model
             if job:
                 self._take_model(body.get("model"), number)
+            elif not _named(body.get("model")) and dialect.needs_line_model(str(obj.get("url"))):
+                raise self._error(
+                    number, missing_model_message(dialect.name, dialect.model_meaning, str(obj.get("url")))
+                )
             if encode:
                 reason = dialect.unsupported(obj)
                 if reason is not None:
@@ -133,6 +137,11 @@ class ShardEncoder:
 
     def _error(self, number: int, message: str) -> JsonlValidationError:
         return JsonlValidationError(f"{self.where} line {number}: {message}")
+
+
+def _named(model: object) -> bool:
+    """Whether ``model`` names a model (non-blank text)."""
+    return isinstance(model, str) and bool(model.strip())
 
 
 def write_inline_body(

@@ -12,10 +12,11 @@ import orjson
 import pytest
 
 from airflow_batch_provider.cli import main
+from airflow_batch_provider.dialects import DIALECTS
 
 
 def line(cid: str, url: str = "/v1/chat/completions", **body: Any) -> bytes:
-    body = body or {"messages": [{"role": "user", "content": f"hi {cid}"}]}
+    body = body or {"model": "m", "messages": [{"role": "user", "content": f"hi {cid}"}]}
     return orjson.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
 
 
@@ -40,9 +41,14 @@ def test_validate_prints_every_problem_with_its_line(
             line("a"),
             b"{not json",
             line("a"),
-            line("b", url="/v1/embeddings", input="x"),
+            line("b", url="/v1/embeddings", input="x", model="m"),
             orjson.dumps(
-                {"custom_id": "c", "method": "GET", "url": "/v1/chat/completions", "body": {"x": 1}}
+                {
+                    "custom_id": "c",
+                    "method": "GET",
+                    "url": "/v1/chat/completions",
+                    "body": {"model": "m", "messages": []},
+                }
             ),
             line("d", messages=[], stream=True),
             b"\xff\xfe",
@@ -78,7 +84,11 @@ def test_validate_limits_endpoint_and_dialect(tmp_path: Path, capsys: pytest.Cap
 def test_prepare_sets_model_in_place_and_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     f = write(
         tmp_path / "in.jsonl",
-        [line("1"), b"", line("2", model="old", messages=[{"role": "user", "content": "é😀"}])],
+        [
+            line("1", messages=[{"role": "user", "content": "hi"}]),
+            b"",
+            line("2", model="old", messages=[{"role": "user", "content": "é😀"}]),
+        ],
     )
     out = tmp_path / "out.jsonl"
     assert (
@@ -283,3 +293,42 @@ def test_every_subcommand_error_has_the_one_prefix(tmp_path: Path) -> None:
         ("summary", "--duckdb", str(missing), "--table", "t"),
     ]:
         _one_line_error(_cli(*args), 1, f"airflow-batch {args[0]}: ")
+
+
+@pytest.mark.parametrize("name", sorted(DIALECTS))
+def test_validate_refuses_lines_without_a_model_where_the_dialect_needs_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    bare = {"messages": [{"role": "user", "content": "hi"}]}
+    f = write(tmp_path / "f.jsonl", [line("1"), line("2", **bare)])
+    code = main(["validate", str(f), "--dialect", name])
+    out = capsys.readouterr().out
+    if DIALECTS[name].needs_line_model("/v1/chat/completions"):
+        assert code == 1, out
+        assert f"{f}:line 2: body.model" in out and f"dialect {name!r}" in out and "[missing_model]" in out
+        assert "model= on the build or the submit" in out and "prepare --model" in out
+    else:
+        # The model goes on the job (submit's model= may give it): a line may go without.
+        assert code == 0, out
+
+
+@pytest.mark.parametrize(
+    ("url", "body", "missing", "meant"),
+    [
+        ("/v1/embeddings", {"model": "m", "messages": [{"role": "user", "content": "x"}]}, "input", "chat"),
+        ("/v1/chat/completions", {"model": "m", "input": "x"}, "messages", "/v1/embeddings"),
+    ],
+)
+def test_validate_refuses_a_body_shaped_for_another_endpoint(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    url: str,
+    body: dict[str, Any],
+    missing: str,
+    meant: str,
+) -> None:
+    f = write(tmp_path / "f.jsonl", [line("1", url=url, **body)])
+    assert main(["validate", str(f)]) == 1
+    out = capsys.readouterr().out
+    assert f"line 1: body has no {missing!r}, which {url} needs" in out and "[missing_body_field]" in out
+    assert meant in out

@@ -99,6 +99,7 @@ class AzureOpenAIDialect(Dialect):
     limits = Limits(max_lines=100_000, max_file_bytes=200 * MB, max_line_bytes=200 * MB)
     # Every line's body.model names the one deployment the batch runs on.
     mixed_models = False
+    model_meaning = "the batch deployment's name"
     quota_error_codes = frozenset({"insufficient_quota", "token_limit_exceeded"})
     batch_quota_error_codes = frozenset({"token_limit_exceeded"})
     connection_fields = {
@@ -295,14 +296,6 @@ class AzureOpenAIDialect(Dialect):
         return isinstance(code, str) and code.lower() in self.batch_quota_error_codes
 
     # ---- request lines ----------------------------------------------------------------
-    def unsupported(self, canonical: Mapping[str, Any]) -> str | None:
-        """A line must name its deployment: Azure runs each line on ``body.model``'s deployment."""
-        body = canonical.get("body")
-        model = body.get("model") if isinstance(body, Mapping) else None
-        if not isinstance(model, str) or not model.strip():
-            return "Azure OpenAI needs body.model, the batch deployment's name, on every line"
-        return None
-
     def wire_endpoint(self, endpoint: str) -> str:
         """The endpoint as this connection's API names it: ``/v1/chat/completions`` on the v1
         API, ``/chat/completions`` on the classic one (Microsoft's classic samples and files).
