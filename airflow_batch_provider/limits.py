@@ -10,6 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 MB = 1024 * 1024
+#: Longest result line read (and so the longest response body sent as JSON text that is decoded).
+#: Result lines are far smaller; the cap only stops a broken server from filling memory.
+MAX_RESULT_LINE_BYTES = 256 * MB
 
 
 @dataclass(frozen=True)

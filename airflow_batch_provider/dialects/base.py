@@ -10,9 +10,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+import orjson
+
 from airflow_batch_provider.exceptions import BatchApiResponseError
 from airflow_batch_provider.ids import id_problem, path_segment
-from airflow_batch_provider.limits import MB, Limits, ValidationRules
+from airflow_batch_provider.limits import MAX_RESULT_LINE_BYTES, MB, Limits, ValidationRules
 
 # The models are imported for type checking only; ``bind_models`` puts them into this module
 # when the first dialect is made. Reading a dialect's rules (``airflow-batch validate``) then
@@ -563,6 +565,8 @@ class Dialect:
         if isinstance(response, dict):
             status_code = response.get("status_code")
             body = response.get("body")
+            if isinstance(body, str):
+                body = json_text_body(body)
             request_id = response.get("request_id")
             if isinstance(status_code, str) and status_code.isdigit():
                 status_code = int(status_code)
@@ -661,6 +665,25 @@ def page_items(raw: Mapping[str, Any], *keys: str) -> list[Any]:
         if value:
             return value
     return []
+
+
+def json_text_body(text: str) -> Any:
+    """A response body sent as JSON text (some OpenAI-compatible servers write ``"body": "{...}"``)
+    as the object it holds; text that is not a JSON object is returned as it is, so the line
+    still counts as having no body to read (the merge records ``invalid_output``).
+
+    The text is bounded by the result line it came in (``MAX_RESULT_LINE_BYTES``); longer text
+    (possible only in a line built in memory) is not decoded.
+
+    :param text: the ``response.body`` string.
+    """
+    if len(text) > MAX_RESULT_LINE_BYTES or not text.lstrip().startswith("{"):
+        return text
+    try:
+        decoded = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text
+    return decoded if isinstance(decoded, dict) else text
 
 
 def str_or_none(value: Any) -> str | None:

@@ -17,9 +17,9 @@ import httpx
 from airflow_batch_provider.exceptions import BatchApiResponseError
 from airflow_batch_provider.hooks import calls
 from airflow_batch_provider.hooks.attempts import Restarts
-from airflow_batch_provider.hooks.calls import MAX_RESULT_LINE_BYTES
 from airflow_batch_provider.hooks.settings import BatchApiSettings
 from airflow_batch_provider.hooks.transport import LineSplitter, parse_json_line
+from airflow_batch_provider.limits import MAX_RESULT_LINE_BYTES
 from airflow_batch_provider.redaction import redact_bytes, secret_bytes
 
 # How the download cap is named in its error, so the user knows what to raise.
