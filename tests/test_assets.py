@@ -106,6 +106,7 @@ def test_build_attaches_shards_rows_and_staging_to_its_outlets(sqlite_warehouse:
         key_columns="id",
         sql="SELECT * FROM tickets",
         messages=MESSAGES,
+        model="m",
         staging_path=str(tmp_path / "stage"),
         max_lines=1,
         outlets=[staged],
