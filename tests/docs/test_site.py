@@ -134,3 +134,13 @@ def test_python_snippet_imports_what_it_uses(where: str, source: str) -> None:
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     missing = sorted((used & _MUST_IMPORT) - imported)
     assert not missing, f"{where}: uses {missing} without importing them"
+
+
+def test_readme_links_into_the_site_resolve() -> None:
+    """The front page links into docs/: every relative link names a page that exists."""
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(((?!https?://)[^)#\s]+)(?:#[^)]*)?\)", readme)
+    assert sum(link.startswith("docs/") for link in links) >= 15
+    broken = [link for link in links if not (ROOT / link).exists()]
+    assert not broken, broken
+    assert len(readme.splitlines()) <= 250
