@@ -144,3 +144,9 @@ def test_readme_links_into_the_site_resolve() -> None:
     broken = [link for link in links if not (ROOT / link).exists()]
     assert not broken, broken
     assert len(readme.splitlines()) <= 250
+
+
+def test_readme_vendor_matrix_has_every_dialect() -> None:
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| [^|]*\(`(\w+)`\) \|", readme, re.M)
+    assert set(rows) - {"dialect"} == set(DIALECTS), rows  # "dialect" is the header
