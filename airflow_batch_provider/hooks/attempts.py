@@ -89,7 +89,9 @@ class Retries:
 
     def transport_failed(self, exc: httpx.TransportError) -> float:
         """Seconds to wait before the next attempt after ``exc``; raises once none is left."""
-        error = transport_error(exc, action=self.action, secret=self.settings.secrets)
+        error = transport_error(
+            exc, action=self.action, secret=self.settings.secrets, base_url=self.settings.base_url
+        )
         self._judge_transport(exc, error)
         if self.retry >= self.settings.retry.max_retries:
             raise error from exc
@@ -193,7 +195,9 @@ class Restarts:
         """Seconds to wait before restarting the stream; raises once the budget is spent."""
         policy = self.settings.retry
         if self.count >= policy.max_retries:
-            raise transport_error(exc, action=self.action, secret=self.settings.secrets) from exc
+            raise transport_error(
+                exc, action=self.action, secret=self.settings.secrets, base_url=self.settings.base_url
+            ) from exc
         self.log.warning(
             "%s: %s mid-stream; restarting (retry %d/%d)",
             self.action,

@@ -1018,7 +1018,9 @@ class BatchApiHook(BaseHook):
             try:
                 answer = self._json_object(self._request(call), call.action)
             except BatchApiError as exc:
-                ok, message = checks.report(target, checks.checks_for_error(exc, dialect.api_path), exc)
+                ok, message = checks.report(
+                    target, checks.checks_for_error(exc, dialect.api_path, settings.base_url), exc
+                )
                 return ok, redact(message, settings.secrets)
             parse_error: Exception | None = None
             try:

@@ -276,7 +276,7 @@ def test_connection_to_nothing_fails_cleanly(batch_conn) -> None:
     hook = BatchApiHook(batch_conn("batch_dead", host="http://127.0.0.1:9/v1"), max_retries=0)
     ok, message = hook.test_connection()
     assert ok is False
-    assert "connection failed" in message
+    assert "the connection to http://127.0.0.1:9/v1 failed" in message
 
 
 @pytest.mark.parametrize("dialect", ALL_DIALECTS)
