@@ -485,11 +485,13 @@ def run_summary(args: argparse.Namespace) -> int:
     try:
         summary = results_summary(args.conn_id, args.table, sample=args.rows, hook=hook)
     except OSError as exc:
-        print(f"summary: {exc.filename or source}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"airflow-batch summary: {exc.filename or source}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"summary: cannot read table {args.table!r} from {source}: {first}", file=sys.stderr)
+        print(
+            f"airflow-batch summary: cannot read table {args.table!r} from {source}: {first}", file=sys.stderr
+        )
         return 1
     print(format_summary(summary))
     return 0

@@ -69,7 +69,9 @@ class SqlToBatchJsonlOperator(BaseOperator):
         over the batch connection's extra ``request_defaults`` when ``batch_conn_id`` is given.
     :param endpoint: the url every line targets (templated); default chat completions, or
         embeddings when ``input_column`` is given.
-    :param model: the model (templated); omit it to set it later with ``airflow-batch prepare``.
+    :param model: the model (templated). A dialect whose vendor runs each line on its own model
+        refuses a line without one (reject code ``missing_model``); give it here, in ``body`` or
+        the template, or (a job-model dialect such as Mistral) on the submit.
     :param dialect: vendor dialect whose rules and limits apply (default ``openai``) (templated).
     :param batch_conn_id: a batch API connection to read the dialect from, when ``dialect`` is
         not given (templated).
