@@ -110,8 +110,8 @@ def missing_model_message(dialect: str, meaning: str, url: str) -> str:
     """
     return (
         f"body.model ({meaning}) is missing; dialect {dialect!r} needs it on every line to {url}: "
-        "set model= on the build or the submit, a model column in the build's body, or run "
-        "airflow-batch prepare --model NAME"
+        "set model= on the build or the submit (or a model key in the build's body or template, "
+        "from a column), or run airflow-batch prepare --model NAME"
     )
 
 

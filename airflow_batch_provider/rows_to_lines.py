@@ -88,6 +88,9 @@ class BuildResult:
     rows_written: int = 0
     rows_rejected: int = 0
     reject_codes: Counter[str] = dataclasses.field(default_factory=Counter)
+    #: The reason of the first row rejected with each code (a build that rejects every row
+    #: says why, and how to fix it, in its error).
+    first_reasons: dict[str, str] = dataclasses.field(default_factory=dict)
     shards: list[Shard] = dataclasses.field(default_factory=list)
     key_types: list[str] = dataclasses.field(default_factory=list)
     column_names: list[str] = dataclasses.field(default_factory=list)
@@ -234,6 +237,8 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                     if err.code in _TEXT_SUSPECTS:
                         err = text_rejection(row, columns) or err
                     rejected += 1
+                    if err.code not in reject_codes:
+                        result.first_reasons[err.code] = err.reason
                     reject_codes[err.code] += 1
                     if err.cause is not None and first_cause is None:
                         first_cause = err.cause

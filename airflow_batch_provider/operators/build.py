@@ -358,9 +358,13 @@ class SqlToBatchJsonlOperator(BaseOperator):
         summary = ", ".join(f"{code}: {n}" for code, n in build.reject_codes.most_common())
         where = f"see {directory / staging.REJECTS_NAME}"
         if build.rows_written == 0 and not self.allow_empty:
-            detail = (
-                f"; all {build.rows_read} row(s) rejected ({summary}), {where}" if build.rows_read else ""
-            )
+            detail = ""
+            if build.rows_read:
+                top = build.reject_codes.most_common(1)[0][0]
+                first = build.first_reasons.get(top)
+                detail = f"; all {build.rows_read} row(s) rejected ({summary}), {where}" + (
+                    f"; the first {top}: {first}" if first else ""
+                )
             raise EmptyBatchError(f"the query returned no row that makes a valid line{detail}")
         if self.max_reject_ratio is not None and build.rows_read:
             ratio = build.rows_rejected / build.rows_read

@@ -973,6 +973,10 @@ def test_a_build_without_a_model_is_refused_by_name_where_the_dialect_needs_one(
         ([2], "missing_model", "body.model")
     ]
     assert f"dialect {name!r}" in rejects[0]["reason"] and "model= on the build" in rejects[0]["reason"]
+    with pytest.raises(
+        EmptyBatchError, match=r"; the first missing_model: body.model .* model= on the build"
+    ):
+        build(sqlite_warehouse, tmp_path, messages=MESSAGES, **kwargs)
 
 
 def test_a_chat_body_sent_to_embeddings_is_rejected_naming_the_field(
