@@ -480,6 +480,11 @@ def add_summary_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_summary(args: argparse.Namespace) -> int:
     """Print the summary of a results table; exit 1 with one line when it cannot be read."""
+    # A command line on an Airflow host, like ``airflow connections get``: the Task SDK reads
+    # connections from the metadata database only in a process it knows as a server one; left
+    # undetected, it would see environment variables and secrets backends alone. Inside a task
+    # (a supervisor present) the SDK's own client chain still wins.
+    os.environ.setdefault("_AIRFLOW_PROCESS_CONTEXT", "server")
     hook = DuckDBFile(args.duckdb) if args.duckdb else None
     source = args.duckdb or f"connection {args.conn_id!r}"
     try:

@@ -22,7 +22,7 @@ import re
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Self
 
 import orjson
 
@@ -308,7 +308,26 @@ def remove_stale_shards(staging: ObjectStoragePath, keep: set[str]) -> list[str]
     return removed
 
 
-class ShardedJsonlWriter:
+class _PublishOnExit:
+    """``with`` publishes what was written (``close``) or, after an error, discards it (``abort``)."""
+
+    def close(self) -> list[Shard]:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class ShardedJsonlWriter(_PublishOnExit):
     """Write batch lines into shard files so no shard exceeds the line count or byte limit.
 
     Each shard is written atomically (see :func:`atomic_writer`): it appears complete under
@@ -425,21 +444,12 @@ class ShardedJsonlWriter:
             with contextlib.suppress(BaseException):
                 stack.__exit__(RuntimeError, RuntimeError("build aborted"), None)
 
-    def __enter__(self) -> ShardedJsonlWriter:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
 
 class TooManyModelsError(ValueError):
     """A build's lines name more models than :class:`ModelShardWriter` keeps shards open for."""
 
 
-class ModelShardWriter:
+class ModelShardWriter(_PublishOnExit):
     """Shards that each hold one model's lines: for vendors whose batch runs one model (the
     model goes on the job, or every line must name the same deployment). Lines are routed by
     ``body.model`` into one :class:`ShardedJsonlWriter` per model; all share one shard numbering,
@@ -499,12 +509,3 @@ class ModelShardWriter:
         """Discard every shard being written."""
         for lane in self._lanes.values():
             lane.abort()
-
-    def __enter__(self) -> ModelShardWriter:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()

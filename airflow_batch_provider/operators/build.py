@@ -88,7 +88,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
     :param fetch_batch_size: rows per fetch from the database.
     :param session_sql: statements run on the source connection before the query, e.g.
         ``["SET memory_limit = '512MB'"]`` to bound DuckDB's cache of scanned table blocks.
-    :param outlets: (a BaseOperator argument) every ``Asset`` among them gets the build's figures
+    :param list outlets: (a BaseOperator argument) every ``Asset`` among them gets the build's figures
         as its event extra: shard count, rows read / written / rejected, the staging URI.
     """
 

@@ -173,7 +173,7 @@ class MergeBatchResultsOperator(BaseOperator):
     :param results_mode: force ``files`` or ``results_endpoint`` when reading results.
     :param session_settings: settings for the merge's own database session, e.g.
         ``{"memory_limit": "256MB"}`` on DuckDB (which runs inside the worker process).
-    :param outlets: (a BaseOperator argument) every ``Asset`` among them gets the merge's figures as
+    :param list outlets: (a BaseOperator argument) every ``Asset`` among them gets the merge's figures as
         its event extra: rows per status, tokens, cost, batch ids (see
         :func:`airflow_batch_provider.assets.results_table_asset` for the table's URI).
     :param on_bad_result_line: a line of a result file that is not JSON, not an object or has
