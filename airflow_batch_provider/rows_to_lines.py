@@ -36,6 +36,7 @@ from airflow_batch_provider.warehouse.read import value_type
 if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
 
+    from airflow_batch_provider.estimate import EstimateTally
     from airflow_batch_provider.limits import Limits, ValidationRules
     from airflow_batch_provider.models import Shard
     from airflow_batch_provider.warehouse.read import RowStream
@@ -67,6 +68,7 @@ class BuildSpec:
     :param prefix: text put in front of every custom_id (already checked).
     :param unsupported: the dialect's check of what its vendor cannot express in a line (a
         reason, or None), run on every row; None when the dialect has nothing to refuse.
+    :param tally: counts every written line's tokens (and cost) into its shard; None: no estimate.
     """
 
     directory: ObjectStoragePath
@@ -78,6 +80,7 @@ class BuildSpec:
     on_null: str = "reject"
     prefix: str = ""
     unsupported: Callable[[Mapping[str, Any]], str | None] | None = None
+    tally: EstimateTally | None = None
 
 
 @dataclasses.dataclass
@@ -130,6 +133,7 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
     build_body = builder.build
     check_object = LineValidator(spec.rules, endpoint).check_object
     unsupported = spec.unsupported
+    tally = spec.tally.add if spec.tally is not None else None
     dumps = orjson.dumps
     newline = orjson.OPT_APPEND_NEWLINE
     custom_id_for = keymod.custom_id_for
@@ -175,7 +179,7 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                             values = _usable_values(row, checked_names, on_null, row_number, key_values)
                             break
                     try:
-                        line_obj = {
+                        line_obj: dict[str, Any] = {
                             "custom_id": cid,
                             "method": "POST",
                             "url": endpoint,
@@ -229,11 +233,16 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                     rejects_out.write(reject_line)
                     continue
                 shard = add_line(line)
+                if tally is not None:
+                    tally(line_obj["body"], shard)
                 write_key(dumps(KeyRecord.line(cid, stored_key(key_values), shard), option=newline))
                 written += 1
             if log is not None and row_number and row_number % _LOG_EVERY < len(batch):
                 log.info("%d rows read, %d written, %d rejected", row_number, written, rejected)
         result.shards = writer.close()
+    if spec.tally is not None:
+        shard_fields = spec.tally.shard_fields
+        result.shards = [s.model_copy(update=shard_fields(s.index)) for s in result.shards]
     result.rows_read, result.rows_written, result.rows_rejected = row_number, written, rejected
     result.key_types = [t or "text" for t in types]
     unsafe = reject_codes.get("template_unsafe", 0)

@@ -1,0 +1,324 @@
+"""Input-token counting at build time: exact where an OpenAI vocabulary is on this machine, else
+a script-aware heuristic; and the tally of a run's tokens (and estimated cost) per shard.
+
+A counter is any callable ``body dict -> int`` (the request body of one line). The build calls it
+once per line as it writes the line, so counting streams with the build and holds nothing.
+
+* ``exact``: the OpenAI encoding (``o200k_base``, ``cl100k_base``...) from the optional
+  ``bpe-openai`` package, which ships the vocabularies inside the wheel. Nothing is ever fetched:
+  without the package an exact counter cannot be made, and ``auto`` falls back to the heuristic.
+* ``heuristic``: characters per token by script, measured on o200k: English (ASCII) 4.2, other
+  Latin text (German, French...) 3.5, Cyrillic 3.4, Chinese / Japanese / Korean 1.7 on average
+  but taken as 1.5 (short everyday sentences with full-width punctuation run to 1.4), other
+  scripts (Greek, Arabic, Hebrew, Indic, Thai...) 2.0; plus a 10% margin (``HEURISTIC_MARGIN``),
+  since a budget check must not be passed by an undercount; times the dialect's
+  ``token_factor`` for vendors whose tokenizers are private. Rounded up per string.
+
+Both add the chat framing OpenAI documents for its models: 3 tokens per message and 3 for the
+reply's start. Every string in the body is counted except ``model`` (tool and schema text is
+billed as input too); numbers and booleans are not.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from airflow_batch_provider.exceptions import ConfigurationError
+
+if TYPE_CHECKING:
+    from airflow_batch_provider.dialects.base import Dialect
+    from airflow_batch_provider.prices import Price, PriceBook
+
+#: A token counter: the request body of one line -> its input tokens.
+TokenCounter = Callable[[Mapping[str, Any]], int]
+
+#: Characters per o200k token, by script (see the module docstring).
+CHARS_PER_TOKEN = {"ascii": 4.2, "latin": 3.5, "cyrillic": 3.4, "cjk": 1.5, "other": 2.0}
+#: The heuristic's margin over the per-script rates: text whose words are rarer than the
+#: measured corpus' (names, codes, numbers) makes more tokens per character.
+HEURISTIC_MARGIN = 1.1
+MESSAGE_TOKENS = 3
+REPLY_TOKENS = 3
+#: The body fields naming the most tokens one request may answer with (the worst case billed).
+MAX_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+
+_CJK = re.compile(r"[\u1100-\u11ff\u2e80-\u9fff\ua960-\ua97f\uac00-\ud7ff\uf900-\ufaff\uff00-\uffef]")
+_CYRILLIC = re.compile(r"[\u0400-\u052f]")
+_OTHER = re.compile(r"[\u0370-\u03ff\u0530-\u0fff\u1000-\u109f]")
+_NO_OUTPUT_ENDPOINTS = ("/v1/embeddings", "/v1/moderations", "/v1/chat/moderations", "/v1/classifications")
+
+
+def _heuristic_tokens(text: str) -> float:
+    if text.isascii():
+        return len(text) / 4.2
+    cjk = len(_CJK.findall(text))
+    cyrillic = len(_CYRILLIC.findall(text))
+    other = len(_OTHER.findall(text))
+    rest = len(text) - cjk - cyrillic - other
+    return cjk / 1.5 + cyrillic / 3.4 + other / 2.0 + rest / 3.5
+
+
+def _walk(body: Mapping[str, Any], on_text: Callable[[str], Any]) -> int:
+    """Call ``on_text`` for every string in ``body`` but ``model``; return the number of messages."""
+    messages = body.get("messages")
+    stack: list[Any] = [v for k, v in body.items() if k != "model"]
+    while stack:
+        value = stack.pop()
+        if type(value) is str:
+            on_text(value)
+        elif type(value) is dict:
+            stack.extend(value.values())
+        elif type(value) is list:
+            stack.extend(value)
+    return len(messages) if type(messages) is list else 0
+
+
+def heuristic_counter(factor: float = 1.0) -> TokenCounter:
+    """The script-aware estimate, times ``factor`` (a vendor's tokens per o200k token).
+
+    :param factor: multiplies the count (``Dialect.token_factor``).
+    """
+    if not factor > 0:
+        raise ConfigurationError(f"token factor must be positive, not {factor!r}")
+
+    def count(body: Mapping[str, Any]) -> int:
+        total = 0
+        ceil = math.ceil
+
+        def add(text: str) -> None:
+            nonlocal total
+            total += ceil(_heuristic_tokens(text))
+
+        messages = _walk(body, add)
+        framing = MESSAGE_TOKENS * messages + (REPLY_TOKENS if messages else 0)
+        return ceil((total * HEURISTIC_MARGIN + framing) * factor)
+
+    count.description = "heuristic" if factor == 1.0 else f"heuristic x{factor:g}"  # type: ignore[attr-defined]
+    count.exact = False  # type: ignore[attr-defined]
+    return count
+
+
+def exact_counter(encoding: str = "o200k_base") -> TokenCounter:
+    """The exact count with an OpenAI encoding shipped by the ``bpe-openai`` package (offline).
+
+    :param encoding: ``o200k_base``, ``cl100k_base``... (``bpe_openai.list_encoding_names()``).
+    :raises ConfigurationError: the package is not installed, or does not know the encoding.
+    """
+    try:
+        import bpe_openai
+    except ImportError:
+        raise ConfigurationError(
+            "exact token counts need the optional package bpe-openai (pip install "
+            "'airflow-batch-provider[tokens]'), which ships OpenAI's vocabularies; nothing is downloaded"
+        ) from None
+    try:
+        enc = bpe_openai.get_encoding(encoding)
+    except Exception as exc:
+        raise ConfigurationError(f"encoding {encoding!r} is not available offline: {exc}") from None
+    encode = enc.encode_ordinary
+
+    def count(body: Mapping[str, Any]) -> int:
+        total = 0
+
+        def add(text: str) -> None:
+            nonlocal total
+            total += len(encode(text))
+
+        messages = _walk(body, add)
+        return total + MESSAGE_TOKENS * messages + (REPLY_TOKENS if messages else 0)
+
+    count.description = f"exact {encoding}"  # type: ignore[attr-defined]
+    count.exact = True  # type: ignore[attr-defined]
+    return count
+
+
+def exact_available() -> bool:
+    """Whether an exact counter can be made on this machine (the vocabularies are installed)."""
+    try:
+        importlib.import_module("bpe_openai")
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_counter(spec: Any, dialect: Dialect, model: str | None = None) -> TokenCounter:
+    """The counter a build uses.
+
+    :param spec: a callable (used as is); ``"auto"`` or None (exact for a dialect with a public
+        encoding when the vocabularies are installed, else the heuristic with the dialect's
+        factor); ``"heuristic"``; ``"exact"`` (the dialect's, else the model's, encoding); an
+        encoding name (``"cl100k_base"``); or a dotted path ``"package.module:function"`` to a
+        callable (the way a connection extra names one).
+    :param dialect: the vendor dialect (its ``token_encoding`` and ``token_factor``).
+    :param model: the model, to pick its encoding where the package knows it.
+    """
+    if callable(spec):
+        return spec  # type: ignore[no-any-return]
+    if spec is None or spec == "auto":
+        if dialect.token_encoding and exact_available():
+            return exact_counter(_encoding_for(dialect, model))
+        return heuristic_counter(dialect.token_factor)
+    if not isinstance(spec, str):
+        raise ConfigurationError(f"token_counter must be a callable or a name, not {type(spec).__name__}")
+    if spec == "heuristic":
+        return heuristic_counter(dialect.token_factor)
+    if spec == "exact":
+        if not dialect.token_encoding:
+            raise ConfigurationError(
+                f"{dialect.label}'s tokenizer is not public: no exact count; use 'heuristic' or a callable"
+            )
+        return exact_counter(_encoding_for(dialect, model))
+    if ":" in spec:
+        module, _, name = spec.partition(":")
+        try:
+            found = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigurationError(f"token_counter {spec!r} cannot be imported: {exc}") from None
+        if not callable(found):
+            raise ConfigurationError(f"token_counter {spec!r} is not callable")
+        return found  # type: ignore[no-any-return]
+    return exact_counter(spec)
+
+
+def _encoding_for(dialect: Dialect, model: str | None) -> str:
+    default = dialect.token_encoding or "o200k_base"
+    if not model:
+        return default
+    try:
+        import bpe_openai
+
+        return str(bpe_openai.encoding_name_for_model(model))
+    except Exception:  # a model the package does not know: the dialect's encoding
+        return default
+
+
+def describe(counter: TokenCounter) -> tuple[str, bool]:
+    """``(description, exact)`` of a counter; a user's callable is described by its name."""
+    description = getattr(counter, "description", None)
+    if description is None:
+        description = f"callable {getattr(counter, '__qualname__', type(counter).__name__)}"
+    return str(description), bool(getattr(counter, "exact", False))
+
+
+def max_output_tokens(body: Mapping[str, Any], endpoint: str, default: int | None) -> int | None:
+    """The most output tokens one request may be billed for: its own cap, else ``default``
+    (None: not known); 0 for an endpoint that answers without generating (embeddings)."""
+    if endpoint in _NO_OUTPUT_ENDPOINTS:
+        return 0
+    for name in MAX_OUTPUT_FIELDS:
+        value = body.get(name)
+        if type(value) is int and value >= 0:
+            return value
+    return default
+
+
+@dataclass
+class ShardTally:
+    """One shard's estimate: requests, input tokens, worst-case output tokens and cost."""
+
+    requests: int = 0
+    input_tokens: int = 0
+    max_output_tokens: int = 0
+    unbounded_output: int = 0
+    cost: float = 0.0
+
+
+@dataclass
+class EstimateTally:
+    """Adds up one run's estimate line by line, per shard, pricing each request on its own.
+
+    :param counter: the token counter.
+    :param endpoint: the lines' endpoint (embeddings generate no output).
+    :param default_max_output: the worst-case output of a line that sets no cap (None: unknown).
+    :param price: the model's price (None: unknown; then no cost is given, never $0).
+    """
+
+    counter: TokenCounter
+    endpoint: str
+    default_max_output: int | None = None
+    price: Price | None = None
+    shards: dict[int, ShardTally] = field(default_factory=dict)
+
+    def add(self, body: Mapping[str, Any], shard: int) -> None:
+        """Count one line's body, written to ``shard``."""
+        tally = self.shards.get(shard)
+        if tally is None:
+            tally = self.shards[shard] = ShardTally()
+        tokens = self.counter(body)
+        if type(tokens) is not int or tokens < 0:
+            raise ConfigurationError(
+                f"the token counter gave {tokens!r} for a request; it must return a count (an int >= 0)"
+            )
+        out = max_output_tokens(body, self.endpoint, self.default_max_output)
+        tally.requests += 1
+        tally.input_tokens += tokens
+        if out is None:
+            tally.unbounded_output += 1
+        else:
+            tally.max_output_tokens += out
+        if self.price is not None:
+            # Per request: a long-context tier applies to the requests over its threshold only.
+            tally.cost += self.price.cost(tokens, out or 0)
+
+    def shard_fields(self, shard: int) -> dict[str, Any]:
+        """What the manifest's shard records of its estimate."""
+        tally = self.shards.get(shard, ShardTally())
+        return {
+            "input_tokens": tally.input_tokens,
+            "max_output_tokens": None if tally.unbounded_output else tally.max_output_tokens,
+            "estimated_cost": round(tally.cost, 6)
+            if self.price is not None and not tally.unbounded_output
+            else None,
+        }
+
+    def summary(self, book: PriceBook | None = None, model: str | None = None) -> dict[str, Any]:
+        """The run's estimate for the manifest: totals, how tokens were counted, what priced them."""
+        tallies = list(self.shards.values())
+        unbounded = sum(t.unbounded_output for t in tallies)
+        description, exact = describe(self.counter)
+        out: dict[str, Any] = {
+            "requests": sum(t.requests for t in tallies),
+            "input_tokens": sum(t.input_tokens for t in tallies),
+            "max_output_tokens": None if unbounded else sum(t.max_output_tokens for t in tallies),
+            "requests_without_output_cap": unbounded,
+            "counter": description,
+            "exact": exact,
+            "cost": None,
+            "price": None,
+        }
+        if self.price is not None:
+            cost = sum(t.cost for t in tallies)
+            out["cost"] = None if unbounded else round(cost, 6)
+            if unbounded:
+                # A request without an output cap has no worst case: the cost is not bounded.
+                out["input_cost"] = round(cost, 6)
+            out["price"] = self.price.describe()
+        elif book is not None:
+            out["price"] = {"source": "unknown", "model": model, "why": book.why_unknown(model)}
+        return out
+
+
+def describe_estimate(estimate: Mapping[str, Any]) -> str:
+    """One log line of an estimate: tokens, how they were counted, the cost and its price source."""
+    if not estimate:
+        return "none"
+    out = estimate.get("max_output_tokens")
+    price = estimate.get("price") or {}
+    cost = estimate.get("cost")
+    if cost is not None:
+        priced = f"${cost:,.4f} worst case ({price.get('source')}"
+        priced += f", {price['version']})" if price.get("version") else ")"
+    elif price.get("source") == "unknown":
+        priced = f"cost unknown ({price.get('why')})"
+    else:
+        priced = "cost unbounded (a request sets no output cap)"
+    return (
+        f"{estimate.get('requests', 0):,} request(s), {estimate.get('input_tokens', 0):,} input tokens "
+        f"({estimate.get('counter')}), "
+        f"{'unknown' if out is None else f'{out:,}'} max output tokens; {priced}"
+    )
