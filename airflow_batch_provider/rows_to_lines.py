@@ -133,7 +133,9 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
     build_body = builder.build
     check_object = LineValidator(spec.rules, endpoint).check_object
     unsupported = spec.unsupported
-    tally = spec.tally.add if spec.tally is not None else None
+    # A fixed-shape body may be counted from the line as written (HeuristicCounter.from_line).
+    tally = spec.tally.fixed_adder() if spec.tally is not None and builder.fixed_shape else None
+    tally_body = spec.tally.add if spec.tally is not None and tally is None else None
     dumps = orjson.dumps
     newline = orjson.OPT_APPEND_NEWLINE
     custom_id_for = keymod.custom_id_for
@@ -234,13 +236,16 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                     continue
                 shard = add_line(line)
                 if tally is not None:
-                    tally(line_obj["body"], shard)
+                    tally(line, cid, line_obj["body"], shard)
+                elif tally_body is not None:
+                    tally_body(line_obj["body"], shard)
                 write_key(dumps(KeyRecord.line(cid, stored_key(key_values), shard), option=newline))
                 written += 1
             if log is not None and row_number and row_number % _LOG_EVERY < len(batch):
                 log.info("%d rows read, %d written, %d rejected", row_number, written, rejected)
         result.shards = writer.close()
     if spec.tally is not None:
+        spec.tally.finish()
         shard_fields = spec.tally.shard_fields
         result.shards = [s.model_copy(update=shard_fields(s.index)) for s in result.shards]
     result.rows_read, result.rows_written, result.rows_rejected = row_number, written, rejected

@@ -122,3 +122,26 @@ def _tier(threshold: int, i: float, c: float, o: float) -> Any:
     from airflow_batch_provider.prices import Tier
 
     return Tier(threshold, i, c, o)
+
+
+def test_the_heuristic_from_a_written_line_matches_the_walk() -> None:
+    """A fixed-shape build counts an ASCII line by its length: the same count as reading the body."""
+    import orjson
+
+    walk, by_line = heuristic_counter(), heuristic_counter()
+    for i, text in enumerate(["short", "a much longer question about an order " * 20, "mid sized text here"]):
+        body = {
+            "model": "gpt-4o-mini",
+            "messages": [
+                {"role": "system", "content": "Label it.\nOne word."},
+                {"role": "user", "content": text},
+            ],
+            "max_tokens": 5,
+        }
+        cid = f"row-{i * 1000}"
+        line = orjson.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body})
+        assert by_line.from_line(line, cid, body) == walk(body)
+    # A non-ASCII line is read string by string.
+    body = chat(SAMPLES["russian"])
+    line = orjson.dumps({"custom_id": "x", "body": body})
+    assert by_line.from_line(line, "x", body) == walk(body)

@@ -91,8 +91,9 @@ class SqlToBatchJsonlOperator(BaseOperator):
     :param token_counter: how input tokens are counted per line (see
         :mod:`airflow_batch_provider.estimate`): a callable ``body -> int``, ``"auto"`` (exact
         for OpenAI encodings when ``bpe-openai`` is installed, else the script-aware heuristic
-        with the dialect's factor), ``"heuristic"``, ``"exact"``, an encoding name, or a dotted
-        path ``"module:function"``; default: the batch connection's extra ``token_counter``, else auto.
+        with the dialect's factor), ``"heuristic"``, ``"exact"``, an encoding name, a dotted
+        path ``"module:function"``, or ``"none"`` (no estimate); default: the batch connection's
+        extra ``token_counter``, else auto.
     :param default_max_output_tokens: the worst-case output of a line that sets no
         ``max_tokens`` / ``max_completion_tokens``; default: the batch connection's extra
         ``default_max_output_tokens``, else none (the worst case is then unknown).
@@ -259,7 +260,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
         extra = BatchApiHook(self.batch_conn_id).get_settings().extra.get("request_defaults")
         return request_defaults(extra, f"connection {self.batch_conn_id!r}")
 
-    def _tally(self, dialect: Dialect, endpoint: str) -> tuple[EstimateTally, PriceBook]:
+    def _tally(self, dialect: Dialect, endpoint: str) -> tuple[EstimateTally | None, PriceBook]:
         """The estimate's counter and price, from this operator over the batch connection's extra."""
         extra: Mapping[str, Any] = {}
         if self.batch_conn_id:
@@ -277,6 +278,8 @@ class SqlToBatchJsonlOperator(BaseOperator):
             "prices",
             self.price_table or spend.price_table,
         )
+        if counter is None:
+            return None, book
         default_out = self.default_max_output_tokens
         if default_out is None:
             default_out = spend.default_max_output_tokens
@@ -379,7 +382,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
             rows_rejected=build.rows_rejected,
             rejects_path=staging.REJECTS_NAME,
             keys_path=staging.KEYS_NAME,
-            estimate=tally.summary(book, self.model or None),
+            estimate=tally.summary(book, self.model or None) if tally is not None else None,
             extra={
                 "rejects_by_code": dict(build.reject_codes),
                 "columns": build.column_names,

@@ -384,10 +384,15 @@ class SubmitBatchOperator(BaseOperator):
         else:
             files = [(s.index, s.path) for s in shards]
         self.log.info("Estimating %d file(s) of the run for the budget check", len(files))
+        # A cap is checked against a count: "none" (no estimate at build) still counts here.
+        counter = resolve_counter(spend.token_counter, dialect, model) or resolve_counter(
+            "auto", dialect, model
+        )
+        assert counter is not None
         return estimate_files(
             files,
             endpoint=shards[0].endpoint,
-            counter=resolve_counter(spend.token_counter, dialect, model),
+            counter=counter,
             default_max_output=spend.default_max_output_tokens,
             book=book,
             model=model,
