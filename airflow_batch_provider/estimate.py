@@ -336,7 +336,8 @@ class EstimateTally:
         endpoint, default_out = self.endpoint, self.default_max_output
         ceil = math.ceil
         margin = HEURISTIC_MARGIN
-        state: dict[str, Any] = {"shard": None, "out": None}
+        current: int | None = None  # the shard the sums below belong to
+        out_cap: int | None = None  # every line's output cap (-1: none), read on the first line
         requests = tokens_sum = out_sum = unbounded = 0
         cost_sum = 0.0
         structure: int | None = None
@@ -345,8 +346,8 @@ class EstimateTally:
 
         def flush() -> None:
             nonlocal requests, tokens_sum, out_sum, unbounded, cost_sum
-            if state["shard"] is not None and requests:
-                tally = self._shard(state["shard"])
+            if current is not None and requests:
+                tally = self._shard(current)
                 tally.requests += requests
                 tally.input_tokens += tokens_sum
                 tally.max_output_tokens += out_sum
@@ -357,9 +358,10 @@ class EstimateTally:
 
         def add(line: bytes, custom_id: str, body: Mapping[str, Any], shard: int) -> None:
             nonlocal requests, tokens_sum, out_sum, unbounded, cost_sum, structure, framing
-            if shard != state["shard"]:
+            nonlocal current, out_cap
+            if shard != current:
                 flush()
-                state["shard"] = shard
+                current = shard
             if heuristic is not None and structure is not None and line.isascii():
                 tokens = ceil(((len(line) - len(custom_id) - structure) / 4.2 * margin + framing) * factor)
             elif heuristic is not None:
@@ -370,10 +372,10 @@ class EstimateTally:
                 tokens = counter(body)
                 if type(tokens) is not int or tokens < 0:
                     raise _bad_count(tokens)
-            out = state["out"]
+            out = out_cap
             if out is None:
                 found = max_output_tokens(body, endpoint, default_out)
-                out = state["out"] = -1 if found is None else found
+                out = out_cap = -1 if found is None else found
             requests += 1
             tokens_sum += tokens
             if out < 0:
