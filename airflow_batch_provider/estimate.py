@@ -323,70 +323,77 @@ class EstimateTally:
 
     def fixed_adder(self) -> Callable[[bytes, str, Mapping[str, Any], int], None]:
         """A function counting one line of a fixed-shape build (only strings vary between rows,
-        so the output cap is the same on every line): ``add(line, custom_id, body, shard)``.
+        so every line has the same output cap): ``add(line, custom_id, body, shard)``.
 
-        The hot path of a counted build: a heuristic counter counts an ASCII line by its length
-        (:meth:`HeuristicCounter.from_line`) and the sums stay in the closure until the shard
-        changes or :meth:`finish` is called; any other counter reads the body.
+        The hot path of a counted build. A heuristic counter counts an ASCII line by its length
+        (:meth:`HeuristicCounter.from_line`, calibrated on the first line); the sums stay in the
+        closure until the shard changes or :meth:`finish` is called, and a price without tiers
+        is applied to the sums (it is linear). Any other counter reads the body.
         """
         counter = self.counter
         heuristic = counter if isinstance(counter, HeuristicCounter) else None
         flat = self._flat
         price = self.price
+        tiered = price is not None and flat is None
         endpoint, default_out = self.endpoint, self.default_max_output
         ceil = math.ceil
-        margin = HEURISTIC_MARGIN
         current: int | None = None  # the shard the sums below belong to
-        out_cap: int | None = None  # every line's output cap (-1: none), read on the first line
-        requests = tokens_sum = out_sum = unbounded = 0
+        out_cap = -2  # every line's output cap (-1: none; -2: not read yet)
+        requests = tokens_sum = 0
         cost_sum = 0.0
-        structure: int | None = None
-        framing = 0.0
-        factor = heuristic.factor if heuristic is not None else 1.0
+        # tokens = ceil((len(line) - len(custom_id)) * slope + offset), once calibrated.
+        slope: float | None = None
+        offset = 0.0
 
         def flush() -> None:
-            nonlocal requests, tokens_sum, out_sum, unbounded, cost_sum
+            nonlocal requests, tokens_sum, cost_sum
             if current is not None and requests:
                 tally = self._shard(current)
                 tally.requests += requests
                 tally.input_tokens += tokens_sum
-                tally.max_output_tokens += out_sum
-                tally.unbounded_output += unbounded
-                tally.cost += cost_sum
-            requests = tokens_sum = out_sum = unbounded = 0
+                out = max(out_cap, 0)
+                if out_cap < 0:
+                    tally.unbounded_output += requests
+                else:
+                    tally.max_output_tokens += requests * out
+                if flat is not None:
+                    tally.cost += tokens_sum * flat[0] + requests * out * flat[2]
+                else:
+                    tally.cost += cost_sum
+            requests = tokens_sum = 0
             cost_sum = 0.0
 
-        def add(line: bytes, custom_id: str, body: Mapping[str, Any], shard: int) -> None:
-            nonlocal requests, tokens_sum, out_sum, unbounded, cost_sum, structure, framing
-            nonlocal current, out_cap
-            if shard != current:
-                flush()
-                current = shard
-            if heuristic is not None and structure is not None and line.isascii():
-                tokens = ceil(((len(line) - len(custom_id) - structure) / 4.2 * margin + framing) * factor)
-            elif heuristic is not None:
-                tokens = heuristic.from_line(line, custom_id, body)
-                if structure is None and heuristic._structure is not None:
-                    structure, framing = heuristic._structure, heuristic._framing
-            else:
+        def count(line: bytes, custom_id: str, body: Mapping[str, Any]) -> int:
+            nonlocal slope, offset, out_cap
+            if out_cap == -2:
+                found = max_output_tokens(body, endpoint, default_out)
+                out_cap = -1 if found is None else found
+            if heuristic is None:
                 tokens = counter(body)
                 if type(tokens) is not int or tokens < 0:
                     raise _bad_count(tokens)
-            out = out_cap
-            if out is None:
-                found = max_output_tokens(body, endpoint, default_out)
-                out = out_cap = -1 if found is None else found
+                return tokens
+            tokens = heuristic.from_line(line, custom_id, body)
+            if slope is None and heuristic._structure is not None:
+                rate = HEURISTIC_MARGIN / 4.2
+                slope = rate * heuristic.factor
+                offset = (heuristic._framing - heuristic._structure * rate) * heuristic.factor
+            return tokens
+
+        def add(line: bytes, custom_id: str, body: Mapping[str, Any], shard: int) -> None:
+            nonlocal current, requests, tokens_sum, cost_sum
+            if shard != current:
+                flush()
+                current = shard
+            if slope is not None and line.isascii():
+                tokens = ceil((len(line) - len(custom_id)) * slope + offset)
+            else:
+                tokens = count(line, custom_id, body)
             requests += 1
             tokens_sum += tokens
-            if out < 0:
-                unbounded += 1
-                out = 0
-            else:
-                out_sum += out
-            if flat is not None:
-                cost_sum += tokens * flat[0] + out * flat[2]
-            elif price is not None:
-                cost_sum += price.cost(tokens, out)
+            if tiered:
+                # Per request: a long-context tier applies to the requests over its threshold only.
+                cost_sum += price.cost(tokens, max(out_cap, 0))  # type: ignore[union-attr]
 
         self._finishers.append(flush)
         return add

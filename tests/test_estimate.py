@@ -145,3 +145,35 @@ def test_the_heuristic_from_a_written_line_matches_the_walk() -> None:
     body = chat(SAMPLES["russian"])
     line = orjson.dumps({"custom_id": "x", "body": body})
     assert by_line.from_line(line, "x", body) == walk(body)
+
+
+@pytest.mark.parametrize(
+    "price",
+    [None, Price(2.0, 1.0, 8.0, 0.5), Price(2.0, 1.0, 8.0, 0.0, (_tier(40, 4.0, 2.0, 16.0),))],
+    ids=["unpriced", "flat", "tiered"],
+)
+@pytest.mark.parametrize("default_out", [None, 7])
+def test_the_fixed_shape_adder_sums_what_add_sums(price: Price | None, default_out: int | None) -> None:
+    """The build's hot path (length-counted lines, sums per shard in a closure) gives the same
+    shard figures as counting every body on its own."""
+    import orjson
+
+    texts = ["hi", "a longer question " * 10, "где мой заказ?", "mid text " * 5, "x" * 300]
+    lines = []
+    for i, text in enumerate(texts * 3):
+        body = {"model": "m", "messages": [{"role": "user", "content": text}]}
+        cid = f"id-{i}"
+        line = orjson.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body})
+        lines.append((line, cid, body, i // 6))  # three shards
+    by_body = EstimateTally(heuristic_counter(), "/v1/chat/completions", default_out, price)
+    fast = EstimateTally(heuristic_counter(), "/v1/chat/completions", default_out, price)
+    add = fast.fixed_adder()
+    for line, cid, body, shard in lines:
+        by_body.add(body, shard)
+        add(line, cid, body, shard)
+    fast.finish()
+    for shard in range(3):
+        assert fast.shard_fields(shard) == pytest.approx(by_body.shard_fields(shard)), shard
+    fast_run, body_run = fast.summary(), by_body.summary()
+    assert fast_run.pop("price") == body_run.pop("price")
+    assert fast_run == pytest.approx(body_run)
