@@ -19,6 +19,7 @@ its threshold, as vendors bill them: each request is priced on its own, never th
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -233,6 +234,10 @@ class PriceBook:
             self._misses[model] = f"not in {self.where} nor in genai-prices {genai_prices.__version__}: {exc}"
             return None
         mp = found.model_price
+        if getattr(mp, "input_mtok", None) is None:
+            # A table entry without an input price is no price (never read as $0).
+            self._misses[model] = f"genai-prices {genai_prices.__version__} has no input price for {model!r}"
+            return None
         base_in, tiers_in = _tiered(mp.input_mtok)
         base_out, tiers_out = _tiered(mp.output_mtok)
         cache = getattr(mp, "cache_read_mtok", None)
@@ -285,6 +290,12 @@ def spend_settings(extra: Mapping[str, Any], where: str) -> SpendSettings:
     """Read ``prices``, ``price_table``, ``token_counter`` and ``default_max_output_tokens`` from a
     connection extra, each checked and named in errors with ``where``."""
     prices = extra.get("prices") or {}
+    if isinstance(prices, str):
+        # A connection form saves a field as text: the JSON of the mapping.
+        try:
+            prices = json.loads(prices)
+        except ValueError:
+            raise ConfigurationError(f"{where} extra 'prices' is not valid JSON") from None
     if not isinstance(prices, Mapping):
         raise ConfigurationError(f"{where} extra 'prices' must be a mapping of model -> prices")
     table = extra.get("price_table")

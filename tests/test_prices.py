@@ -81,6 +81,10 @@ def test_connection_extra_settings_are_checked() -> None:
         {"prices": {"m": {"input": 1, "output": 2}}, "price_table": "none"}, "connection 'c'"
     )
     assert settings.price_table == "none" and settings.prices["m"]["input"] == 1
+    # A connection form saves the mapping as its JSON text.
+    assert spend_settings({"prices": '{"m": {"input": 1, "output": 2}}'}, "c").prices["m"]["output"] == 2
+    with pytest.raises(ConfigurationError, match="'prices' is not valid JSON"):
+        spend_settings({"prices": "{oops"}, "connection 'c'")
     with pytest.raises(ConfigurationError, match="connection 'c' extra 'price_table'"):
         spend_settings({"price_table": "internet"}, "connection 'c'")
     with pytest.raises(ConfigurationError, match="default_max_output_tokens"):
