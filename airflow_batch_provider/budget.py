@@ -44,11 +44,15 @@ def estimate_files(
     default_max_output: int | None,
     book: PriceBook,
     model: str | None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The estimate of batch JSONL files, streamed line by line (flat memory).
+    """The estimate of batch JSONL files, streamed line by line (flat memory), as they will be
+    sent.
 
     :param files: ``(shard index, path)`` of every file of the run.
-    :param model: the model to price (None: the first line's ``body.model``).
+    :param model: the model to price, and every line's model when given (a submit's override);
+        None: the first line's ``body.model``.
+    :param defaults: body fields given to every line that lacks them (submit's ``request_defaults``).
     """
     tally: EstimateTally | None = None
     for index, path in files:
@@ -57,6 +61,8 @@ def estimate_files(
                 body = obj.get("body") if isinstance(obj, dict) else None
                 if not isinstance(body, dict):
                     raise ConfigurationError(f"{path} line {number}: no request body to estimate")
+                if defaults:
+                    body = {**defaults, **body}
                 if tally is None:
                     model = model or (body.get("model") if isinstance(body.get("model"), str) else None)
                     tally = EstimateTally(counter, endpoint, default_max_output, book.price(model))

@@ -368,6 +368,13 @@ class SubmitBatchOperator(BaseOperator):
         """The whole run's estimate: the manifest's, else made by streaming the run's files."""
         manifest = read_manifest(manifest_file) if manifest_file is not None else None
         known = manifest.estimate if manifest is not None else None
+        # A model override or the task's request defaults change what is sent: estimate the
+        # lines as sent (the connection's defaults were the build's too, when it named it).
+        changed = bool(self.request_defaults) or bool(
+            self.model and manifest is not None and self.model != manifest.model
+        )
+        if changed:
+            known = None
         if known and (known.get("cost") is not None or self.max_estimated_cost is None):
             return known
         spend = spend_settings(hook.get_settings().extra, f"connection {self.batch_conn_id!r}")
@@ -396,6 +403,7 @@ class SubmitBatchOperator(BaseOperator):
             default_max_output=spend.default_max_output_tokens,
             book=book,
             model=model,
+            defaults=self._line_defaults,
         )
 
     # ---- one shard ---------------------------------------------------------------------

@@ -237,3 +237,28 @@ async def test_an_unpriced_merge_leaves_cost_null_never_zero(
     assert wh_pipeline.warehouse.rows(
         f"SELECT COUNT(*) FROM {q('answers')} WHERE {q('cost')} IS NOT NULL"
     ) == [(0,)]
+
+
+async def test_a_submit_that_changes_the_model_or_the_output_cap_is_estimated_as_sent(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dear = {**PRICE, "input": 200.0, "output": 800.0}
+    server = serve(batch_server, monkeypatch, prices={"echo-1": PRICE, "echo-dear": dear})
+    seed_texts(wh_pipeline.warehouse, "tickets", _texts())
+    manifest = wh_pipeline.build("override", **{**BUILD, "body": {}})
+    # The build's lines set no output cap: its worst case is unbounded.
+    assert manifest["estimate"]["cost"] is None
+    # Submit's request_defaults give the cap, and its model override a dearer price: both count.
+    with pytest.raises(BudgetExceededError, match="estimated cost") as info:
+        await wh_pipeline.submit_and_wait(
+            manifest,
+            "override",
+            model="echo-dear",
+            request_defaults={"max_tokens": 10},
+            max_estimated_cost=0.01,
+        )
+    tokens = manifest["estimate"]["input_tokens"]
+    expected = parse_price(dear, "p", model="echo-dear", default_discount=None)
+    cost = expected.rates(0)[0] * tokens + expected.rates(0)[2] * 10 * ROWS
+    assert f"${cost:,.4f}" in str(info.value)
+    assert uploads(server) == (0, 0)
