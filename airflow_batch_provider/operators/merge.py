@@ -512,6 +512,9 @@ class MergeBatchResultsOperator(BaseOperator):
                 "rows_rejected": 0,
                 "rejects_path": None,
                 "keys_path": staging.KEYS_NAME,
+                # The first build's estimate covers every row, not these: a capped submit of the
+                # attempt estimates its files itself.
+                "estimate": None,
                 "extra": {
                     **manifest.extra,
                     "attempt": next_attempt,

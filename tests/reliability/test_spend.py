@@ -262,3 +262,28 @@ async def test_a_submit_that_changes_the_model_or_the_output_cap_is_estimated_as
     cost = expected.rates(0)[0] * tokens + expected.rates(0)[2] * 10 * ROWS
     assert f"${cost:,.4f}" in str(info.value)
     assert uploads(server) == (0, 0)
+
+
+async def test_a_resubmitted_attempt_is_capped_by_its_own_lines_not_the_first_run(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serve(batch_server, monkeypatch, prices={"echo-1": PRICE})
+    seed_texts(wh_pipeline.warehouse, "tickets", _texts())
+    record = await wh_pipeline.run(
+        "first",
+        "answers",
+        build=BUILD,
+        submit={"on_partial_failure": "succeed"},
+        merge={"resubmit_failed": True},
+    )
+    assert record.merge is not None and record.merge["resubmit_lines"] == len(FAILING)
+    attempt = record.merge["resubmit_manifest_path"]
+    assert orjson.loads(resolve_path(attempt).read_bytes())["estimate"] is None
+    # The failed line's own tokens: far under the first run's, which would refuse this cap.
+    cap = record.manifest["estimate"]["input_tokens"] // 4  # type: ignore[index]
+    retry = await wh_pipeline.submit_and_wait(
+        attempt, "retry", max_input_tokens=cap, on_partial_failure="succeed"
+    )
+    assert retry.submission is not None
+    assert retry.submission["estimate"]["requests"] == len(FAILING)
+    assert 0 < retry.submission["estimate"]["input_tokens"] <= cap
