@@ -134,6 +134,11 @@ class RejectRatioExceededError(BatchProviderError):
     """More rows were rejected than ``max_reject_ratio`` allows."""
 
 
+class BudgetExceededError(BatchProviderError):
+    """Submit refused a run whose estimate is over ``max_estimated_cost`` or ``max_input_tokens``
+    (or cannot be priced under a cost cap); nothing was uploaded."""
+
+
 class EmptyBatchError(BatchProviderError):
     """No valid rows, and ``allow_empty`` is False."""
 

@@ -95,7 +95,7 @@ class MergeStatsRunFacet(RunFacet):  # type: ignore[misc]
     :param promptTokens: prompt (input) tokens of the answers.
     :param completionTokens: completion (output) tokens of the answers.
     :param totalTokens: total tokens.
-    :param cost: the cost from the operator's prices per million tokens; None without prices.
+    :param cost: the run's cost at the merge's prices (USD); None when the price is unknown.
     """
 
     counts: dict[str, int] = attrs.field(factory=dict)

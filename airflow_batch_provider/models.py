@@ -225,6 +225,11 @@ class Shard(BaseModel):
     bytes: int
     fingerprint: str = Field(description="sha256 of the shard's bytes")
     endpoint: str | None = None
+    input_tokens: int | None = Field(default=None, description="estimated input tokens of the shard's lines")
+    max_output_tokens: int | None = Field(
+        default=None, description="worst-case output tokens (None: a line sets no cap, and no default)"
+    )
+    estimated_cost: float | None = Field(default=None, description="USD, worst case; None: price unknown")
 
 
 class Manifest(BaseModel):
@@ -252,6 +257,10 @@ class Manifest(BaseModel):
         default=None, description="JSONL of {custom_id, key} for every written row, relative to the manifest"
     )
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    estimate: dict[str, Any] | None = Field(
+        default=None,
+        description="the run's token and cost estimate (see airflow_batch_provider.estimate)",
+    )
     extra: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -36,6 +36,7 @@ from airflow_batch_provider.warehouse.read import value_type
 if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
 
+    from airflow_batch_provider.estimate import EstimateTally
     from airflow_batch_provider.limits import Limits, ValidationRules
     from airflow_batch_provider.models import Shard
     from airflow_batch_provider.warehouse.read import RowStream
@@ -67,6 +68,7 @@ class BuildSpec:
     :param prefix: text put in front of every custom_id (already checked).
     :param unsupported: the dialect's check of what its vendor cannot express in a line (a
         reason, or None), run on every row; None when the dialect has nothing to refuse.
+    :param tally: counts every written line's tokens (and cost) into its shard; None: no estimate.
     """
 
     directory: ObjectStoragePath
@@ -78,6 +80,7 @@ class BuildSpec:
     on_null: str = "reject"
     prefix: str = ""
     unsupported: Callable[[Mapping[str, Any]], str | None] | None = None
+    tally: EstimateTally | None = None
 
 
 @dataclasses.dataclass
@@ -137,6 +140,9 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
     rules = dataclasses.replace(spec.rules, mixed_models=True) if per_model else spec.rules
     check_object = LineValidator(rules, endpoint).check_object
     unsupported = spec.unsupported
+    # A fixed-shape body may be counted from the line as written (HeuristicCounter.from_line).
+    tally = spec.tally.fixed_adder() if spec.tally is not None and builder.fixed_shape else None
+    tally_body = spec.tally.add if spec.tally is not None and tally is None else None
     dumps = orjson.dumps
     newline = orjson.OPT_APPEND_NEWLINE
     custom_id_for = keymod.custom_id_for
@@ -188,7 +194,7 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                             values = _usable_values(row, checked_names, on_null, row_number, key_values)
                             break
                     try:
-                        line_obj = {
+                        line_obj: dict[str, Any] = {
                             "custom_id": cid,
                             "method": "POST",
                             "url": endpoint,
@@ -253,11 +259,19 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                         reject_line = dumps(record, option=newline)
                     rejects_out.write(reject_line)
                     continue
+                if tally is not None:
+                    tally(line, cid, line_obj["body"], shard)
+                elif tally_body is not None:
+                    tally_body(line_obj["body"], shard)
                 write_key(dumps(KeyRecord.line(cid, stored_key(key_values), shard), option=newline))
                 written += 1
             if log is not None and row_number and row_number % _LOG_EVERY < len(batch):
                 log.info("%d rows read, %d written, %d rejected", row_number, written, rejected)
         result.shards = writer.close()
+    if spec.tally is not None:
+        spec.tally.finish()
+        shard_fields = spec.tally.shard_fields
+        result.shards = [s.model_copy(update=shard_fields(s.index)) for s in result.shards]
     result.rows_read, result.rows_written, result.rows_rejected = row_number, written, rejected
     result.key_types = [t or "text" for t in types]
     unsafe = reject_codes.get("template_unsafe", 0)

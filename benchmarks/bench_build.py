@@ -12,6 +12,12 @@ template of about 200 characters. Each scenario runs in its own process so the p
 * ``naive-postgres`` / ``naive-duckdb``: fetchall, render each row with Jinja, ``json.dumps``, one file.
 * ``pg-copy``: PostgreSQL builds the same lines itself, ``COPY (SELECT json_build_object(...)) TO STDOUT``
   into a file: the practical ceiling.
+* ``operator-<db>-<counter>``: the operator with ``token_counter=<counter>`` (``none``: no estimate,
+  today's build before counting; ``heuristic``; ``exact``: o200k from bpe-openai); plain
+  ``operator-<db>`` uses the default (``auto``). ``--scenarios counting`` runs the DuckDB and
+  PostgreSQL ones and prints each counter's rows/s against ``none`` measured in the same run
+  (with ``price_table="none"``), then the one-off costs of a build that counts: loading the
+  o200k vocabulary (bpe-openai) and the genai-prices table, each timed in a fresh process.
 
 CPU seconds are counted for the client process and its PostgreSQL backend (found by
 application_name), so rows per CPU-second compare fairly even on a busy machine.
@@ -44,6 +50,20 @@ BODY = {"max_tokens": 5, "temperature": 0}
 MODEL = "gpt-4o-mini"
 ENDPOINT = "/v1/chat/completions"
 SCENARIOS = ("operator-postgres", "operator-duckdb", "naive-postgres", "naive-duckdb", "pg-copy")
+COUNTERS = ("none", "heuristic", "exact")
+ONE_OFF = {
+    "o200k vocabulary (bpe-openai)": (
+        "import time; t = time.perf_counter(); import bpe_openai; bpe_openai.get_encoding('o200k_base'); "
+        "print(f'{time.perf_counter() - t:.2f}s')"
+    ),
+    "genai-prices lookup": (
+        "import time; t = time.perf_counter(); from airflow_batch_provider.prices import PriceBook; "
+        "from airflow_batch_provider.dialects import get_dialect; "
+        "PriceBook.for_dialect(get_dialect('openai'), {}, 'prices').price('gpt-4o-mini'); "
+        "print(f'{time.perf_counter() - t:.2f}s')"
+    ),
+}
+COUNTING = tuple(f"operator-{kind}-{c}" for kind in ("duckdb", "postgres") for c in COUNTERS)
 
 
 def _rss_kb(field: str) -> int:
@@ -152,7 +172,7 @@ def drop_data(schema: str) -> None:
 # ---- scenarios (each runs in a child process) ---------------------------------------------------
 
 
-def run_operator(kind: str, out: Path, shard_lines: int) -> int:
+def run_operator(kind: str, out: Path, shard_lines: int, counter: str | None = None) -> int:
     from airflow_batch_provider.operators.build import SqlToBatchJsonlOperator
 
     op = SqlToBatchJsonlOperator(
@@ -166,6 +186,9 @@ def run_operator(kind: str, out: Path, shard_lines: int) -> int:
         staging_path=str(out),
         max_lines=shard_lines,
         session_sql=os.environ.get("BENCH_SESSION_SQL_" + kind.upper()) or None,
+        token_counter=counter,
+        # The counting comparison is per row: the price table's one-off load is timed apart.
+        price_table="none" if counter else None,
     )
     result = op.execute({})  # type: ignore[arg-type]
     return int(result["rows_written"])
@@ -257,10 +280,9 @@ def child(scenario: str, out: Path, shard_lines: int) -> dict[str, Any]:
     backend.__enter__()
     cpu0 = os.times()
     start = time.perf_counter()
-    if scenario == "operator-postgres":
-        rows = run_operator("postgres", out, shard_lines)
-    elif scenario == "operator-duckdb":
-        rows = run_operator("duckdb", out, shard_lines)
+    if scenario.startswith("operator-"):
+        parts = scenario.split("-")
+        rows = run_operator(parts[1], out, shard_lines, parts[2] if len(parts) > 2 else None)
     elif scenario == "naive-postgres":
         rows = run_naive("postgres", out)
     elif scenario == "naive-duckdb":
@@ -349,6 +371,8 @@ def main() -> int:
         print(f"data: {args.rows:,} rows in PostgreSQL schema {schema} and {duck} ({took:.1f}s)")
         runs: dict[str, list[dict[str, Any]]] = {}
         scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+        if scenarios == ["counting"]:
+            scenarios = list(COUNTING)
         # Interleaved repeats, best rows/s kept: other load on a shared machine only ever slows a run down.
         for attempt in range(args.repeat):
             for scenario in scenarios:
@@ -397,6 +421,21 @@ def main() -> int:
                 f"pg-copy vs operator (postgres): {copy['rows_per_s'] / op['rows_per_s']:.2f}x rows/s, "
                 f"{copy['rows_per_cpu_s'] / op['rows_per_cpu_s']:.2f}x rows/cpu-s (target <= 1.5x)"
             )
+        for kind in ("duckdb", "postgres"):
+            base = results.get(f"operator-{kind}-none")
+            for counter in COUNTERS[1:]:
+                r = results.get(f"operator-{kind}-{counter}")
+                if base and r:
+                    print(
+                        f"token_counter={counter} vs none ({kind}): "
+                        f"{r['rows_per_s'] / base['rows_per_s']:.3f}x rows/s, "
+                        f"{r['rows_per_cpu_s'] / base['rows_per_cpu_s']:.3f}x rows/cpu-s"
+                        + (" (target >= 0.90x)" if counter == "heuristic" else "")
+                    )
+        if any(s.startswith("operator-") and s.count("-") == 2 for s in scenarios):
+            for what, code in ONE_OFF.items():
+                proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+                print(f"one-off per build: {what}: {proc.stdout.strip() or proc.stderr[-300:]}")
         if args.json:
             print(json.dumps(results, indent=2))
     finally:

@@ -109,6 +109,10 @@ class AnthropicDialect(Dialect):
     cancel_final_statuses = frozenset({400})
     # Out of credit is a billing error, not a rate limit: waiting does not help.
     quota_error_codes = frozenset({"billing_error"})
+    # Claude's tokenizer is not public; it makes more tokens than o200k for the same text.
+    token_encoding = None
+    token_factor = 1.2
+    price_provider = "anthropic"
 
     def __init__(self) -> None:
         super().__init__()

@@ -99,6 +99,8 @@ class AzureOpenAIDialect(Dialect):
     limits = Limits(max_lines=100_000, max_file_bytes=200 * MB, max_line_bytes=200 * MB)
     # Every line's body.model names the one deployment the batch runs on.
     mixed_models = False
+    # Azure's own price list; its models count tokens as OpenAI's do.
+    price_provider = "azure"
     model_meaning = "the batch deployment's name"
     quota_error_codes = frozenset({"insufficient_quota", "token_limit_exceeded"})
     batch_quota_error_codes = frozenset({"token_limit_exceeded"})

@@ -204,6 +204,17 @@ class Dialect:
     #: Codes of a failed batch's errors by which the vendor says a quota refused it (waiting for
     #: the queue to drain or raising the quota cures it, resubmitting at once does not).
     batch_quota_error_codes: ClassVar[frozenset[str]] = frozenset()
+    #: The OpenAI encoding (``o200k_base``) that counts this vendor's input tokens exactly, or
+    #: None when its tokenizer is private: the build then uses the script-aware heuristic times
+    #: ``token_factor`` and says the count is an estimate (see ``airflow_batch_provider.estimate``).
+    token_encoding: ClassVar[str | None] = "o200k_base"  # noqa: S105 (an encoding, no secret)
+    #: Tokens this vendor's tokenizer makes per o200k token, for the heuristic (a stated estimate).
+    token_factor: ClassVar[float] = 1.0
+    #: The provider id under which the optional ``genai-prices`` table lists this vendor's models.
+    price_provider: ClassVar[str | None] = "openai"
+    #: The share taken off list prices for batch requests (0.5: half price); None when not
+    #: known, and then list prices are used (an estimate that errs high).
+    batch_discount: ClassVar[float | None] = 0.5
     #: Connection extras only this dialect reads, as connection-form fields (``label``,
     #: ``description``, JSON ``schema``); the form shows every dialect's.
     connection_fields: ClassVar[Mapping[str, Mapping[str, Any]]] = {}

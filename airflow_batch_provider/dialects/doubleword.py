@@ -36,6 +36,11 @@ class DoublewordDialect(Dialect):
     unique_custom_ids = False
     # Each request is routed by its own model.
     mixed_models = True
+    # Open-weight models with their own tokenizers: the heuristic, a little above o200k.
+    token_encoding = None
+    token_factor = 1.1
+    price_provider = "doubleword"
+    batch_discount = None
     results_modes = ("files", "results_endpoint")
 
     def __init__(self) -> None:

@@ -64,6 +64,10 @@ class MistralDialect(Dialect):
     name = "mistral"
     label = "Mistral"
     default_base_url = "https://api.mistral.ai/v1"
+    # Mistral's tokenizer is not bundled here; its batch API costs half the list price.
+    token_encoding = None
+    token_factor = 1.1
+    price_provider = "mistral"
     endpoints = frozenset(
         {
             "/v1/chat/completions",

@@ -49,6 +49,11 @@ class XAIDialect(Dialect):
     default_base_url = "https://api.x.ai/v1"
     list_keys = frozenset({"batches"})
     listed_id_key = "batch_id"
+    # Grok's tokenizer is not public.
+    token_encoding = None
+    token_factor = 1.1
+    price_provider = "x-ai"
+    batch_discount = None
     endpoints = frozenset(
         {
             "/v1/responses",

@@ -29,6 +29,11 @@ class ZeroGPUDialect(Dialect):
     max_custom_id_chars = None
     required_extras = ("project",)
     cancel_final_statuses = frozenset({409})
+    # Open-weight models with their own tokenizers: the heuristic, a little above o200k.
+    token_encoding = None
+    token_factor = 1.1
+    price_provider = None
+    batch_discount = None
 
     # Codes ZeroGPU documents on error lines; anything else is passed through unchanged.
     error_codes = frozenset(

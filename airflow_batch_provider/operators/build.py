@@ -12,12 +12,14 @@ from airflow_batch_provider import keys as keymod
 from airflow_batch_provider import staging
 from airflow_batch_provider.assets import attach_outlet_extra, build_event_extra
 from airflow_batch_provider.dialects import get_dialect
+from airflow_batch_provider.estimate import EstimateTally, describe_estimate, resolve_counter
 from airflow_batch_provider.exceptions import (
     ConfigurationError,
     EmptyBatchError,
     RejectRatioExceededError,
 )
 from airflow_batch_provider.models import Manifest
+from airflow_batch_provider.prices import PriceBook, spend_settings
 from airflow_batch_provider.rendering import BodySource
 from airflow_batch_provider.rows_to_lines import (
     ON_NULL_CHOICES,
@@ -88,6 +90,20 @@ class SqlToBatchJsonlOperator(BaseOperator):
     :param fetch_batch_size: rows per fetch from the database.
     :param session_sql: statements run on the source connection before the query, e.g.
         ``["SET memory_limit = '512MB'"]`` to bound DuckDB's cache of scanned table blocks.
+    :param token_counter: how input tokens are counted per line (see
+        :mod:`airflow_batch_provider.estimate`): a callable ``body -> int``, ``"auto"`` (exact
+        for OpenAI encodings when ``bpe-openai`` is installed, else the script-aware heuristic
+        with the dialect's factor), ``"heuristic"``, ``"exact"``, an encoding name, a dotted
+        path ``"module:function"``, or ``"none"`` (no estimate); default: the batch connection's
+        extra ``token_counter``, else auto.
+    :param default_max_output_tokens: the worst-case output of a line that sets no
+        ``max_tokens`` / ``max_completion_tokens``; default: the batch connection's extra
+        ``default_max_output_tokens``, else none (the worst case is then unknown).
+    :param prices: ``{model: {input, cached_input, output, batch_discount, long_context}}`` in
+        USD per 1M tokens (see :mod:`airflow_batch_provider.prices`), over the batch connection's
+        extra ``prices``.
+    :param price_table: ``auto``, ``genai-prices`` or ``none``: whether the optional
+        genai-prices table prices a model nobody set; default: the connection's, else auto.
     :param list outlets: (a BaseOperator argument) every ``Asset`` among them gets the build's figures
         as its event extra: shard count, rows read / written / rejected, the staging URI.
     """
@@ -139,6 +155,10 @@ class SqlToBatchJsonlOperator(BaseOperator):
         custom_id_prefix: str = "",
         fetch_batch_size: int = 5_000,
         session_sql: str | Sequence[str] | None = None,
+        token_counter: Any = None,
+        default_max_output_tokens: int | None = None,
+        prices: Mapping[str, Any] | None = None,
+        price_table: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -198,6 +218,16 @@ class SqlToBatchJsonlOperator(BaseOperator):
         self.custom_id_prefix = custom_id_prefix
         self.fetch_batch_size = fetch_batch_size
         self.session_sql = [session_sql] if isinstance(session_sql, str) else list(session_sql or [])
+        if default_max_output_tokens is not None and (
+            type(default_max_output_tokens) is not int or default_max_output_tokens < 0
+        ):
+            raise ConfigurationError(
+                f"default_max_output_tokens must be a token count, not {default_max_output_tokens!r}"
+            )
+        self.token_counter = token_counter
+        self.default_max_output_tokens = default_max_output_tokens
+        self.prices = dict(prices or {})
+        self.price_table = price_table
         # What this try wrote (its XCom), for lineage; None until the build succeeds.
         self.built: dict[str, Any] | None = None
 
@@ -231,6 +261,32 @@ class SqlToBatchJsonlOperator(BaseOperator):
 
         extra = BatchApiHook(self.batch_conn_id).get_settings().extra.get("request_defaults")
         return request_defaults(extra, f"connection {self.batch_conn_id!r}")
+
+    def _tally(self, dialect: Dialect, endpoint: str) -> tuple[EstimateTally | None, PriceBook]:
+        """The estimate's counter and price, from this operator over the batch connection's extra."""
+        extra: Mapping[str, Any] = {}
+        if self.batch_conn_id:
+            from airflow_batch_provider.hooks.batch import BatchApiHook
+
+            extra = BatchApiHook(self.batch_conn_id).get_settings().extra
+        spend = spend_settings(extra, f"connection {self.batch_conn_id!r}")
+        model = self.model or self.body.get("model") or self._connection_defaults().get("model")
+        counter = resolve_counter(
+            self.token_counter if self.token_counter is not None else spend.token_counter, dialect, model
+        )
+        book = PriceBook.for_dialect(
+            dialect,
+            {**spend.prices, **self.prices},
+            "prices",
+            self.price_table or spend.price_table,
+        )
+        if counter is None:
+            return None, book
+        default_out = self.default_max_output_tokens
+        if default_out is None:
+            default_out = spend.default_max_output_tokens
+        tally = EstimateTally(counter, endpoint, default_out, book.price(model))
+        return tally, book
 
     def _endpoint(self) -> str:
         return self.endpoint or self._body_source().default_endpoint()
@@ -297,6 +353,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
         self.log.info(
             "Building %s batch lines for %s from %s into %s", dialect.name, endpoint, self.conn_id, directory
         )
+        tally, book = self._tally(dialect, endpoint)
         spec = BuildSpec(
             directory=directory,
             endpoint=endpoint,
@@ -307,6 +364,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
             on_null=self.on_null,
             prefix=prefix,
             unsupported=dialect.unsupported,
+            tally=tally,
         )
         with stream_rows(
             hook, query, self.parameters, batch_size=self.fetch_batch_size, session_sql=self.session_sql
@@ -326,6 +384,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
             rows_rejected=build.rows_rejected,
             rejects_path=staging.REJECTS_NAME,
             keys_path=staging.KEYS_NAME,
+            estimate=tally.summary(book, self.model or None) if tally is not None else None,
             extra={
                 "rejects_by_code": dict(build.reject_codes),
                 "columns": build.column_names,
@@ -344,6 +403,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
             manifest.rows_read,
             written,
         )
+        self.log.info("Estimate: %s", describe_estimate(manifest.estimate or {}))
         self.built = manifest_xcom(manifest, directory)
         attach_outlet_extra(context, self.outlets, build_event_extra(self.built))
         return self.built

@@ -12,10 +12,12 @@ from airflow.sdk import BaseHook, BaseOperator
 
 from airflow_batch_provider.assets import attach_outlet_extra, merge_event_extra
 from airflow_batch_provider.constants import DEFAULT_CONN_ID, SHARD_TAG
+from airflow_batch_provider.estimate import describe_estimate
 from airflow_batch_provider.exceptions import BatchProviderError, ConfigurationError
 from airflow_batch_provider.ids import check_id
 from airflow_batch_provider.jsonl import iter_objects
 from airflow_batch_provider.models import BatchState, Manifest, ResultLine
+from airflow_batch_provider.prices import Price, PriceBook, spend_settings
 from airflow_batch_provider.records import KeyRecord
 from airflow_batch_provider.warehouse.lines import RawResults, ResultFile, file_line_reader
 from airflow_batch_provider.warehouse.rows import STATUSES, Column, OutputSchema, ResultMapper
@@ -153,8 +155,17 @@ class MergeBatchResultsOperator(BaseOperator):
     :param output_schema: pydantic model class, its dotted path, or a JSON schema dict; the
         answer is parsed and its fields land in typed columns (else ``invalid_output``).
     :param output_column_prefix: prefix for the structured-output columns.
-    :param input_price_per_1m: price of one million input (prompt) tokens, for the cost figure.
-    :param output_price_per_1m: price of one million output (completion) tokens.
+    :param input_price_per_1m: price of one million input (prompt) tokens, for every model, as
+        billed (no batch discount taken); prefer ``prices``.
+    :param output_price_per_1m: price of one million output (completion) tokens; prefer ``prices``.
+    :param prices: ``{model: {input, cached_input, output, batch_discount, long_context}}`` in USD
+        per 1M tokens over the batch connection's extra ``prices`` (see
+        :mod:`airflow_batch_provider.prices`); the manifest's model is priced. Every row gets its
+        ``cost`` (cached tokens priced apart, long-context tiers per row); the XCom gives the
+        cost per status and per run next to the build's estimate, and what priced it. A model
+        with no price gets cost NULL, never 0.
+    :param price_table: ``auto``, ``genai-prices`` or ``none`` (see the build's); default: the
+        connection's extra ``price_table``, else auto.
     :param resubmit_failed: write a new shard set (``attempt-N/`` beside the manifest) of the
         lines whose status is failed, expired, cancelled or missing.
     :param max_attempts: the attempt number after which nothing more is resubmitted.
@@ -215,6 +226,8 @@ class MergeBatchResultsOperator(BaseOperator):
         output_column_prefix: str = "",
         input_price_per_1m: float | None = None,
         output_price_per_1m: float | None = None,
+        prices: Mapping[str, Any] | None = None,
+        price_table: str | None = None,
         resubmit_failed: bool = False,
         max_attempts: int = 3,
         results_mode: str | None = None,
@@ -240,6 +253,10 @@ class MergeBatchResultsOperator(BaseOperator):
         self.output_column_prefix = output_column_prefix
         self.input_price_per_1m = input_price_per_1m
         self.output_price_per_1m = output_price_per_1m
+        self.prices = dict(prices or {})
+        self.price_table = price_table
+        # What priced this merge's rows (for the XCom); set as the merge runs.
+        self.price: Price | None = None
         self.resubmit_failed = resubmit_failed
         if max_attempts < 1:
             raise ConfigurationError("max_attempts must be at least 1")
@@ -338,6 +355,10 @@ class MergeBatchResultsOperator(BaseOperator):
         elif manifest is not None:
             self.log.warning("The manifest has no key columns or keys file; custom_id is the only key")
 
+        model = manifest.model if manifest is not None else None
+        self.price, price_note = self._price(hook, model)
+        if self.price is None:
+            self.log.warning("Row costs are unknown (NULL): %s", price_note)
         writer = ResultsWriter(
             self.get_warehouse_hook(),
             self.target_table,
@@ -349,6 +370,7 @@ class MergeBatchResultsOperator(BaseOperator):
             parse_in=self.parse_in,
             vendor=hook.dialect.name,
             batch_conn_id=self.batch_conn_id,
+            price=self.price,
         )
         self.merge_columns = [(c.name, c.type) for c in writer.target_columns]
         resubmission: dict[str, Any] = {}
@@ -375,7 +397,7 @@ class MergeBatchResultsOperator(BaseOperator):
             shards=shards,
             on_retry=on_retry if self.resubmit_failed and key_columns else None,
         )
-        self.merge_summary = self._summarise(report, list(batches), resubmission, manifest)
+        self.merge_summary = self._summarise(report, list(batches), resubmission, manifest, price_note)
         attach_outlet_extra(context, self.outlets, merge_event_extra(self.merge_summary, self.target_schema))
         return self.merge_summary
 
@@ -498,6 +520,9 @@ class MergeBatchResultsOperator(BaseOperator):
                 "rows_rejected": 0,
                 "rejects_path": None,
                 "keys_path": staging.KEYS_NAME,
+                # The first build's estimate covers every row, not these: a capped submit of the
+                # attempt estimates its files itself.
+                "estimate": None,
                 "extra": {
                     **manifest.extra,
                     "attempt": next_attempt,
@@ -542,25 +567,39 @@ class MergeBatchResultsOperator(BaseOperator):
         return ResubmitTarget(conn_id, dialect, self.fallback_model)
 
     # ---- report -----------------------------------------------------------------------------
+    def _price(self, hook: BatchApiHook, model: str | None) -> tuple[Price | None, str]:
+        """The price of this merge's rows and, without one, why."""
+        if self.input_price_per_1m is not None or self.output_price_per_1m is not None:
+            # The older, flat figures: as billed, for every model (cached tokens as input).
+            rate_in = float(self.input_price_per_1m or 0.0)
+            return Price(rate_in, rate_in, float(self.output_price_per_1m or 0.0), model=model), ""
+        spend = spend_settings(hook.get_settings().extra, f"connection {self.batch_conn_id!r}")
+        book = PriceBook.for_dialect(
+            hook.dialect, {**spend.prices, **self.prices}, "prices", self.price_table or spend.price_table
+        )
+        price = book.price(model)
+        return price, "" if price is not None else book.why_unknown(model)
+
     def _summarise(
         self,
         report: MergeReport,
         batch_ids: list[str],
         resubmission: Mapping[str, Any],
         manifest: Manifest | None,
+        price_note: str = "",
     ) -> dict[str, Any]:
-        cost = None
-        if self.input_price_per_1m is not None or self.output_price_per_1m is not None:
-            cost = round(
-                report.prompt_tokens * (self.input_price_per_1m or 0.0) / 1e6
-                + report.completion_tokens * (self.output_price_per_1m or 0.0) / 1e6,
-                6,
-            )
+        cost = report.cost
         summary = {
             "table": self.target_table,
             "batch_ids": batch_ids,
             **report.as_dict(),
             "cost": cost,
+            # What priced the rows (source and version), or why nothing did.
+            "price": self.price.describe()
+            if self.price is not None
+            else {"source": "unknown", "why": price_note},
+            # The build's estimate (worst case), to read next to the actual cost.
+            "estimate": manifest.estimate if manifest is not None else None,
             "attempt": int(manifest.extra.get("attempt", 1)) if manifest else 1,
             "max_attempts": self.max_attempts,
             "resubmit": bool(resubmission.get("resubmit_lines")),
@@ -582,8 +621,18 @@ class MergeBatchResultsOperator(BaseOperator):
             report.prompt_tokens,
             report.completion_tokens,
             report.total_tokens,
-            f"; cost={cost}" if cost is not None else "",
+            _cost_line(cost, report.cost_by_status),
         )
+        estimate = manifest.estimate if manifest is not None else None
+        if estimate:
+            self.log.info(
+                "Estimated at build: %s; actual: %d input tokens (%d cached), %d output tokens, cost %s",
+                describe_estimate(estimate),
+                report.prompt_tokens,
+                report.cached_tokens,
+                report.completion_tokens,
+                "unknown" if cost is None else f"${cost:,.6f}",
+            )
         if report.orphan_results:
             self.log.warning(
                 "%d result line(s) matched no key of the manifest and were not written (e.g. %s)",
@@ -614,6 +663,13 @@ class MergeBatchResultsOperator(BaseOperator):
                 report.duplicate_results,
             )
         return summary
+
+
+def _cost_line(cost: float | None, by_status: Mapping[str, float | None]) -> str:
+    if cost is None:
+        return "; cost unknown"
+    parts = ", ".join(f"{status}=${value:,.6f}" for status, value in by_status.items() if value)
+    return f"; cost=${cost:,.6f}" + (f" ({parts})" if parts else "")
 
 
 def _records(path: ObjectStoragePath) -> Iterator[dict[str, Any]]:

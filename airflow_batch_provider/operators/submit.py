@@ -23,7 +23,9 @@ import orjson
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.configuration import conf
 
+from airflow_batch_provider.budget import check_budget, check_caps, estimate_files
 from airflow_batch_provider.constants import DEFAULT_CONN_ID
+from airflow_batch_provider.estimate import describe_estimate, resolve_counter
 from airflow_batch_provider.exceptions import (
     AmbiguousOrphanError,
     BatchApiNotFoundError,
@@ -34,6 +36,7 @@ from airflow_batch_provider.exceptions import (
 from airflow_batch_provider.jsonl import LineValidator, Problem, iter_raw_lines
 from airflow_batch_provider.links import batch_page_links, push_batch_ids
 from airflow_batch_provider.models import Batch, BatchState, Manifest, to_utc
+from airflow_batch_provider.prices import PriceBook, spend_settings
 from airflow_batch_provider.staging import (
     manifest_path,
     open_read,
@@ -135,6 +138,12 @@ class SubmitBatchOperator(BaseOperator):
     :param on_partial_failure: ``succeed`` or ``fail`` when lines failed in completed batches.
     :param cancel_on_timeout: cancel unfinished batches when the wait times out.
     :param cancel_on_kill: cancel the batches when the task is killed.
+    :param max_estimated_cost: refuse, before any upload, a run whose estimated worst-case cost
+        (USD) is over this. The estimate is the build manifest's for the whole run (all its
+        shards, also when this task submits one shard of a mapped run); a file without one is
+        estimated here with the connection's ``prices`` and ``token_counter``. With an unknown
+        price the run is refused unless ``max_input_tokens`` is also given.
+    :param max_input_tokens: refuse, before any upload, a run whose estimated input tokens are over this.
 
     **A crash between create and recording the batch id.** The intent (with its time and, for
     a vendor taking requests inline, its request count) is durable before every create, and
@@ -194,9 +203,14 @@ class SubmitBatchOperator(BaseOperator):
         on_partial_failure: PartialPolicy = "succeed",
         cancel_on_timeout: bool = False,
         cancel_on_kill: bool = True,
+        max_estimated_cost: float | None = None,
+        max_input_tokens: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        check_caps(max_estimated_cost, max_input_tokens)
+        self.max_estimated_cost = max_estimated_cost
+        self.max_input_tokens = max_input_tokens
         if on_stale_state not in STALE_POLICIES:
             raise ConfigurationError(
                 f"on_stale_state must be one of {STALE_POLICIES}, got {on_stale_state!r}"
@@ -245,6 +259,14 @@ class SubmitBatchOperator(BaseOperator):
         # Checked with each hand-made line as it will be sent (_unsupported).
         self._line_defaults = self._defaults(hook)
         shards, state_dir, manifest_file = self._plan(dialect)
+        estimate = None
+        if self.max_estimated_cost is not None or self.max_input_tokens is not None:
+            # Before any upload or create: a refused run costs nothing.
+            estimate = self._run_estimate(hook, dialect, shards, manifest_file)
+            check_budget(
+                estimate, max_estimated_cost=self.max_estimated_cost, max_input_tokens=self.max_input_tokens
+            )
+            self.log.info("Within budget: %s", describe_estimate(estimate))
         identity = RunIdentity.from_context(context)
         # Chosen once per try; both stores keep the same intent -> batch id protocol.
         store = choose_state_store(context, self.state_store, state_dir)
@@ -271,6 +293,8 @@ class SubmitBatchOperator(BaseOperator):
             "submitted_at": min(submitted).isoformat(),
             "manifest_path": str(manifest_file) if manifest_file is not None else None,
         }
+        if estimate is not None:
+            submission["estimate"] = estimate
         self.log.info("Submitted %d batch(es): %s", len(records), ", ".join(self._batch_ids))
         push_batch_ids(context, self._batch_ids)
         self.submission = submission
@@ -333,6 +357,54 @@ class SubmitBatchOperator(BaseOperator):
     def on_kill(self) -> None:
         if self.cancel_on_kill and self._batch_ids:
             cancel_batches(self.hook(), self._batch_ids, log=self.log)
+
+    def _run_estimate(
+        self,
+        hook: BatchApiHook,
+        dialect: Dialect,
+        shards: list[ShardInput],
+        manifest_file: ObjectStoragePath | None,
+    ) -> dict[str, Any]:
+        """The whole run's estimate: the manifest's, else made by streaming the run's files."""
+        manifest = read_manifest(manifest_file) if manifest_file is not None else None
+        known = manifest.estimate if manifest is not None else None
+        # A model override or the task's request defaults change what is sent: estimate the
+        # lines as sent (the connection's defaults were the build's too, when it named it).
+        changed = bool(self.request_defaults) or bool(
+            self.model and manifest is not None and self.model != manifest.model
+        )
+        if changed:
+            known = None
+        if known and (known.get("cost") is not None or self.max_estimated_cost is None):
+            return known
+        spend = spend_settings(hook.get_settings().extra, f"connection {self.batch_conn_id!r}")
+        book = PriceBook.for_dialect(
+            dialect, spend.prices, f"connection {self.batch_conn_id!r} extra prices", spend.price_table
+        )
+        model = self.model or (manifest.model if manifest is not None else None)
+        if known and book.price(model) is None:
+            return known  # the connection cannot price it either
+        if manifest is not None and manifest_file is not None:
+            # Every shard of the build, not only the one this (mapped) task sends.
+            root = staging_dir_of(manifest_file)
+            files = [(s.index, root / s.path) for s in manifest.shards]
+        else:
+            files = [(s.index, s.path) for s in shards]
+        self.log.info("Estimating %d file(s) of the run for the budget check", len(files))
+        # A cap is checked against a count: "none" (no estimate at build) still counts here.
+        counter = resolve_counter(spend.token_counter, dialect, model) or resolve_counter(
+            "auto", dialect, model
+        )
+        assert counter is not None
+        return estimate_files(
+            files,
+            endpoint=shards[0].endpoint,
+            counter=counter,
+            default_max_output=spend.default_max_output_tokens,
+            book=book,
+            model=model,
+            defaults=self._line_defaults,
+        )
 
     # ---- one shard ---------------------------------------------------------------------
     def submit_shard(

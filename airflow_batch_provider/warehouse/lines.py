@@ -410,6 +410,7 @@ ROW_COLUMNS = (
     "prompt_tokens",
     "completion_tokens",
     "total_tokens",
+    "cached_tokens",
     "error_code",
     "error_message",
     "batch_id",
@@ -447,6 +448,7 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
     reason, bstatus = leaf((*body_path, "incomplete_details", "reason")), leaf((*body_path, "status"))
     usage = leaf((*body_path, "usage"))
     tokens = {k: leaf((*body_path, "usage", k)) for k in TOKEN_KEYS}
+    cached = leaf((*body_path, "usage", "prompt_tokens_details", "cached_tokens"))
     j = json
     t = leaf.text
     sc_int = (
@@ -470,7 +472,7 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
     fence = j.fence
     # Token counts as extract_usage believes them (n<leaf>), the prompt's and completion's.
     pt, it, ct, ot, tt = tokens.values()
-    counts = ", ".join(f"{leaf.count(i)} AS n{i}" for i in tokens.values())
+    counts = ", ".join(f"{leaf.count(i)} AS n{i}" for i in (*tokens.values(), cached))
     prompt = f"CASE WHEN k{usage} = 'object' THEN CASE WHEN {leaf.nullish(pt)} THEN n{it} ELSE n{pt} END END"
     completion = (
         f"CASE WHEN k{usage} = 'object' THEN CASE WHEN {leaf.nullish(ct)} THEN n{ot} ELSE n{ct} END END"
@@ -518,7 +520,7 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
         "WHEN p_tok IS NOT NULL OR c_tok IS NOT NULL THEN COALESCE(p_tok, 0) + COALESCE(c_tok, 0) END END"
     )
     bad_tokens = " OR ".join(f"(NOT {leaf.nullish(i)} AND n{i} IS NULL)" for i in tokens.values())
-    integers = " OR ".join(f"k{i} = 'integer'" for i in (sc, *tokens.values()))
+    integers = " OR ".join(f"k{i} = 'integer'" for i in (sc, *tokens.values(), cached))
     # What only Python reads exactly: each clause names a case of parse_result_line or row().
     python = " OR ".join(
         f"COALESCE({clause}, FALSE)"
@@ -567,6 +569,8 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
         "p_tok",
         "c_tok",
         total,
+        # As extract_cached reads it: a believable count, else NULL (an error line has no usage).
+        f"CASE WHEN k{usage} = 'object' THEN n{cached} END",
         f"CASE WHEN {empty} THEN 'empty_response' ELSE e_code END",
         f"CASE WHEN {empty} THEN 'the response has no JSON object body to read an answer from' "
         f"ELSE {message} END",
@@ -610,8 +614,9 @@ def common_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
         "finish": (*choice, "finish_reason"),
         "model": (*body, "model"),
     }
-    tokens = TOKEN_KEYS
-    paths.update({t: (*body, "usage", t) for t in tokens})
+    tokens = (*TOKEN_KEYS, "cached")
+    paths.update({t: (*body, "usage", t) for t in TOKEN_KEYS})
+    paths["cached"] = (*body, "usage", "prompt_tokens_details", "cached_tokens")
     values = ", ".join(f"{j.value('j', p)} AS l_{name}" for name, p in paths.items())
     kinds = ", ".join(f"{j.kind(f'l_{name}')} AS k_{name}" for name in paths)
     texts = ", ".join(
@@ -622,7 +627,8 @@ def common_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
         f"CASE WHEN k_{name} = 'number' THEN {j.numeric(f'l_{name}')} END AS n_{name}"
         for name in ("sc", *tokens)
     )
-    # A token count as extract_usage believes it; absent or null is as good (it reads None).
+    # A token count as extract_usage (extract_cached) believes it; absent or null is as good
+    # (it reads None).
     believed = " AND ".join(
         f"(k_{t} IS NULL OR k_{t} = 'null' "
         f"OR ({j.whole(f'n_{t}')} AND n_{t} BETWEEN 0 AND {MAX_TOKEN_COUNT}))"
@@ -669,6 +675,7 @@ def common_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
         f"CASE WHEN {answer} THEN {completion} END",
         f"CASE WHEN {answer} THEN COALESCE({n['total_tokens']}, CASE WHEN {prompt} IS NOT NULL "
         f"OR {completion} IS NOT NULL THEN COALESCE({prompt}, 0) + COALESCE({completion}, 0) END) END",
+        f"CASE WHEN {answer} THEN {n['cached']} END",
         "CASE WHEN common = 'error' THEN t_code END",
         "CASE WHEN common = 'error' THEN t_msg END",
         batch_sql("f", batch_ids),

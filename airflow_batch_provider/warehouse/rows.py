@@ -66,6 +66,9 @@ RESULT_COLUMNS: tuple[Column, ...] = (
     Column("prompt_tokens", "integer"),
     Column("completion_tokens", "integer"),
     Column("total_tokens", "integer"),
+    # Input tokens read from the vendor's prompt cache (``usage.prompt_tokens_details.cached_tokens``,
+    # where every dialect puts them); priced apart in ``cost``. Added after the first release.
+    Column("cached_tokens", "integer"),
     Column("error_code", "text"),
     Column("error_message", "text"),
     Column("batch_id", "text"),
@@ -78,14 +81,27 @@ ANSWERED_BY_COLUMNS: tuple[Column, ...] = (
     Column("vendor", "text"),
     Column("batch_conn_id", "text"),
 )
+#: What the row cost (USD) at the merge's prices: uncached input, cached input and output tokens
+#: each at its price, the batch discount taken; 0 for a row that used no tokens (rejected, or an
+#: error the vendor does not bill); NULL when the price is not known (never $0). Filled in SQL by
+#: the writer for the rows of its merge.
+COST_COLUMN = Column("cost", "float")
 #: Columns a merge adds to an existing results table that lacks them (all nullable).
-ADDABLE_COLUMNS: tuple[Column, ...] = ANSWERED_BY_COLUMNS
+ADDABLE_COLUMNS: tuple[Column, ...] = (*ANSWERED_BY_COLUMNS, Column("cached_tokens", "integer"), COST_COLUMN)
 RESERVED_COLUMNS: frozenset[str] = frozenset(
-    {"custom_id", "merged_at", *(c.name for c in RESULT_COLUMNS), *(c.name for c in ANSWERED_BY_COLUMNS)}
+    {
+        "custom_id",
+        "merged_at",
+        COST_COLUMN.name,
+        *(c.name for c in RESULT_COLUMNS),
+        *(c.name for c in ANSWERED_BY_COLUMNS),
+    }
 )
 
 # Columns the writer fills itself (or only stages), which no mapped column may reuse.
-_WRITER_COLUMNS = frozenset({"custom_id", "merged_at", "seq", *(c.name for c in ANSWERED_BY_COLUMNS)})
+_WRITER_COLUMNS = frozenset(
+    {"custom_id", "merged_at", "seq", COST_COLUMN.name, *(c.name for c in ANSWERED_BY_COLUMNS)}
+)
 
 _PATH_TOKEN = re.compile(r"\.?([^.\[\]]+)|\[(\d+)\]")
 
@@ -291,13 +307,14 @@ class ResultMapper:
         self.lines += 1
         body = line.body
         content = embedding = finish_reason = model = None
-        prompt = completion = total = None
+        prompt = completion = total = cached = None
         if type(body) is dict:
             content, embedding, finish_reason = extract_answer(body)
             model = body.get("model")
             if type(model) is not str:
                 model = None
             prompt, completion, total = extract_usage(body)
+            cached = extract_cached(body)
             if prompt is None or completion is None or total is None:
                 dropped = unusable_token_counts(body)
                 if dropped:
@@ -356,6 +373,7 @@ class ResultMapper:
             prompt,
             completion,
             total,
+            cached,
             error_code,
             error_message,
             batch_id,
@@ -436,6 +454,15 @@ def extract_usage(body: dict[str, Any]) -> tuple[int | None, int | None, int | N
     if not given_total and (prompt is not None or completion is not None):
         total = (prompt or 0) + (completion or 0)
     return prompt, completion, total
+
+
+def extract_cached(body: dict[str, Any]) -> int | None:
+    """Input tokens read from the prompt cache (``usage.prompt_tokens_details.cached_tokens``),
+    when given as a believable count; else None."""
+    usage = body.get("usage")
+    details = usage.get("prompt_tokens_details") if type(usage) is dict else None
+    cached = details.get("cached_tokens") if type(details) is dict else None
+    return cached if type(cached) is int and 0 <= cached <= MAX_TOKEN_COUNT else None
 
 
 def unusable_token_counts(body: dict[str, Any]) -> dict[str, Any]:

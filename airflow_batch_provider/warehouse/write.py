@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import orjson
 
@@ -43,11 +43,15 @@ from airflow_batch_provider.warehouse.plan import WriteMode, WritePlan, plan_wri
 from airflow_batch_provider.warehouse.rows import (
     ADDABLE_COLUMNS,
     ANSWERED_BY_COLUMNS,
+    COST_COLUMN,
     RETRYABLE_STATUSES,
     STATUSES,
     Column,
     ResultMapper,
 )
+
+if TYPE_CHECKING:
+    from airflow_batch_provider.prices import Price
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -92,9 +96,16 @@ class MergeReport:
     bad_result_samples: list[str] = field(default_factory=list)
     bad_token_counts: int = 0
     bad_token_samples: list[str] = field(default_factory=list)
+    #: The cost of the rows this merge wrote (USD), None when the price is not known.
+    cost: float | None = None
+    cost_by_status: dict[str, float | None] = field(default_factory=dict)
+    cached_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "cost": self.cost,
+            "cost_by_status": dict(self.cost_by_status),
+            "cached_tokens": self.cached_tokens,
             "counts": dict(self.counts),
             "rows_written": self.rows_written,
             "result_lines": self.result_lines,
@@ -111,6 +122,28 @@ class MergeReport:
             "bad_token_counts": self.bad_token_counts,
             "bad_token_samples": list(self.bad_token_samples),
         }
+
+
+def cost_sql(price: Price | None, quote: Callable[[str], str]) -> str:
+    """SQL of one results row's cost (USD) from its token columns, as :meth:`Price.cost` computes
+    it: a long-context tier applies to the whole row over its threshold; cached input tokens at
+    their own price; 0 for a row with no token counts (never sent, or not billed); NULL without
+    a price. The prices are numbers of this package's own making, written as literals."""
+    if price is None:
+        return "NULL"
+    prompt, completion, cached = quote("prompt_tokens"), quote("completion_tokens"), quote("cached_tokens")
+
+    def priced(input_tokens: int) -> str:
+        rate_in, rate_cached, rate_out = (repr(float(r)) for r in price.rates(input_tokens))
+        return (
+            f"((COALESCE({prompt}, 0) - COALESCE({cached}, 0)) * {rate_in} "
+            f"+ COALESCE({cached}, 0) * {rate_cached} + COALESCE({completion}, 0) * {rate_out})"
+        )
+
+    expr = priced(0)
+    for tier in price.tiers:  # by rising threshold: the highest one passed wins
+        expr = f"CASE WHEN {prompt} > {int(tier.threshold)} THEN {priced(tier.threshold + 1)} ELSE {expr} END"
+    return f"CASE WHEN {prompt} IS NULL AND {completion} IS NULL THEN 0 ELSE {expr} END"
 
 
 #: Called before commit with ``(shard, custom_id, key values)`` of every retryable key, in build
@@ -135,6 +168,7 @@ class ResultsWriter:
     :param vendor: the vendor (dialect name) whose batches this merge reads, written to the
         ``vendor`` column of every row it writes except rejected ones (never sent); None: NULL.
     :param batch_conn_id: the batch connection those batches were read through (``batch_conn_id``).
+    :param price: prices the rows this merge writes (the ``cost`` column); None: cost unknown (NULL).
     """
 
     def __init__(
@@ -150,6 +184,7 @@ class ResultsWriter:
         parse_in: str = "auto",
         vendor: str | None = None,
         batch_conn_id: str | None = None,
+        price: Price | None = None,
     ) -> None:
         if parse_in not in PARSE_IN_CHOICES:
             raise WarehouseSchemaError(
@@ -167,6 +202,7 @@ class ResultsWriter:
         self.session_settings = dict(session_settings or {})
         # One value per column for the whole merge: bound as parameters, never pasted into SQL.
         self.answered_by: tuple[str | None, ...] = (vendor, batch_conn_id)
+        self.price = price
         names = [c.name for c in self.key_columns]
         if len(set(names)) != len(names):
             raise WarehouseSchemaError(f"key columns repeat a name: {names}")
@@ -187,6 +223,7 @@ class ResultsWriter:
             Column("custom_id", "text"),
             *self.mapper.columns,
             *ANSWERED_BY_COLUMNS,
+            COST_COLUMN,
             Column("merged_at", "timestamp"),
         ]
         self.target_keys = [c.name for c in self.key_columns] if self.manifest_mode else ["custom_id"]
@@ -408,6 +445,7 @@ class ResultsWriter:
                 self._merge_keyed(conn, report, keyed, on_retry)
             else:
                 self._merge_unkeyed(conn, report, plan, t_results, merged_at)
+            self._cost_sums(conn, report, t_results)
             for name in created:
                 drop = self.dialect.drop_temp_table(name)
                 if drop:
@@ -630,6 +668,9 @@ class ResultsWriter:
         answered_by, answered_params = self._answered_by_sql()
         target.extend(c.name for c in ANSWERED_BY_COLUMNS)
         select_cols.extend(answered_by)
+        # A key without a result line has NULL tokens: it cost 0 (NULL without a price).
+        target.append(COST_COLUMN.name)
+        select_cols.append(self._cost_select("r"))
         target.append("merged_at")
         select_cols.append(d.cast(d.placeholder, "timestamp"))
         return _KeyedSql(
@@ -881,6 +922,8 @@ class ResultsWriter:
                 rej_exprs.append(self._cast_json("NULL", col) if col.type == "json" else "NULL")
         # A rejected row was never sent: no vendor answered it.
         rej_exprs.extend("NULL" for _ in ANSWERED_BY_COLUMNS)
+        # Never sent, so free; still NULL when nothing is priced (a cost is never claimed unknown-free).
+        rej_exprs.append(d.cast("NULL" if self.price is None else "0", COST_COLUMN.type))
         rej_exprs.append(d.cast(d.placeholder, "timestamp"))
         partition = ", ".join(f"x.{q(n)}" for n in key_names)
         key_match = " AND ".join(f"k.{q(n)} = y.{q(n)}" for n in key_names)
@@ -978,6 +1021,7 @@ class ResultsWriter:
             f"r.{q('custom_id')}",
             *[self._cast_json(f"r.{q(c.name)}", c) for c in self.mapper.columns],
             *answered_by,
+            self._cost_select("r"),
         ]
         select_cols.append(d.cast(d.placeholder, "timestamp"))
         rows = _UnkeyedSql(
@@ -985,6 +1029,7 @@ class ResultsWriter:
                 "custom_id",
                 *[c.name for c in self.mapper.columns],
                 *[c.name for c in ANSWERED_BY_COLUMNS],
+                COST_COLUMN.name,
                 "merged_at",
             ),
             params=(*answered_params, d.merged_at_value(merged_at)),
@@ -1003,6 +1048,28 @@ class ResultsWriter:
             report.counts[str(status)] = report.counts.get(str(status), 0) + int(n)
         report.rows_written = sum(report.counts.values())
         report.duplicate_results = report.result_lines - report.rows_written
+
+    def _cost_sums(self, conn: Any, report: MergeReport, t_results: str) -> None:
+        """The cost per status and per run, and the cached tokens, over every result line read
+        (what the vendor bills: a repeated or orphan line too; a key without one cost nothing)."""
+        q = self.dialect.quote
+        cost = self._cost_select("r")
+        rows = self._fetchall(
+            conn,
+            f"SELECT r.{q('status')}, SUM({cost}), COALESCE(SUM(r.{q('cached_tokens')}), 0) "
+            f"FROM {q(t_results)} r GROUP BY r.{q('status')}",
+        )
+        report.cached_tokens = sum(int(n) for _, _, n in rows)
+        if self.price is None:
+            report.cost, report.cost_by_status = None, {str(st): None for st, _, _ in rows}
+            return
+        report.cost_by_status = {str(st): round(float(c or 0.0), 6) for st, c, _ in rows}
+        report.cost = round(sum(float(c or 0.0) for _, c, _ in rows), 6)
+
+    def _cost_select(self, alias: str) -> str:
+        """The SELECT expression of a written row's ``cost``, from the staged result ``alias``."""
+        q = self.dialect.quote
+        return self.dialect.cast(cost_sql(self.price, lambda c: f"{alias}.{q(c)}"), COST_COLUMN.type)
 
     # ---- helpers ----------------------------------------------------------------------------
     def _answered_by_sql(self) -> tuple[list[str], tuple[Any, ...]]:

@@ -69,6 +69,8 @@ async def test_the_same_rows_land_the_same_through_every_dialect(
             )
         }
     first = sorted(DIALECTS)[0]
+    # Spend columns too: every vendor's rows are priced the same way (#27).
+    assert {"cached_tokens", "cost"} <= set(columns[first])
     for dialect in DIALECTS:
         assert columns[dialect] == columns[first], dialect
         statuses = {key: row[0] for key, row in rows[dialect].items()}

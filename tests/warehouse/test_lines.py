@@ -154,6 +154,15 @@ CORPUS: list[tuple[str, Any]] = [
     ("tokens total null", ok(usage(prompt_tokens=4, completion_tokens=6, total_tokens=None))),
     ("tokens only total", ok(usage(total_tokens=9))),
     ("tokens not object", ok({**chat("u"), "usage": [1]})),
+    (
+        "cached tokens",
+        ok(usage(prompt_tokens=10, completion_tokens=2, prompt_tokens_details={"cached_tokens": 4})),
+    ),
+    ("cached odd", ok(usage(prompt_tokens=10, prompt_tokens_details={"cached_tokens": -1}))),
+    ("cached float", ok(usage(prompt_tokens=10, prompt_tokens_details={"cached_tokens": 2.0}))),
+    ("cached bool", ok(usage(prompt_tokens=10, prompt_tokens_details={"cached_tokens": True}))),
+    ("cached text", ok(usage(prompt_tokens=10, prompt_tokens_details={"cached_tokens": "3"}))),
+    ("cached details not object", ok(usage(prompt_tokens=10, prompt_tokens_details=5))),
     ("model number", ok({**chat("m"), "model": 5})),
     ("no custom_id", b'{"response": {"status_code": 200, "body": {}}}'),
     ("null custom_id", b'{"custom_id": null, "response": null, "error": {"code": "x"}}'),
@@ -173,6 +182,12 @@ CORPUS: list[tuple[str, Any]] = [
 EDGES: list[tuple[str, Any]] = [
     ("tokens at the limits", ok(usage(prompt_tokens=0, completion_tokens=10**9, total_tokens=10**9 + 1))),
     ("tokens 9 digits", ok(usage(prompt_tokens=999_999_999, completion_tokens=1))),
+    (
+        "cached 1e2",
+        b'{"custom_id": "c1e2", "response": {"status_code": 200, "body": {"choices": '
+        b'[{"message": {"content": "c"}}], "usage": {"prompt_tokens": 200, '
+        b'"prompt_tokens_details": {"cached_tokens": 1e2}}}}}',
+    ),
     (
         "tokens negative zero",
         b'{"custom_id": "nz", "response": {"status_code": 200, "body": {"choices": '
@@ -388,7 +403,7 @@ def merge_both(
         report = writer.merge(raw_results(vendor, lines, chunk=chunk)).as_dict()
         rows = warehouse.rows(
             "SELECT custom_id, status, content, embedding, finish_reason, model, prompt_tokens, "
-            "completion_tokens, total_tokens, error_code, error_message, batch_id "
+            "completion_tokens, total_tokens, cached_tokens, error_code, error_message, batch_id "
             f"FROM {warehouse.quote(table)} ORDER BY custom_id"
         )
         # DuckDB keeps JSON as text and spells some numbers its own way (1e21 / 1e+21): the
@@ -645,7 +660,7 @@ def merged_rows(warehouse: Any, lines: list[bytes], parse_in: str, chunk: int | 
     report = writer.merge(raw_results(get_dialect("openai"), lines, chunk=chunk)).as_dict()
     rows = warehouse.rows(
         "SELECT custom_id, status, content, finish_reason, model, prompt_tokens, completion_tokens, "
-        f"total_tokens, error_code, error_message, batch_id FROM {warehouse.quote(table)}"
+        f"total_tokens, cached_tokens, error_code, error_message, batch_id FROM {warehouse.quote(table)}"
     )
     return sorted(tuple(r) for r in rows), report
 
@@ -683,11 +698,11 @@ def test_a_hostile_corpus_writes_the_same_rows_on_every_path(
     for number, (what, _, (status, code)) in enumerate(hostile, start=3):
         cid = re.search(rb'"custom_id": "([^"]*)"', hostile[number - 3][1]).group(1).decode()  # type: ignore[union-attr]
         row = by_id[cid]
-        assert (row[1], row[8]) == (status, code), what
+        assert (row[1], row[9]) == (status, code), what
         if what.startswith("repeated"):
-            assert f"file 'file-out' line {number} repeats the key" in row[9], what
-    assert by_id["h-status"][9].endswith("repeats the key 'status_code'")
-    assert by_id["h-cid-1"][9].endswith("repeats the key 'custom_id'")
+            assert f"file 'file-out' line {number} repeats the key" in row[10], what
+    assert by_id["h-status"][10].endswith("repeats the key 'status_code'")
+    assert by_id["h-cid-1"][10].endswith("repeats the key 'custom_id'")
     assert by_id["h-pair"][2] == "\U0001f600"
 
 
@@ -736,7 +751,7 @@ def test_a_body_sent_as_json_text_writes_the_same_rows_on_both_paths(parsing_war
         assert by_id[what][1] == "invalid_output", by_id[what]
     assert (
         by_id["http 500 error as text"][1] == "failed"
-        and by_id["http 500 error as text"][9] == "server_error"
+        and by_id["http 500 error as text"][10] == "server_error"
     )
     assert sql_rows == python_rows
     assert sql_report == python_report

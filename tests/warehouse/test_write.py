@@ -1230,3 +1230,51 @@ def test_a_results_table_of_an_earlier_version_gets_the_new_columns(warehouse: A
         (1, "succeeded", None, None, None),
         (2, "succeeded", "again", "mistral", "m"),
     ]
+
+
+def cached_line(custom_id: str, prompt: int, completion: int, cached: int) -> ResultLine:
+    """A chat answer whose usage says ``cached`` of its prompt tokens came from the prompt cache."""
+    line = chat_line(custom_id, "ok", prompt=prompt, completion=completion)
+    assert line.body is not None
+    line.body["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+    return line
+
+
+def test_every_row_is_priced_with_cached_tokens_apart_and_long_context_per_row(warehouse: Any) -> None:
+    from airflow_batch_provider.prices import Price, Tier
+
+    # Half-price batch; requests over 1,000 input tokens pay the long-context tier on every token.
+    price = Price(2.0, 0.5, 8.0, 0.5, (Tier(1000, 4.0, 1.0, 16.0),))
+    writer = ResultsWriter(warehouse.hook, "priced", key_columns=[Column("id", "integer")], price=price)
+    lines = [
+        cached_line("c1", 800, 100, 600),
+        cached_line("c2", 1500, 100, 0),
+        error_line("c3", "server_error"),
+    ]
+    rejects = [{"row": 5, "key": [5], "custom_id": "c5", "code": "null_value", "reason": "NULL"}]
+    report = writer.merge(
+        with_batch(lines),
+        keys=keys_for([("c1", 1), ("c2", 2), ("c3", 3), ("c4", 4)]),
+        rejects=rejects,
+    )
+    c1 = (200 * 2.0 + 600 * 0.5 + 100 * 8.0) / 2e6
+    c2 = (1500 * 4.0 + 100 * 16.0) / 2e6
+    rows = table_rows(warehouse, "priced", "id, status, cached_tokens, cost")
+    assert [(r[0], r[1]) for r in rows] == [
+        (1, "succeeded"),
+        (2, "succeeded"),
+        (3, "failed"),
+        (4, "missing"),
+        (5, "rejected"),
+    ]
+    costs = {r[0]: float(r[3]) for r in rows}
+    assert costs == pytest.approx({1: c1, 2: c2, 3: 0.0, 4: 0.0, 5: 0.0})
+    assert {r[0]: r[2] for r in rows if r[2] is not None} == {1: 600, 2: 0}
+    assert report.cost == pytest.approx(c1 + c2)
+    assert report.cost_by_status["succeeded"] == pytest.approx(c1 + c2)
+    assert report.cached_tokens == 600
+    # A re-merge at other prices re-prices its rows; without a price the cost is NULL, not 0.
+    ResultsWriter(warehouse.hook, "priced", key_columns=[Column("id", "integer")]).merge(
+        with_batch([cached_line("c1", 800, 100, 600)]), keys=keys_for([("c1", 1)])
+    )
+    assert table_rows(warehouse, "priced", "id, cost")[0] == (1, None)
