@@ -624,6 +624,8 @@ class FileBody:
     :param size: the file size in bytes.
     :param content_type: the body's media type.
     :param requests: how many batch requests the body holds (an inline create), if known.
+    :param offset: the first byte of the file sent (a resumed upload sends the rest from there);
+        ``size`` is then the bytes from the offset to the end.
     """
 
     def __init__(
@@ -634,11 +636,13 @@ class FileBody:
         size: int,
         content_type: str = "application/json",
         requests: int | None = None,
+        offset: int = 0,
     ) -> None:
         self.source = source
         self.requests = requests
         self.filename = filename or source_name(source)
         self.size = size
+        self.offset = offset
         self.body_type = content_type
         self.head = b""
         self.tail = b""
@@ -658,9 +662,23 @@ class FileBody:
                 f"{self.filename}: file changed during upload ({sent:,} bytes read, {self.size:,} expected)"
             )
 
+    def _skip(self, handle: IO[bytes]) -> None:
+        """Move past the first ``offset`` bytes (a resumed upload): seek, else read them away."""
+        if not self.offset:
+            return
+        try:
+            handle.seek(self.offset)
+            return
+        except (OSError, ValueError, AttributeError):
+            pass
+        left = self.offset
+        while left and (chunk := handle.read(min(left, UPLOAD_CHUNK))):
+            left -= len(chunk)
+
     def iter_sync(self) -> Iterator[bytes]:
         handle, _ = _open_source(self.source)
         with handle:
+            self._skip(handle)
             yield self.head
             sent = 0
             while chunk := handle.read(UPLOAD_CHUNK):
@@ -675,6 +693,7 @@ class FileBody:
         # thread so the event loop keeps serving other coroutines during a large upload.
         handle, _ = await asyncio.to_thread(_open_source, self.source)
         try:
+            await asyncio.to_thread(self._skip, handle)
             yield self.head
             sent = 0
             while chunk := await asyncio.to_thread(handle.read, UPLOAD_CHUNK):
