@@ -66,7 +66,7 @@ class ResumableUpload:
         self.session: str | None = None
         self.offset = 0
         self.resumes = 0
-        # One budget for the whole upload: every failed send (dropped, 429, 5xx) spends a retry.
+        # Every failed send (dropped, 429, 5xx) spends a retry; progress gives the budget back.
         self.retries = Retries(settings, self.action, None, log)
         self.start = Call(
             "POST",
@@ -131,6 +131,10 @@ class ResumableUpload:
                 f"{self.action}: the upload session answered status {status!r} with {received!r} bytes "
                 f"received of {self.size:,}; cannot resume"
             )
+        if int(received) > self.offset:
+            # Progress since the last send: the upload is not stuck, so its retry budget starts
+            # again (it bounds failures in a row; each reset needs strictly more bytes held).
+            self.retries.retry = 0
         self.offset = int(received)
         self.resumes += 1
         self.log.warning(
