@@ -166,3 +166,90 @@ def test_an_upload_session_on_another_origin_gets_neither_file_nor_key(
     assert start.headers["X-Goog-Upload-Command"] == "start"
     assert start.headers["X-Goog-Upload-Header-Content-Length"] == str((tmp_path / "in.jsonl").stat().st_size)
     assert json.loads(start.content) == {"file": {"displayName": "in.jsonl"}}
+
+
+def _session_hook(batch_conn: Any, handler: Any) -> BatchApiHook:
+    conn = batch_conn("batch_gem_session", host="http://vendor.test/v1beta", dialect="gemini")
+    transport = httpx.MockTransport(handler)
+    return BatchApiHook(conn, retry_policy=FAST, transport=transport, async_transport=transport)
+
+
+SESSION = "http://vendor.test/upload/v1beta/files?upload_id=s1&upload_protocol=resumable"
+
+
+def test_a_finalize_whose_answer_was_lost_is_found_final_by_the_query(
+    batch_conn: Any, tmp_path: Path
+) -> None:
+    commands: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        command = request.headers.get("X-Goog-Upload-Command", "")
+        commands.append(command)
+        if command == "start":
+            return httpx.Response(
+                200, headers={"X-Goog-Upload-URL": SESSION, "X-Goog-Upload-Status": "active"}
+            )
+        if command == "upload, finalize":
+            request.read()
+            # The server took every byte and made the file; the answer never arrived.
+            raise httpx.ReadError("connection reset", request=request)
+        assert command == "query"
+        return httpx.Response(
+            200, headers={"X-Goog-Upload-Status": "final"}, json={"file": {"name": "files/made-1"}}
+        )
+
+    encoded_file(tmp_path / "in.jsonl", 3)
+    assert _session_hook(batch_conn, handler).upload_file(tmp_path / "in.jsonl") == "made-1"
+    # Not sent twice: the query said the file exists.
+    assert commands == ["start", "upload, finalize", "query"]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"X-Goog-Upload-Status": "cancelled"},
+        {"X-Goog-Upload-Status": "active"},
+        {"X-Goog-Upload-Status": "active", "X-Goog-Upload-Size-Received": "many"},
+        {"X-Goog-Upload-Status": "active", "X-Goog-Upload-Size-Received": "999999999"},
+    ],
+)
+def test_a_query_answer_that_cannot_be_resumed_from_is_an_error(
+    batch_conn: Any, tmp_path: Path, headers: dict[str, str]
+) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        command = request.headers.get("X-Goog-Upload-Command", "")
+        if command == "start":
+            return httpx.Response(200, headers={"X-Goog-Upload-URL": SESSION})
+        if command == "upload, finalize":
+            request.read()
+            return httpx.Response(
+                503, json={"error": {"code": 503, "message": "busy", "status": "UNAVAILABLE"}}
+            )
+        return httpx.Response(200, headers=headers)
+
+    encoded_file(tmp_path / "in.jsonl", 3)
+    with pytest.raises(BatchApiResponseError, match="cannot resume"):
+        _session_hook(batch_conn, handler).upload_file(tmp_path / "in.jsonl")
+
+
+def test_a_resume_sends_only_the_rest_at_its_offset(batch_conn: Any, tmp_path: Path) -> None:
+    sent: list[tuple[str, bytes]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        command = request.headers.get("X-Goog-Upload-Command", "")
+        if command == "start":
+            return httpx.Response(200, headers={"X-Goog-Upload-URL": SESSION})
+        if command == "query":
+            return httpx.Response(
+                200, headers={"X-Goog-Upload-Status": "active", "X-Goog-Upload-Size-Received": "10"}
+            )
+        sent.append((request.headers["X-Goog-Upload-Offset"], request.read()))
+        if len(sent) == 1:
+            raise httpx.WriteError("broken pipe", request=request)
+        return httpx.Response(
+            200, headers={"X-Goog-Upload-Status": "final"}, json={"file": {"name": "files/f-2"}}
+        )
+
+    data = encoded_file(tmp_path / "in.jsonl", 3)
+    assert _session_hook(batch_conn, handler).upload_file(tmp_path / "in.jsonl") == "f-2"
+    assert sent == [("0", data), ("10", data[10:])]
