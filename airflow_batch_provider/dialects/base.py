@@ -336,6 +336,10 @@ class Dialect:
             values = (body.get("code"), body.get("type"))
         return any(isinstance(v, str) and v.lower() in self.quota_error_codes for v in values)
 
+    def is_auth_error(self, status_code: int, body: Any) -> bool:
+        """Whether an error answer other than 401/403 means the key was refused (none by default)."""
+        return False
+
     @classmethod
     def check_endpoint(cls, endpoint: str) -> None:
         if endpoint not in cls.endpoints:

@@ -183,6 +183,15 @@ class GeminiDialect(Dialect):
         """``x-goog-api-key``."""
         return {"x-goog-api-key": api_key} if api_key else {}
 
+    def is_auth_error(self, status_code: int, body: Any) -> bool:
+        """Google refuses a wrong key with 400 INVALID_ARGUMENT whose ErrorInfo reason is API_KEY_INVALID."""
+        error = body.get("error") if isinstance(body, Mapping) else None
+        details = error.get("details") if isinstance(error, Mapping) else None
+        return status_code == 400 and any(
+            isinstance(d, Mapping) and d.get("reason") == "API_KEY_INVALID"
+            for d in (details if isinstance(details, list) else [])
+        )
+
     # ---- paths ----------------------------------------------------------------------
     def file_path(self, file_id: str) -> str:
         return f"files/{path_segment(_short(file_id, 'files/'), 'file_id')}"

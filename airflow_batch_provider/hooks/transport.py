@@ -896,9 +896,19 @@ def _vendor_message(body: Any) -> str | None:
 
 
 def status_error(
-    response: httpx.Response, *, action: str, what: str | None, base_url: str, secret: Secrets
+    response: httpx.Response,
+    *,
+    action: str,
+    what: str | None,
+    base_url: str,
+    secret: Secrets,
+    auth_refused: bool = False,
 ) -> BatchApiError:
-    """The typed exception for a non-2xx response (the body must already be read)."""
+    """The typed exception for a non-2xx response (the body must already be read).
+
+    :param auth_refused: the dialect reads this answer as a refused key whatever its status
+        (Google answers a wrong key with 400 ``API_KEY_INVALID``).
+    """
     status = response.status_code
     body = body_of(response, secret)
     request_id = request_id_of(response)
@@ -910,8 +920,8 @@ def status_error(
         "body": body,
         "retry_after": retry_after_seconds(response.headers),
     }
-    if status in (401, 403):
-        reason = "rejected" if status == 401 else "rejected or lacks permission"
+    if status in (401, 403) or auth_refused:
+        reason = "rejected or lacks permission" if status == 403 else "rejected"
         return BatchApiAuthError(
             redact(
                 f"{action}: the API key was {reason} by {base_url} (HTTP {status}); "

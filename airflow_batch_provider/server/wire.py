@@ -1276,7 +1276,15 @@ class GeminiWire(Wire):
             )
         if not hmac.compare_digest(presented.encode(), api_key.encode()):
             # Google answers a wrong key as an invalid argument; the key is never echoed.
-            raise self.error(400, "API key not valid. Please pass a valid API key.")
+            error = self.error(400, "API key not valid. Please pass a valid API key.")
+            error.body["error"]["details"] = [
+                {
+                    "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                    "reason": "API_KEY_INVALID",
+                    "domain": "googleapis.com",
+                }
+            ]
+            raise error
 
     def rate_limited(self, retry_after: float) -> ApiError:
         return self.error(

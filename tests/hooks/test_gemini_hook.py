@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from airflow_batch_provider.dialects.gemini import GeminiDialect
-from airflow_batch_provider.exceptions import BatchApiResponseError
+from airflow_batch_provider.exceptions import BatchApiAuthError, BatchApiResponseError
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.models import BatchState
 from tests.fixtures.hook import FAST
@@ -253,3 +253,23 @@ def test_a_resume_sends_only_the_rest_at_its_offset(batch_conn: Any, tmp_path: P
     data = encoded_file(tmp_path / "in.jsonl", 3)
     assert _session_hook(batch_conn, handler).upload_file(tmp_path / "in.jsonl") == "f-2"
     assert sent == [("0", data), ("10", data[10:])]
+
+
+def test_connection_test_reads_googles_answers(
+    live: Any, batch_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, hook = live()
+    ok, message = hook.test_connection()
+    # An empty listing still has Gemini's shape.
+    assert ok, message
+    assert "dialect: yes" in message
+    conn = json.loads(server.connection_json())
+    conn["password"] = "wrong-key-000"
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_GEMINI_WRONG", json.dumps(conn))
+    wrong = BatchApiHook("batch_gemini_wrong", retry_policy=FAST)
+    # Google answers a wrong key with 400 API_KEY_INVALID: a refused key, not a bad request.
+    with pytest.raises(BatchApiAuthError, match="rejected"):
+        wrong.get_batch("b1")
+    ok, message = wrong.test_connection()
+    assert not ok and "authenticated: NO (HTTP 400)" in message
+    assert "wrong-key-000" not in message
