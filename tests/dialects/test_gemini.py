@@ -381,3 +381,35 @@ def test_the_finalized_upload_names_the_file() -> None:
         D.parse_file_id({"file": {}})
     with pytest.raises(BatchApiResponseError, match="its name"):
         D.parse_file_id({"file": {"name": "files/../x"}})
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [],
+        "x",
+        5,
+        {"operations": "x"},
+        {"operations": {}},
+        {"operations": 5},
+        {"operations": [], "nextPageToken": ["t"]},
+    ],
+    ids=repr,
+)
+def test_an_unreadable_listing_page_is_a_response_error(raw: Any) -> None:
+    with pytest.raises(BatchApiResponseError, match="listing batches"):
+        D.parse_list_page(raw, {"pageSize": 5})
+
+
+def test_a_refused_key_is_told_by_its_error_info() -> None:
+    refused = {
+        "error": {
+            "code": 400,
+            "message": "API key not valid. Please pass a valid API key.",
+            "status": "INVALID_ARGUMENT",
+            "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "API_KEY_INVALID"}],
+        }
+    }
+    assert D.is_auth_error(400, refused)
+    assert not D.is_auth_error(400, {"error": {"code": 400, "message": "bad", "status": "INVALID_ARGUMENT"}})
+    assert not D.is_auth_error(400, "text") and not get_dialect("openai").is_auth_error(400, refused)

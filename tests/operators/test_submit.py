@@ -14,6 +14,7 @@ import orjson
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
+from airflow_batch_provider.dialects import DIALECTS as REGISTERED_DIALECTS
 from airflow_batch_provider.dialects import get_dialect
 from airflow_batch_provider.exceptions import (
     BatchApiBadRequestError,
@@ -30,7 +31,8 @@ from airflow_batch_provider.staging import write_manifest
 from airflow_batch_provider.submission import KEY_NAME, RunIdentity, StateStore, SubmitState, batch_metadata
 from tests.fixtures.airflow import write_batch_jsonl
 
-DIALECTS = ["openai", "doubleword", "zerogpu", "xai", "mistral", "anthropic", "azure"]
+# Every registered dialect (a new one is covered as soon as it is registered).
+DIALECTS = sorted(REGISTERED_DIALECTS)
 FAST = {"poll_interval": 0.05, "max_poll_interval": 0.2}
 
 
