@@ -18,7 +18,11 @@ they are matched by key only.
 
 Staging holds the canonical (OpenAI chat-completions) line; :meth:`GeminiDialect.encode_line`
 turns it into a ``GenerateContentRequest`` and :meth:`GeminiDialect.parse_result_line` turns each
-answer back into a chat-completion body, so the merge's columns are those of every vendor.
+answer back into a chat-completion body, so the merge's columns are those of every vendor. Function
+tools become ``functionDeclarations`` (``tool_choice`` the ``functionCallingConfig``), assistant tool
+calls ``functionCall`` parts and tool turns ``functionResponse`` parts; a ``functionCall`` answer
+comes back as ``tool_calls``. What has no Gemini field (``logit_bias``, ``n`` > 1, embeddings...)
+is refused by name before any upload.
 Ids are kept without their ``batches/`` and ``files/`` prefixes; paths accept either form.
 """
 
@@ -28,6 +32,8 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
+
+import orjson
 
 from airflow_batch_provider.dialects.base import (
     LIST_WHAT,
@@ -95,8 +101,12 @@ _MAPPED = frozenset(
         "frequency_penalty",
         "response_format",
         "stream",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
     }
 )
+_TOOL_MODES = {"auto": "AUTO", "none": "NONE", "required": "ANY"}
 # Keywords of Gemini's ``responseSchema`` (an OpenAPI 3.0 schema subset).
 _SCHEMA_KEYS = frozenset(
     {
@@ -255,26 +265,56 @@ class GeminiDialect(Dialect):
             return "stream=true not supported by the Gemini API's Batch Mode"
         if not isinstance(body.get("model"), str) or not body.get("model"):
             return "body.model is required by the Gemini API's Batch Mode (the batch names it)"
-        return _messages_problem(body.get("messages")) or _format_problem(body.get("response_format"))
+        if body.get("parallel_tool_calls") is False:
+            return "parallel_tool_calls=false not supported by the Gemini API (it may call several functions)"
+        return (
+            _messages_problem(body.get("messages"))
+            or _format_problem(body.get("response_format"))
+            or _tools_problem(body)
+        )
 
     def encode_line(self, canonical: dict[str, Any]) -> dict[str, Any]:
         """``{key, request}``: the chat body as a ``GenerateContentRequest`` (checked by ``unsupported``)."""
         body = canonical["body"]
         system: list[dict[str, Any]] = []
         contents: list[dict[str, Any]] = []
+        # The function each tool call id named, for the tool turn that answers it.
+        called: dict[str, str] = {}
         for message in body.get("messages") or []:
             role = message.get("role")
-            parts = _parts(message.get("content"))
             if role in ("system", "developer"):
-                system.extend(parts)
+                system.extend(_parts(message.get("content")))
+            elif role == "tool":
+                name = called[message["tool_call_id"]]
+                response = {"name": name, "response": _tool_result(message.get("content"))}
+                contents.append({"role": "user", "parts": [{"functionResponse": response}]})
+            elif role == "assistant":
+                parts = _parts(message.get("content")) if message.get("content") else []
+                for call in message.get("tool_calls") or []:
+                    function = call["function"]
+                    called[call.get("id")] = function["name"]
+                    args = orjson.loads(function.get("arguments") or "{}")
+                    parts.append({"functionCall": {"name": function["name"], "args": args}})
+                contents.append({"role": "model", "parts": parts})
             else:
-                contents.append({"role": "model" if role == "assistant" else "user", "parts": parts})
+                contents.append({"role": "user", "parts": _parts(message.get("content"))})
         request: dict[str, Any] = {"contents": contents}
         if system:
             request["systemInstruction"] = {"parts": system}
-        config = _generation_config(body)
-        if config:
-            request["generationConfig"] = config
+        if body.get("tools"):
+            request["tools"] = [
+                {"functionDeclarations": [_declaration(t["function"]) for t in body["tools"]]}
+            ]
+        choice = body.get("tool_choice")
+        if choice is not None:
+            forced = _forced_tool(choice)
+            config: dict[str, Any] = {"mode": "ANY" if forced else _TOOL_MODES[choice]}
+            if forced:
+                config["allowedFunctionNames"] = [forced]
+            request["toolConfig"] = {"functionCallingConfig": config}
+        generation = _generation_config(body)
+        if generation:
+            request["generationConfig"] = generation
         return {"key": canonical["custom_id"], "request": request}
 
     # ---- batches --------------------------------------------------------------------
@@ -466,21 +506,32 @@ def chat_completion(response: Mapping[str, Any]) -> dict[str, Any]:
             continue
         content = candidate.get("content")
         parts = content.get("parts") if isinstance(content, dict) else None
-        texts = [
-            p["text"]
-            for p in (parts if isinstance(parts, list) else [])
-            if isinstance(p, dict) and isinstance(p.get("text"), str) and not p.get("thought")
-        ]
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for part in parts if isinstance(parts, list) else []:
+            if not isinstance(part, dict) or part.get("thought"):
+                continue
+            if isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif isinstance(part.get("functionCall"), dict):
+                call = part["functionCall"]
+                calls.append(
+                    {
+                        "id": call.get("id") or f"call_{index}_{len(calls)}",
+                        "type": "function",
+                        "function": {
+                            "name": call.get("name"),
+                            "arguments": orjson.dumps(call.get("args") or {}).decode(),
+                        },
+                    }
+                )
         reason = candidate.get("finishReason")
-        choices.append(
-            {
-                "index": candidate.get("index", index),
-                "message": {"role": "assistant", "content": "".join(texts) if texts else None},
-                "finish_reason": FINISH_REASONS.get(reason, reason.lower())
-                if isinstance(reason, str)
-                else None,
-            }
-        )
+        finish = FINISH_REASONS.get(reason, reason.lower()) if isinstance(reason, str) else None
+        reply: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
+        if calls:
+            reply["tool_calls"] = calls
+            finish = "tool_calls" if finish == "stop" else finish
+        choices.append({"index": candidate.get("index", index), "message": reply, "finish_reason": finish})
     body: dict[str, Any] = {
         "id": response.get("responseId"),
         "object": "chat.completion",
@@ -518,16 +569,33 @@ def chat_completion(response: Mapping[str, Any]) -> dict[str, Any]:
 def _messages_problem(messages: Any) -> str | None:
     if not isinstance(messages, list) or not messages:
         return "messages must be a non-empty list for the Gemini API"
+    called: set[Any] = set()
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             return f"messages[{index}] is not an object"
         role = message.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            return f"messages[{index}] role {role!r} not supported by the Gemini API encoding (no tool turns)"
-        if message.get("tool_calls"):
-            return f"messages[{index}] tool_calls not supported by the Gemini API encoding"
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            return f"messages[{index}] role {role!r} not supported by the Gemini API"
+        if role == "tool" and message.get("tool_call_id") not in called:
+            return (
+                f"messages[{index}] (tool) answers tool_call_id {message.get('tool_call_id')!r}, which "
+                "no earlier assistant message made: the Gemini API needs the function's name"
+            )
+        for call in message.get("tool_calls") or [] if role == "assistant" else []:
+            function = call.get("function") if isinstance(call, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            try:
+                args = orjson.loads(function.get("arguments") or "{}") if isinstance(function, dict) else None
+            except (orjson.JSONDecodeError, TypeError):
+                args = None
+            if not isinstance(name, str) or not name or not isinstance(args, dict):
+                return (
+                    f"messages[{index}] tool_calls need a function name and JSON object arguments "
+                    "(the Gemini API's functionCall args are an object)"
+                )
+            called.add(call.get("id"))
         content = message.get("content")
-        if isinstance(content, str):
+        if isinstance(content, str) or (content is None and role == "assistant"):
             continue
         if not isinstance(content, list):
             return f"messages[{index}] ({role}) content must be text or a list of parts"
@@ -656,3 +724,58 @@ def _parts(content: Any) -> list[dict[str, Any]]:
             assert found is not None  # checked by ``unsupported``
             parts.append({"inlineData": {"mimeType": found.group(1), "data": found.group(2)}})
     return parts
+
+
+def _tools_problem(body: Mapping[str, Any]) -> str | None:
+    for index, tool in enumerate(body.get("tools") or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict)):
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            return f"tool of type {kind!r} not supported by the Gemini API encoding (function tools only)"
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            return f"tools[{index}].function.name is required by the Gemini API"
+        parameters = function.get("parameters")
+        if parameters is not None:
+            problem = _schema_problem(parameters, f"tools[{index}].function.parameters")
+            if problem:
+                return problem.replace("response_format ", "", 1)
+    choice = body.get("tool_choice")
+    if choice is not None and not (
+        (isinstance(choice, str) and choice in _TOOL_MODES) or _forced_tool(choice)
+    ):
+        return f"tool_choice {choice!r} not supported by the Gemini API"
+    return None
+
+
+def _forced_tool(choice: Any) -> str | None:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        return name if isinstance(name, str) and name else None
+    return None
+
+
+def _declaration(function: Mapping[str, Any]) -> dict[str, Any]:
+    declaration: dict[str, Any] = {"name": function["name"]}
+    if function.get("description"):
+        declaration["description"] = function["description"]
+    if function.get("parameters"):
+        declaration["parameters"] = _response_schema(function["parameters"])
+    return declaration
+
+
+def _tool_result(content: Any) -> dict[str, Any]:
+    """A tool turn's content as a functionResponse's response (an object): a JSON object as it
+    is, anything else under ``content``."""
+    text = (
+        content
+        if isinstance(content, str)
+        else "".join(
+            p.get("text", "") for p in content or [] if isinstance(p, dict) and p.get("type") == "text"
+        )
+    )
+    try:
+        parsed = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        parsed = None
+    return parsed if isinstance(parsed, dict) else {"content": text}

@@ -1554,6 +1554,9 @@ def _parts_text(parts: Any) -> Any:
             data = part["inlineData"]
             url = f"data:{data.get('mimeType')};base64,{data.get('data')}"
             out.append({"type": "image_url", "image_url": {"url": url}})
+        elif isinstance(part.get("functionCall"), dict) or isinstance(part.get("functionResponse"), dict):
+            # Function turns reach the backend as text (the echo model calls no function).
+            out.append({"type": "text", "text": orjson.dumps(part).decode()})
         else:
             raise ValueError(f"part with fields {sorted(part)} is not supported by the local batch server")
     if all(p["type"] == "text" for p in out):

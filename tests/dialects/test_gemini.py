@@ -263,7 +263,16 @@ def test_a_json_schema_response_format_becomes_response_schema() -> None:
     ("line", "named"),
     [
         (chat(logit_bias={"1": 2}), "logit_bias"),
-        (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (chat(tools=[{"type": "web_search"}]), "'web_search'"),
+        (
+            chat(tool_choice="sometimes", tools=[{"type": "function", "function": {"name": "f"}}]),
+            "tool_choice",
+        ),
+        (
+            chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"$defs": {}}}}]),
+            "tools[0].function.parameters.$defs",
+        ),
+        (chat(parallel_tool_calls=False), "parallel_tool_calls"),
         (chat(n=2), "n=2"),
         (
             chat(response_format={"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}),
@@ -278,7 +287,20 @@ def test_a_json_schema_response_format_becomes_response_schema() -> None:
             ),
             "schema.properties.a.oneOf",
         ),
-        (chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "c"}]), "role 'tool'"),
+        (chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "c"}]), "tool_call_id 'c'"),
+        (
+            chat(
+                messages=[
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}],
+                    },
+                ]
+            ),
+            "JSON object arguments",
+        ),
+        (chat(messages=[{"role": "function", "content": "x"}]), "role 'function'"),
         (
             chat(
                 messages=[
@@ -413,3 +435,96 @@ def test_a_refused_key_is_told_by_its_error_info() -> None:
     assert D.is_auth_error(400, refused)
     assert not D.is_auth_error(400, {"error": {"code": 400, "message": "bad", "status": "INVALID_ARGUMENT"}})
     assert not D.is_auth_error(400, "text") and not get_dialect("openai").is_auth_error(400, refused)
+
+
+def test_tools_tool_turns_and_tool_choice_are_encoded() -> None:
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    line = chat(
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21}'},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+        tools=[weather],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=True,
+    )
+    assert D.unsupported(line) is None
+    request = D.encode_line(line)["request"]
+    assert request["tools"] == [
+        {
+            "functionDeclarations": [
+                {
+                    "name": "get_weather",
+                    "description": "Weather of a city.",
+                    "parameters": {
+                        "type": "OBJECT",
+                        "properties": {"city": {"type": "STRING"}},
+                        "required": ["city"],
+                    },
+                }
+            ]
+        }
+    ]
+    assert request["toolConfig"] == {
+        "functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["get_weather"]}
+    }
+    assert request["contents"][1] == {
+        "role": "model",
+        "parts": [{"functionCall": {"name": "get_weather", "args": {"city": "Paris"}}}],
+    }
+    # A JSON object answer is the response as it is; any other text goes under "content".
+    assert [c["parts"][0]["functionResponse"] for c in request["contents"][2:]] == [
+        {"name": "get_weather", "response": {"celsius": 21}},
+        {"name": "get_weather", "response": {"content": "sunny"}},
+    ]
+    _sdk_reads({k: v for k, v in request.items() if k in ("contents", "generationConfig")})
+    for tool in request["tools"]:
+        types.Tool.model_validate(tool)
+    types.ToolConfig.model_validate(request["toolConfig"])
+    auto = D.encode_line(chat(tools=[weather], tool_choice="required"))["request"]
+    assert auto["toolConfig"] == {"functionCallingConfig": {"mode": "ANY"}}
+
+
+def test_a_function_call_answer_becomes_tool_calls() -> None:
+    answer = _response(
+        candidates=[
+            {
+                "content": {
+                    "role": "model",
+                    "parts": [{"functionCall": {"name": "get_weather", "args": {"city": "Paris"}}}],
+                },
+                "finishReason": "STOP",
+            }
+        ]
+    )
+    line = D.parse_result_line({"key": "k1", "response": answer}, "output")
+    assert line.ok and line.body is not None
+    choice = line.body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+    assert call["function"]["arguments"] == '{"city":"Paris"}'

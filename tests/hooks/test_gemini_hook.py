@@ -273,3 +273,42 @@ def test_connection_test_reads_googles_answers(
     ok, message = wrong.test_connection()
     assert not ok and "authenticated: NO (HTTP 400)" in message
     assert "wrong-key-000" not in message
+
+
+def test_a_line_with_tools_and_a_tool_turn_runs(live: Any, tmp_path: Path) -> None:
+    server, hook = live()
+    line = GeminiDialect().encode_line(
+        {
+            "custom_id": "row-t",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": MODEL,
+                "messages": [
+                    {"role": "user", "content": "Weather in Paris?"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                ],
+                "tools": [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}],
+                "tool_choice": "auto",
+            },
+        }
+    )
+    (tmp_path / "in.jsonl").write_bytes(orjson.dumps(line) + b"\n")
+    file_id = hook.upload_file(tmp_path / "in.jsonl")
+    batch = hook.create_batch(
+        input_file_id=file_id,
+        endpoint="/v1/chat/completions",
+        metadata={"airflow_batch_key": "t"},
+        model=MODEL,
+    )
+    while not batch.is_terminal:
+        batch = hook.get_batch(batch.id)
+    assert batch.state is BatchState.COMPLETED
+    (result,) = hook.iter_results(batch)
+    assert result.ok and result.custom_id == "row-t"
