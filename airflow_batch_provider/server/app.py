@@ -471,7 +471,7 @@ def _files_routes(r: APIRouter) -> None:
         st = _state(request)
         if not st.store.delete_file(file_id):
             raise st.wire.not_found("file", file_id)
-        return {"id": file_id, "object": "file", "deleted": True}
+        return st.wire.render_deleted(file_id)
 
 
 # ---- resumable uploads (Google's Files API) --------------------------------------------------

@@ -203,6 +203,10 @@ class Wire:
             "status_details": None,
         }
 
+    def render_deleted(self, file_id: str) -> dict[str, Any]:
+        """The answer to a file's delete."""
+        return {"id": file_id, "object": "file", "deleted": True}
+
     def render_file_list(self, items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
         data = [self.render_file(r) for r in items]
         return {
@@ -1318,6 +1322,9 @@ class GeminiWire(Wire):
             "state": "ACTIVE",
             "source": "GENERATED" if generated else "UPLOADED",
         }
+
+    def render_deleted(self, file_id: str) -> dict[str, Any]:
+        return {}
 
     def render_file_list(self, items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
         files = [self.render_file(r) for r in items]

@@ -96,6 +96,10 @@ def test_gemini_sdk_round_trip(batch_server: Any, tmp_path: Path) -> None:
 
     listed = [j.name for j in client.batches.list(config={"page_size": 1})]
     assert job.name in listed
+    client.files.delete(name=uploaded.name)
+    with pytest.raises(errors.ClientError) as gone:
+        client.files.get(name=uploaded.name)
+    assert gone.value.code == 404
 
 
 def test_gemini_sdk_list_pages_and_cancel(batch_server: Any, tmp_path: Path) -> None:
