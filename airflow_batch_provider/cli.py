@@ -1,4 +1,4 @@
-"""``airflow-batch``: the command line of the provider (serve, validate, prepare, summary)."""
+"""airflow-batch: the command line of the provider (serve, validate, prepare, summary)."""
 
 # The entry point only (the parser, exit codes, one-line errors; the docstring is the --help text).
 # Each command lives with what it runs: file_commands (validate, prepare), server.options (serve),

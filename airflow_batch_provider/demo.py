@@ -480,16 +480,23 @@ def add_summary_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_summary(args: argparse.Namespace) -> int:
     """Print the summary of a results table; exit 1 with one line when it cannot be read."""
+    # A command line on an Airflow host, like ``airflow connections get``: the Task SDK reads
+    # connections from the metadata database only in a process it knows as a server one; left
+    # undetected, it would see environment variables and secrets backends alone. Inside a task
+    # (a supervisor present) the SDK's own client chain still wins.
+    os.environ.setdefault("_AIRFLOW_PROCESS_CONTEXT", "server")
     hook = DuckDBFile(args.duckdb) if args.duckdb else None
     source = args.duckdb or f"connection {args.conn_id!r}"
     try:
         summary = results_summary(args.conn_id, args.table, sample=args.rows, hook=hook)
     except OSError as exc:
-        print(f"summary: {exc.filename or source}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"airflow-batch summary: {exc.filename or source}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"summary: cannot read table {args.table!r} from {source}: {first}", file=sys.stderr)
+        print(
+            f"airflow-batch summary: cannot read table {args.table!r} from {source}: {first}", file=sys.stderr
+        )
         return 1
     print(format_summary(summary))
     return 0

@@ -18,7 +18,8 @@ import orjson
 
 from airflow_batch_provider import staging
 from airflow_batch_provider.dialects import DIALECTS, dialect_class
-from airflow_batch_provider.jsonl import LineValidator, iter_raw_lines
+from airflow_batch_provider.exceptions import BatchProviderError
+from airflow_batch_provider.jsonl import LineValidator, iter_raw_lines, json_error_text
 
 # prepare rewrites whole lines, so it must hold one; this is far above any vendor's line limit.
 _PREPARE_LINE_CAP = 64 * 1024 * 1024
@@ -68,7 +69,15 @@ def add_prepare_arguments(prepare: argparse.ArgumentParser) -> None:
         help="where to write (default: replace FILE in place; '-' or FILE '-' means stdout)",
     )
     prepare.add_argument(
-        "--endpoint", default=None, help="also set the url of every line, e.g. /v1/chat/completions"
+        "--endpoint",
+        default=None,
+        help="also set the url of every line, e.g. /v1/chat/completions (one the dialect supports)",
+    )
+    prepare.add_argument(
+        "--dialect",
+        choices=sorted(DIALECTS),
+        default="openai",
+        help="vendor dialect whose endpoints --endpoint is checked against (default openai)",
     )
     prepare.set_defaults(func=run_prepare)
 
@@ -139,7 +148,7 @@ def run_validate(args: argparse.Namespace, out: TextIO | None = None) -> int:
 # ---- prepare -----------------------------------------------------------------------------------
 
 
-class PrepareError(Exception):
+class PrepareError(BatchProviderError):
     """A line that prepare cannot rewrite; the message names the line."""
 
 
@@ -162,7 +171,7 @@ def prepare_stream(source: IO[bytes], target: IO[bytes], *, model: str, endpoint
         try:
             obj = loads(data)
         except orjson.JSONDecodeError as exc:
-            raise PrepareError(f"line {raw.number}: not valid JSON: {exc}") from None
+            raise PrepareError(f"line {raw.number}: not valid JSON: {json_error_text(exc)}") from None
         if not isinstance(obj, dict):
             raise PrepareError(f"line {raw.number}: not a JSON object")
         body = obj.get("body")
@@ -188,20 +197,24 @@ def prepare_stream(source: IO[bytes], target: IO[bytes], *, model: str, endpoint
 
 
 def run_prepare(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Rewrite a file with the model set; return 0, or 1 when a line cannot be rewritten (nothing written)."""
+    """Rewrite a file with the model set; return 0.
+
+    :raises ConfigurationError: ``--endpoint`` is not one of the dialect's endpoints (before
+        anything is read or written).
+    :raises PrepareError: a line cannot be rewritten (nothing is written in place of the output).
+    """
     out = out or sys.stdout
     output = args.output or args.file
-    if args.endpoint and not args.endpoint.startswith("/"):
-        out.write(f"--endpoint must be a path such as /v1/chat/completions, not {args.endpoint!r}\n")
-        return 1
+    if args.endpoint:
+        # Before any line is read: a url validate and submit would refuse is never written.
+        dialect_class(getattr(args, "dialect", None)).check_endpoint(args.endpoint)
     if output == "-":
         # Streaming to stdout: the lines go there, so the report goes to stderr.
         with _open_input(args.file) as source:
             try:
                 lines = prepare_stream(source, sys.stdout.buffer, model=args.model, endpoint=args.endpoint)
             except PrepareError as exc:
-                sys.stderr.write(f"{args.file}:{exc}; the output is incomplete\n")
-                return 1
+                raise PrepareError(f"{args.file}:{exc}; the output is incomplete") from None
             sys.stdout.flush()
         sys.stderr.write(f"<stdout>: set model {args.model!r} on {lines:,} line(s)\n")
         return 0
@@ -211,8 +224,7 @@ def run_prepare(args: argparse.Namespace, out: TextIO | None = None) -> int:
             lines = prepare_stream(source, target, model=args.model, endpoint=args.endpoint)
     except PrepareError as exc:
         left = "was not changed" if existed else "was not created"
-        out.write(f"{args.file}:{exc}; {output} {left}\n")
-        return 1
+        raise PrepareError(f"{args.file}:{exc}; {output} {left}") from None
     out.write(f"{output}: set model {args.model!r} on {lines:,} line(s)\n")
     return 0
 

@@ -91,6 +91,30 @@ def iter_raw_lines(stream: IO[bytes], max_line_bytes: int) -> Iterator[RawLine]:
         yield RawLine(number, b"", size, oversize=True)
 
 
+def json_error_text(exc: ValueError) -> str:
+    """What the JSON parser said of one line, placed by its column only (the caller names the
+    line, so the parser's own "line 1" would be a second, wrong line number)."""
+    msg = getattr(exc, "msg", None)
+    column = getattr(exc, "colno", None)
+    if isinstance(msg, str) and isinstance(column, int):
+        return f"{msg} at column {column}"
+    return str(exc)
+
+
+def missing_model_message(dialect: str, meaning: str, url: str) -> str:
+    """Why a line without ``body.model`` is refused, and the ways to give it one.
+
+    :param dialect: the dialect's name.
+    :param meaning: what the model names for the vendor (``Dialect.model_meaning``).
+    :param url: the line's url.
+    """
+    return (
+        f"body.model ({meaning}) is missing; dialect {dialect!r} needs it on every line to {url}: "
+        "set model= on the build or the submit (or a model key in the build's body or template, "
+        "from a column), or run airflow-batch prepare --model NAME"
+    )
+
+
 def dumps_line(obj: Any) -> bytes:
     """Serialise one JSONL line (no newline) the way every writer of this package does."""
     return orjson.dumps(obj)
@@ -221,7 +245,7 @@ class LineValidator:
                 return None, [
                     Problem(raw.number, "invalid_utf8", f"line is not valid UTF-8 (byte {uexc.start})")
                 ]
-            return None, [Problem(raw.number, "invalid_json", f"line is not valid JSON: {exc}")]
+            return None, [Problem(raw.number, "invalid_json", f"not valid JSON: {json_error_text(exc)}")]
         return obj if isinstance(obj, dict) else None, self.check_object(obj, raw.number)
 
     def check_object(self, obj: Any, number: int) -> list[Problem]:
@@ -276,8 +300,47 @@ class LineValidator:
                 )
             )
         else:
+            url = obj.get("url")
+            if isinstance(url, str) and url in self.rules.endpoints:
+                problems.extend(self._check_fields(body, url, number, cid))
             problems.extend(self._check_model(body.get("model"), number, cid))
         return problems
+
+    def _check_fields(self, body: dict[str, Any], url: str, number: int, cid: str | None) -> list[Problem]:
+        """The body fields the url needs (``messages`` for chat, ``input`` for embeddings), and
+        ``body.model`` where the vendor runs each line on its own model."""
+        rules = self.rules
+        problems: list[Problem] = []
+        for name in rules.required_fields.get(url, ()):
+            if body.get(name) is None:
+                problems.append(
+                    Problem(
+                        number,
+                        "missing_body_field",
+                        f"body has no {name!r}, which {url} needs{self._shaped_for(body, url)}",
+                        f"body.{name}",
+                        cid,
+                    )
+                )
+        model = body.get("model")
+        if url in rules.model_endpoints and not (isinstance(model, str) and model.strip()):
+            problems.append(
+                Problem(
+                    number,
+                    "missing_model",
+                    missing_model_message(rules.dialect, rules.model_meaning, url),
+                    "body.model",
+                    cid,
+                )
+            )
+        return problems
+
+    def _shaped_for(self, body: dict[str, Any], url: str) -> str:
+        """A hint naming the endpoint the body is shaped for, when it is another one."""
+        for other, names in self.rules.required_fields.items():
+            if other != url and names and all(body.get(n) is not None for n in names):
+                return f" (the body has {', '.join(repr(n) for n in names)}: is it meant for {other}?)"
+        return ""
 
     def _check_model(self, model: Any, number: int, cid: str | None) -> list[Problem]:
         """One model per file, for vendors that fail a whole batch mixing models."""
@@ -380,4 +443,4 @@ def iter_objects(stream: IO[bytes], max_line_bytes: int = 1 << 30) -> Iterator[t
         try:
             yield raw.number, orjson.loads(raw.data)
         except orjson.JSONDecodeError as exc:
-            raise ValueError(f"line {raw.number}: not valid JSON: {exc}") from None
+            raise ValueError(f"line {raw.number}: not valid JSON: {json_error_text(exc)}") from None

@@ -6,9 +6,13 @@ local server read them without loading the pydantic models.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 MB = 1024 * 1024
+#: Longest result line read (and so the longest response body sent as JSON text that is decoded).
+#: Result lines are far smaller; the cap only stops a broken server from filling memory.
+MAX_RESULT_LINE_BYTES = 256 * MB
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,11 @@ class ValidationRules:
     :param unique_custom_ids: whether custom_id must be unique within the file.
     :param mixed_models: whether lines of one file may name different ``body.model`` values.
     :param max_custom_id_chars: longest custom_id the vendor accepts (None: no limit).
+    :param model_endpoints: urls whose lines must name ``body.model`` (the vendor runs each
+        line on its own model and has no default).
+    :param required_fields: per url, the body fields a request there cannot go without.
+    :param dialect: the dialect's name, for messages.
+    :param model_meaning: what ``body.model`` names for this vendor, for messages.
     """
 
     endpoints: frozenset[str]
@@ -73,3 +82,7 @@ class ValidationRules:
     methods: frozenset[str] = frozenset({"POST"})
     mixed_models: bool = False
     max_custom_id_chars: int | None = None
+    model_endpoints: frozenset[str] = frozenset()
+    required_fields: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    dialect: str = ""
+    model_meaning: str = "the model"

@@ -109,5 +109,7 @@ class RejectRecord:
 
     @property
     def message(self) -> str:
-        """The reason, naming the column at fault."""
-        return f"{self.reason} (column {self.column})" if self.column else self.reason
+        """The reason, naming the column at fault (once: a reason that quotes it already is kept)."""
+        if not self.column or repr(self.column) in self.reason:
+            return self.reason
+        return f"{self.reason} (column {self.column})"

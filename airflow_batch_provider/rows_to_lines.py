@@ -88,6 +88,9 @@ class BuildResult:
     rows_written: int = 0
     rows_rejected: int = 0
     reject_codes: Counter[str] = dataclasses.field(default_factory=Counter)
+    #: The reason of the first row rejected with each code (a build that rejects every row
+    #: says why, and how to fix it, in its error).
+    first_reasons: dict[str, str] = dataclasses.field(default_factory=dict)
     shards: list[Shard] = dataclasses.field(default_factory=list)
     key_types: list[str] = dataclasses.field(default_factory=list)
     column_names: list[str] = dataclasses.field(default_factory=list)
@@ -128,7 +131,11 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
     endpoint = spec.endpoint
     prefix = spec.prefix
     build_body = builder.build
-    check_object = LineValidator(spec.rules, endpoint).check_object
+    # A vendor that runs one model per batch gets one set of shards per model (ModelShardWriter)
+    # instead of rejecting the rows whose model differs from the first line's.
+    per_model = not spec.rules.mixed_models
+    rules = dataclasses.replace(spec.rules, mixed_models=True) if per_model else spec.rules
+    check_object = LineValidator(rules, endpoint).check_object
     unsupported = spec.unsupported
     dumps = orjson.dumps
     newline = orjson.OPT_APPEND_NEWLINE
@@ -140,12 +147,18 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
     validate_all = not builder.fixed_shape
     types_pending = None in types
     row_number = written = rejected = 0
+    writer: staging.ShardedJsonlWriter | staging.ModelShardWriter = (
+        staging.ModelShardWriter(spec.directory, spec.limits, endpoint=endpoint)
+        if per_model
+        else staging.ShardedJsonlWriter(spec.directory, spec.limits, endpoint=endpoint)
+    )
     with (
-        staging.ShardedJsonlWriter(spec.directory, spec.limits, endpoint=endpoint) as writer,
+        writer,
         staging.atomic_writer(spec.directory / staging.KEYS_NAME) as keys_out,
         staging.atomic_writer(spec.directory / staging.REJECTS_NAME) as rejects_out,
     ):
-        add_line = writer.add
+        add_line = writer.add if isinstance(writer, staging.ShardedJsonlWriter) else None
+        add_model_line = writer.add if isinstance(writer, staging.ModelShardWriter) else None
         write_key = keys_out.write
         for batch in rows.batches():
             first = True
@@ -210,10 +223,22 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                         raise RowRejected(
                             "line_too_large", f"line is {len(line):,} bytes; the limit is {max_line:,}"
                         )
+                    if add_model_line is not None:
+                        body = line_obj["body"]
+                        model = body.get("model") if isinstance(body, dict) else None
+                        try:
+                            shard = add_model_line(line, model if isinstance(model, str) else None)
+                        except staging.TooManyModelsError as exc:
+                            raise RowRejected("too_many_models", str(exc), "model") from None
+                    else:
+                        assert add_line is not None
+                        shard = add_line(line)
                 except RowRejected as err:
                     if err.code in _TEXT_SUSPECTS:
                         err = text_rejection(row, columns) or err
                     rejected += 1
+                    if err.code not in reject_codes:
+                        result.first_reasons[err.code] = err.reason
                     reject_codes[err.code] += 1
                     if err.cause is not None and first_cause is None:
                         first_cause = err.cause
@@ -228,7 +253,6 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                         reject_line = dumps(record, option=newline)
                     rejects_out.write(reject_line)
                     continue
-                shard = add_line(line)
                 write_key(dumps(KeyRecord.line(cid, stored_key(key_values), shard), option=newline))
                 written += 1
             if log is not None and row_number and row_number % _LOG_EVERY < len(batch):

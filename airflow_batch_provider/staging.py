@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import itertools
 import os
 import re
 import tempfile
 import uuid
-from collections.abc import Iterator
-from typing import IO, TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Self
 
 import orjson
 
@@ -307,7 +308,26 @@ def remove_stale_shards(staging: ObjectStoragePath, keep: set[str]) -> list[str]
     return removed
 
 
-class ShardedJsonlWriter:
+class _PublishOnExit:
+    """``with`` publishes what was written (``close``) or, after an error, discards it (``abort``)."""
+
+    def close(self) -> list[Shard]:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class ShardedJsonlWriter(_PublishOnExit):
     """Write batch lines into shard files so no shard exceeds the line count or byte limit.
 
     Each shard is written atomically (see :func:`atomic_writer`): it appears complete under
@@ -321,11 +341,22 @@ class ShardedJsonlWriter:
 
     _FLUSH_BYTES = 1 << 20
 
-    def __init__(self, directory: ObjectStoragePath, limits: Limits, *, endpoint: str | None = None) -> None:
+    def __init__(
+        self,
+        directory: ObjectStoragePath,
+        limits: Limits,
+        *,
+        endpoint: str | None = None,
+        allocate: Callable[[], int] | None = None,
+        shards: list[Shard] | None = None,
+    ) -> None:
         self.directory = directory
         self.limits = limits
         self.endpoint = endpoint
-        self.shards: list[Shard] = []
+        # Several writers may share one index sequence and shard list (one per model, see
+        # ModelShardWriter); alone, a writer numbers its own shards from 0.
+        self._allocate = allocate or itertools.count().__next__
+        self.shards: list[Shard] = [] if shards is None else shards
         self._stack: contextlib.ExitStack | None = None
         self._handle: IO[bytes] | None = None
         self._index = -1
@@ -368,7 +399,7 @@ class ShardedJsonlWriter:
 
     def _next_shard(self) -> None:
         self._finish_shard()
-        self._index += 1
+        self._index = self._allocate()
         self._stack = contextlib.ExitStack()
         self._handle = self._stack.enter_context(atomic_writer(self.directory / shard_name(self._index)))
         self._hasher = hashlib.sha256()
@@ -400,6 +431,10 @@ class ShardedJsonlWriter:
         self._finish_shard()
         return self.shards
 
+    def finish(self) -> None:
+        """Publish the shard being written, if any (the writer stays usable)."""
+        self._finish_shard()
+
     def abort(self) -> None:
         """Discard the shard being written (shards already published stay, but no manifest lists them)."""
         self._buffer.clear()
@@ -409,11 +444,68 @@ class ShardedJsonlWriter:
             with contextlib.suppress(BaseException):
                 stack.__exit__(RuntimeError, RuntimeError("build aborted"), None)
 
-    def __enter__(self) -> ShardedJsonlWriter:
-        return self
 
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
+class TooManyModelsError(ValueError):
+    """A build's lines name more models than :class:`ModelShardWriter` keeps shards open for."""
+
+
+class ModelShardWriter(_PublishOnExit):
+    """Shards that each hold one model's lines: for vendors whose batch runs one model (the
+    model goes on the job, or every line must name the same deployment). Lines are routed by
+    ``body.model`` into one :class:`ShardedJsonlWriter` per model; all share one shard numbering,
+    so the staging layout and the manifest are the same as a single writer's.
+
+    :param directory: the staging directory.
+    :param limits: the ``Limits`` every shard must meet.
+    :param endpoint: the url the lines target, recorded on each ``Shard``.
+    :param max_models: how many models may have a shard open at once (each holds a buffer).
+    """
+
+    def __init__(
+        self,
+        directory: ObjectStoragePath,
+        limits: Limits,
+        *,
+        endpoint: str | None = None,
+        max_models: int = 64,
+    ) -> None:
+        self.directory = directory
+        self.limits = limits
+        self.endpoint = endpoint
+        self.max_models = max_models
+        self.shards: list[Shard] = []
+        self._allocate = itertools.count().__next__
+        self._lanes: dict[str | None, ShardedJsonlWriter] = {}
+
+    def add(self, line: bytes, model: str | None) -> int:
+        """Append one serialised line of ``model``; return the index of its shard.
+
+        :raises TooManyModelsError: the line names a model past ``max_models``.
+        """
+        lane = self._lanes.get(model)
+        if lane is None:
+            if len(self._lanes) >= self.max_models:
+                raise TooManyModelsError(
+                    f"the lines name more than {self.max_models} models; this vendor runs one model "
+                    "per batch, so each model gets its own shards: split the build by model"
+                )
+            lane = self._lanes[model] = ShardedJsonlWriter(
+                self.directory,
+                self.limits,
+                endpoint=self.endpoint,
+                allocate=self._allocate,
+                shards=self.shards,
+            )
+        return lane.add(line)
+
+    def close(self) -> list[Shard]:
+        """Publish every open shard; return all shards in index order."""
+        for lane in self._lanes.values():
+            lane.finish()
+        self.shards.sort(key=lambda shard: shard.index)
+        return self.shards
+
+    def abort(self) -> None:
+        """Discard every shard being written."""
+        for lane in self._lanes.values():
+            lane.abort()

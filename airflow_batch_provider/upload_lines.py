@@ -15,7 +15,7 @@ from typing import IO, TYPE_CHECKING, Any
 import orjson
 
 from airflow_batch_provider.exceptions import JsonlValidationError
-from airflow_batch_provider.jsonl import dumps_line, iter_raw_lines
+from airflow_batch_provider.jsonl import dumps_line, iter_raw_lines, json_error_text, missing_model_message
 
 if TYPE_CHECKING:
     from airflow_batch_provider.dialects.base import Dialect
@@ -85,7 +85,7 @@ class ShardEncoder:
             try:
                 obj = orjson.loads(raw.data)
             except orjson.JSONDecodeError as exc:
-                raise self._error(number, f"not valid JSON: {exc}") from None
+                raise self._error(number, f"not valid JSON: {json_error_text(exc)}") from None
             body = obj.get("body") if isinstance(obj, dict) else None
             if not isinstance(body, dict):
                 raise self._error(number, "no body object")
@@ -95,6 +95,10 @@ class ShardEncoder:
                 body["model"] = self.model
             if job:
                 self._take_model(body.get("model"), number)
+            elif not _named(body.get("model")) and dialect.needs_line_model(str(obj.get("url"))):
+                raise self._error(
+                    number, missing_model_message(dialect.name, dialect.model_meaning, str(obj.get("url")))
+                )
             if encode:
                 reason = dialect.unsupported(obj)
                 if reason is not None:
@@ -133,6 +137,11 @@ class ShardEncoder:
 
     def _error(self, number: int, message: str) -> JsonlValidationError:
         return JsonlValidationError(f"{self.where} line {number}: {message}")
+
+
+def _named(model: object) -> bool:
+    """Whether ``model`` names a model (non-blank text)."""
+    return isinstance(model, str) and bool(model.strip())
 
 
 def write_inline_body(

@@ -76,3 +76,42 @@ def test_summary_errors_are_one_line(results_file: Path, tmp_path: Path) -> None
     proc = _run(cli, tmp_path)
     assert proc.returncode == 2 and "--duckdb" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "none.duckdb").exists()
+
+
+def test_summary_reads_a_connection_stored_in_the_metadata_database(
+    results_file: Path, airflow_db: str, tmp_path: Path
+) -> None:
+    # `airflow connections add` keeps the connection in the metadata database only; the Task SDK
+    # reads that database in a process it knows as a server one, as the command line now says.
+    from tests.fixtures.airflow import AIRFLOW, airflow_env
+
+    conn_id = f"abp_summary_db_{os.getpid()}"
+    # As on a user's Airflow host: no connection in the environment, no unit-test configuration
+    # (the suite's unit-test mode points the SDK's metastore lookup at another database).
+    env = {
+        k: v
+        for k, v in airflow_env().items()
+        if not k.startswith("AIRFLOW_CONN_") and k != "AIRFLOW__CORE__UNIT_TEST_MODE"
+    }
+    added = subprocess.run(
+        [AIRFLOW, "connections", "add", conn_id, "--conn-type", "duckdb", "--conn-host", str(results_file)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert added.returncode == 0, added.stderr[-2000:]
+    try:
+        cli = [sys.executable, "-m", "airflow_batch_provider.cli", "summary"]
+        proc = subprocess.run(
+            [*cli, "--conn-id", conn_id, "--table", "ticket_triage"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "Results table ticket_triage: 3 row(s)" in proc.stdout
+    finally:
+        subprocess.run([AIRFLOW, "connections", "delete", conn_id], capture_output=True, env=env, timeout=300)

@@ -1,4 +1,4 @@
-"""docker/: the compose file is valid and wires the deployment the README describes.
+"""docker/: the compose file is valid and wires the deployment docs/examples-and-docker.md describes.
 
 There is no Docker engine on the test machines, so nothing is built or started: the
 compose file is checked by ``docker-compose config`` (which validates it against the

@@ -12,10 +12,11 @@ import orjson
 import pytest
 
 from airflow_batch_provider.cli import main
+from airflow_batch_provider.dialects import DIALECTS
 
 
 def line(cid: str, url: str = "/v1/chat/completions", **body: Any) -> bytes:
-    body = body or {"messages": [{"role": "user", "content": f"hi {cid}"}]}
+    body = body or {"model": "m", "messages": [{"role": "user", "content": f"hi {cid}"}]}
     return orjson.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
 
 
@@ -40,9 +41,14 @@ def test_validate_prints_every_problem_with_its_line(
             line("a"),
             b"{not json",
             line("a"),
-            line("b", url="/v1/embeddings", input="x"),
+            line("b", url="/v1/embeddings", input="x", model="m"),
             orjson.dumps(
-                {"custom_id": "c", "method": "GET", "url": "/v1/chat/completions", "body": {"x": 1}}
+                {
+                    "custom_id": "c",
+                    "method": "GET",
+                    "url": "/v1/chat/completions",
+                    "body": {"model": "m", "messages": []},
+                }
             ),
             line("d", messages=[], stream=True),
             b"\xff\xfe",
@@ -50,7 +56,11 @@ def test_validate_prints_every_problem_with_its_line(
     )
     assert main(["validate", str(f)]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert f"{f}:line 2: line is not valid JSON" in out[0]
+    # One line number: the parser's own "line 1 column N" would name a second one.
+    assert (
+        f"{f}:line 2: not valid JSON: unexpected character, expected a string key at column 2 [invalid_json]"
+        == out[0]
+    )
     assert "line 3" in out[1] and "[duplicate_custom_id]" in out[1]
     assert "line 4" in out[2] and "[mismatched_url]" in out[2]
     assert "line 5" in out[3] and "[invalid_method]" in out[3]
@@ -74,7 +84,11 @@ def test_validate_limits_endpoint_and_dialect(tmp_path: Path, capsys: pytest.Cap
 def test_prepare_sets_model_in_place_and_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     f = write(
         tmp_path / "in.jsonl",
-        [line("1"), b"", line("2", model="old", messages=[{"role": "user", "content": "é😀"}])],
+        [
+            line("1", messages=[{"role": "user", "content": "hi"}]),
+            b"",
+            line("2", model="old", messages=[{"role": "user", "content": "é😀"}]),
+        ],
     )
     out = tmp_path / "out.jsonl"
     assert (
@@ -101,7 +115,7 @@ def test_prepare_refuses_a_bad_line_and_changes_nothing(
     f = write(tmp_path / "in.jsonl", [line("1"), b"[1, 2]", line("3")])
     before = f.read_bytes()
     assert main(["prepare", str(f), "--model", "m"]) == 1
-    assert "line 2: not a JSON object" in capsys.readouterr().out
+    assert f"airflow-batch prepare: {f}:line 2: not a JSON object" in capsys.readouterr().err
     assert f.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
@@ -170,13 +184,13 @@ def test_prepare_failure_names_the_output_it_left_alone(
     f = write(tmp_path / "in.jsonl", [line("1"), b"[1]"])
     new = tmp_path / "new.jsonl"
     assert main(["prepare", str(f), "--model", "m", "--output", str(new)]) == 1
-    out = capsys.readouterr().out
-    assert f"{f}:line 2: not a JSON object" in out
+    out = capsys.readouterr().err
+    assert f"airflow-batch prepare: {f}:line 2: not a JSON object" in out
     assert f"{new} was not created" in out and not new.exists()
     old = write(tmp_path / "old.jsonl", [line("x")])
     before = old.read_bytes()
     assert main(["prepare", str(f), "--model", "m", "--output", str(old)]) == 1
-    assert f"{old} was not changed" in capsys.readouterr().out
+    assert f"{old} was not changed" in capsys.readouterr().err
     assert old.read_bytes() == before
 
 
@@ -232,3 +246,89 @@ def test_validate_holds_hand_made_doubleword_files_to_unique_short_custom_ids(
     out = capsys.readouterr().out
     assert "line 2: custom_id 'a' is repeated [duplicate_custom_id]" in out
     assert "line 3: custom_id is 65 characters; the limit is 64 [custom_id_too_long]" in out
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/foo", "foo"])
+def test_prepare_refuses_an_endpoint_the_dialect_does_not_support(tmp_path: Path, endpoint: str) -> None:
+    f = write(tmp_path / "in.jsonl", [line("1")])
+    before = f.read_bytes()
+    err = _one_line_error(
+        _cli("prepare", str(f), "--model", "m", "--endpoint", endpoint),
+        1,
+        "airflow-batch prepare: ",
+        repr(endpoint),
+    )
+    assert err.startswith("airflow-batch prepare: ") and "/v1/chat/completions" in err
+    assert f.read_bytes() == before
+
+
+def test_prepare_checks_the_endpoint_against_the_dialect_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = write(tmp_path / "in.jsonl", [line("1")])
+    assert main(["prepare", str(f), "--model", "m", "--endpoint", "/v1/fim/completions"]) == 1
+    assert "dialect 'openai'" in capsys.readouterr().err
+    assert (
+        main(["prepare", str(f), "--model", "m", "--endpoint", "/v1/fim/completions", "--dialect", "mistral"])
+        == 0
+    )
+    assert orjson.loads(f.read_bytes())["url"] == "/v1/fim/completions"
+
+
+def test_help_has_no_literal_double_backticks() -> None:
+    from airflow_batch_provider.cli import COMMANDS
+
+    for args in [[], *([name] for name in COMMANDS)]:
+        proc = _cli(*args, "--help")
+        assert proc.returncode == 0, proc.stderr
+        assert "``" not in proc.stdout, (args, proc.stdout)
+
+
+def test_every_subcommand_error_has_the_one_prefix(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.jsonl"
+    bad = write(tmp_path / "bad.jsonl", [b"[1]"])
+    for args in [
+        ("validate", str(missing)),
+        ("prepare", str(bad), "--model", "m"),
+        ("summary", "--duckdb", str(missing), "--table", "t"),
+    ]:
+        _one_line_error(_cli(*args), 1, f"airflow-batch {args[0]}: ")
+
+
+@pytest.mark.parametrize("name", sorted(DIALECTS))
+def test_validate_refuses_lines_without_a_model_where_the_dialect_needs_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    bare = {"messages": [{"role": "user", "content": "hi"}]}
+    f = write(tmp_path / "f.jsonl", [line("1"), line("2", **bare)])
+    code = main(["validate", str(f), "--dialect", name])
+    out = capsys.readouterr().out
+    if DIALECTS[name].needs_line_model("/v1/chat/completions"):
+        assert code == 1, out
+        assert f"{f}:line 2: body.model" in out and f"dialect {name!r}" in out and "[missing_model]" in out
+        assert "model= on the build or the submit" in out and "prepare --model" in out
+    else:
+        # The model goes on the job (submit's model= may give it): a line may go without.
+        assert code == 0, out
+
+
+@pytest.mark.parametrize(
+    ("url", "body", "missing", "meant"),
+    [
+        ("/v1/embeddings", {"model": "m", "messages": [{"role": "user", "content": "x"}]}, "input", "chat"),
+        ("/v1/chat/completions", {"model": "m", "input": "x"}, "messages", "/v1/embeddings"),
+    ],
+)
+def test_validate_refuses_a_body_shaped_for_another_endpoint(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    url: str,
+    body: dict[str, Any],
+    missing: str,
+    meant: str,
+) -> None:
+    f = write(tmp_path / "f.jsonl", [line("1", url=url, **body)])
+    assert main(["validate", str(f)]) == 1
+    out = capsys.readouterr().out
+    assert f"line 1: body has no {missing!r}, which {url} needs" in out and "[missing_body_field]" in out
+    assert meant in out

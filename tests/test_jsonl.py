@@ -21,6 +21,7 @@ from airflow_batch_provider.jsonl import (
 from airflow_batch_provider.limits import Limits
 
 CHAT = "/v1/chat/completions"
+EMBED = {"model": "m", "input": "text"}
 
 
 def line(cid: Any = "r1", *, url: str = CHAT, method: Any = "POST", body: Any = None, **extra: Any) -> bytes:
@@ -70,7 +71,7 @@ def test_custom_id_must_be_a_non_empty_string(cid: Any) -> None:
 
 
 def test_custom_id_missing() -> None:
-    raw = orjson.dumps({"method": "POST", "url": CHAT, "body": {"model": "m"}})
+    raw = orjson.dumps({"method": "POST", "url": CHAT, "body": {"model": "m", "messages": []}})
     assert problems(lines(raw)) == [(1, "invalid_custom_id")]
 
 
@@ -106,12 +107,12 @@ def test_url_must_be_a_supported_endpoint_exactly(url: Any) -> None:
 
 
 def test_url_must_be_the_same_on_every_line() -> None:
-    data = lines(line("a", url="/v1/chat/completions"), line("b", url="/v1/embeddings"))
+    data = lines(line("a", url="/v1/chat/completions"), line("b", url="/v1/embeddings", body=EMBED))
     assert problems(data, dialect="openai") == [(2, "mismatched_url")]
 
 
 def test_url_must_match_the_batch_endpoint() -> None:
-    data = lines(line("a", url="/v1/embeddings"), line("b", url="/v1/embeddings"))
+    data = lines(line("a", url="/v1/embeddings", body=EMBED), line("b", url="/v1/embeddings", body=EMBED))
     assert problems(data, dialect="openai", expected_url=CHAT) == [
         (1, "mismatched_url"),
         (2, "mismatched_url"),
@@ -141,8 +142,10 @@ def test_body_missing() -> None:
 
 
 def test_stream_true_is_rejected_but_false_is_fine() -> None:
-    assert problems(lines(line("a", body={"model": "m", "stream": True}))) == [(1, "stream_not_supported")]
-    assert problems(lines(line("a", body={"model": "m", "stream": False}))) == []
+    assert problems(lines(line("a", body={"model": "m", "messages": [], "stream": True}))) == [
+        (1, "stream_not_supported")
+    ]
+    assert problems(lines(line("a", body={"model": "m", "messages": [], "stream": False}))) == []
 
 
 def test_one_line_can_break_several_rules() -> None:
@@ -192,10 +195,10 @@ def test_empty_file() -> None:
 
 
 def test_line_at_the_limit_passes_and_one_byte_more_fails() -> None:
-    base = line("a", body={"model": "m", "pad": ""})
+    base = line("a", body={"model": "m", "messages": [], "pad": ""})
     limit = len(base) + 10
-    exact = line("a", body={"model": "m", "pad": "x" * 10})
-    over = line("b", body={"model": "m", "pad": "x" * 11})
+    exact = line("a", body={"model": "m", "messages": [], "pad": "x" * 10})
+    over = line("b", body={"model": "m", "messages": [], "pad": "x" * 11})
     assert len(exact) == limit and len(over) == limit + 1
     assert problems(lines(exact, over), max_line_bytes=limit) == [(2, "line_too_large")]
 
@@ -403,3 +406,21 @@ def test_repeated_key_agrees_with_the_json_module_on_random_lines() -> None:
         seen[expected] += 1
         assert (repeated_key(line, orjson.loads(line)) is not None) == expected, line
     assert min(seen.values()) > 300  # both kinds of line were tried
+
+
+def test_a_model_is_needed_per_endpoint_of_a_line_model_dialect() -> None:
+    bare = {"messages": [{"role": "user", "content": "hi"}]}
+    assert problems(lines(line("a", body=bare)), dialect="openai") == [(1, "missing_model")]
+    assert problems(lines(line("a", body={**bare, "model": " "})), dialect="openai") == [(1, "missing_model")]
+    # Moderations run on the vendor's default model; a job-model dialect takes it from the job.
+    assert problems(lines(line("a", url="/v1/moderations", body={"input": "x"})), dialect="openai") == []
+    assert problems(lines(line("a", body=bare)), dialect="mistral") == []
+
+
+def test_the_body_fields_an_endpoint_needs_are_checked_per_line_of_a_mixed_file() -> None:
+    chat = {"model": "m", "messages": []}
+    data = lines(line("a", body=chat), line("b", url="/v1/responses", body={"model": "m", "input": "x"}))
+    assert problems(data, dialect="xai") == []
+    assert problems(lines(line("a", body={"model": "m", "input": "x"})), dialect="xai") == [
+        (1, "missing_body_field")
+    ]

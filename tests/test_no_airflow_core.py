@@ -92,7 +92,12 @@ def _probe(tmp_path: Path, *argv: str) -> dict[str, object]:
 def _two_line_file(tmp_path: Path) -> Path:
     src = tmp_path / "two.jsonl"
     lines = [
-        {"custom_id": str(i), "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}}
+        {
+            "custom_id": str(i),
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": []},
+        }
         for i in range(2)
     ]
     src.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))

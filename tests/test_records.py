@@ -67,3 +67,8 @@ def test_the_merge_takes_the_models_as_it_takes_their_dicts(sqlite_warehouse: An
             (2, "missing", None),
             (3, "rejected", "over (column text)"),
         ]
+
+
+def test_a_reason_that_names_its_column_does_not_repeat_it() -> None:
+    record = RejectRecord(4, [4], None, "null_value", "column 'stars' is NULL", "stars")
+    assert record.message == "column 'stars' is NULL"

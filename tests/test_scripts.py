@@ -28,7 +28,7 @@ def _shim(directory: Path, name: str, body: str = "", label: str | None = None) 
 
 
 def _run_bootstrap(
-    tmp_path: Path, *, uv_on_path: bool, headers: bool, venv_works: bool = True
+    tmp_path: Path, *args: str, uv_on_path: bool, headers: bool, venv_works: bool = True
 ) -> tuple[int, str, list[str]]:
     checkout = tmp_path / "checkout"
     (checkout / "scripts").mkdir(parents=True)
@@ -57,7 +57,7 @@ def _run_bootstrap(
         "PYTHON": str(shims / "python3"),
     }
     proc = subprocess.run(
-        ["bash", str(checkout / "scripts" / "bootstrap")],
+        ["bash", str(checkout / "scripts" / "bootstrap"), *args],
         capture_output=True,
         text=True,
         env=env,
@@ -107,13 +107,35 @@ def test_bootstrap_adds_the_mysql_extra_when_headers_exist(tmp_path: Path) -> No
     ]
 
 
-def test_bootstrap_gives_moto_a_virtualenv_of_its_own(tmp_path: Path) -> None:
-    from tests.fixtures.s3 import MOTO_REQUIREMENT
+EMULATORS = "venv-python -m tests.fixtures.emulators"
 
-    code, stderr, commands = _run_bootstrap(tmp_path, uv_on_path=True, headers=True)
+
+def test_bootstrap_builds_the_test_emulators_only_for_the_tests(tmp_path: Path) -> None:
+    """The demo's bootstrap builds no emulator virtualenv (moto, fakesnow, bqemulator); the
+    tests' (scripts/test, which .ci/run runs) builds each from the fixtures' own requirements."""
+    code, stderr, commands = _run_bootstrap(tmp_path / "demo", uv_on_path=True, headers=True)
     assert code == 0 and stderr == "", stderr
-    assert f"uv pip install --quiet --python .venv-moto/bin/python {MOTO_REQUIREMENT}" in commands
-    assert any(c.startswith("uv venv") and c.endswith(" .venv-moto") for c in commands), commands
+    assert not [c for c in commands if "emulators" in c or ".venv-" in c], commands
+    code, stderr, commands = _run_bootstrap(tmp_path / "tests", "--tests", uv_on_path=True, headers=True)
+    assert code == 0 and stderr == "", stderr
+    assert commands[-1] == EMULATORS, commands
+    code, stderr, _ = _run_bootstrap(tmp_path / "bad", "--test", uv_on_path=True, headers=True)
+    assert code == 2 and "unknown option '--test'" in stderr
+    scripts = {name: (ROOT / "scripts" / name).read_text().splitlines() for name in ("demo", "test")}
+    assert "scripts/bootstrap" in scripts["demo"] and "scripts/bootstrap --tests" not in scripts["demo"]
+    assert "scripts/bootstrap --tests" in scripts["test"]
+    assert "scripts/test" in " ".join((ROOT / ".ci" / "run").read_text().splitlines())
+
+
+def test_the_emulator_list_names_each_fixtures_virtualenv() -> None:
+    from tests.fixtures.bigquery import BQEMULATOR_VENV
+    from tests.fixtures.emulators import emulator_venvs
+    from tests.fixtures.s3 import MOTO_REQUIREMENT, MOTO_VENV
+    from tests.fixtures.snowflake import FAKESNOW_VENV
+
+    venvs = {venv: (list(requirements), binary) for venv, requirements, binary in emulator_venvs()}
+    assert set(venvs) == {MOTO_VENV, FAKESNOW_VENV, BQEMULATOR_VENV}
+    assert venvs[MOTO_VENV] == ([MOTO_REQUIREMENT], "moto_server")
 
 
 def _run_ci(

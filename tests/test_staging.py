@@ -70,6 +70,29 @@ def test_sharded_writer_discards_the_open_shard_on_error(tmp_path: Path) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-00000.jsonl"]
 
 
+def test_model_shard_writer_gives_each_model_shards_of_its_own(tmp_path: Path) -> None:
+    # Interleaved models, each past the per-shard line limit: every shard holds one model, the
+    # numbering is one sequence with no gap, and the shards come back in index order.
+    directory = staging.resolve_path(tmp_path)
+    lines = [(f"{m}{i}".encode(), m) for i in range(5) for m in ("a", "b", None)]
+    with staging.ModelShardWriter(directory, Limits(max_lines=2), endpoint="/v1/x") as writer:
+        placed = [(writer.add(line, model), model) for line, model in lines]
+    shards = writer.shards
+    assert [s.index for s in shards] == list(range(9)) and sum(s.lines for s in shards) == 15
+    for shard in shards:
+        models = {model for index, model in placed if index == shard.index}
+        assert len(models) == 1
+        data = (tmp_path / shard.path).read_bytes()
+        assert data.count(b"\n") == shard.lines == 2 - (shard.index >= 6)
+        assert shard.fingerprint == hashlib.sha256(data).hexdigest()
+    with (
+        pytest.raises(staging.TooManyModelsError, match="more than 2 models"),
+        staging.ModelShardWriter(directory, Limits(), max_models=2) as writer,
+    ):
+        for model in ("a", "b", "c"):
+            writer.add(b"{}", model)
+
+
 def test_remove_stale_shards(tmp_path: Path) -> None:
     for name in ("shard-00000.jsonl", "shard-00001.jsonl", "keys.jsonl"):
         (tmp_path / name).write_bytes(b"")

@@ -161,8 +161,6 @@ class AnthropicDialect(Dialect):
                 "max_completion_tokens) in the build's body, or request_defaults={'max_tokens': N} "
                 "on the submit or the connection"
             )
-        if not isinstance(body.get("model"), str) or not body.get("model"):
-            return "body.model is required by Anthropic's Messages API"
         return _messages_problem(body.get("messages")) or _tools_problem(body)
 
     def encode_line(self, canonical: dict[str, Any]) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 from airflow_batch_provider.dialects.base import Dialect
 from airflow_batch_provider.exceptions import BatchApiAuthError, ConfigurationError
 from airflow_batch_provider.limits import MB, Limits
+from airflow_batch_provider.redaction import redact
 
 if TYPE_CHECKING:
     import httpx
@@ -98,6 +99,7 @@ class AzureOpenAIDialect(Dialect):
     limits = Limits(max_lines=100_000, max_file_bytes=200 * MB, max_line_bytes=200 * MB)
     # Every line's body.model names the one deployment the batch runs on.
     mixed_models = False
+    model_meaning = "the batch deployment's name"
     quota_error_codes = frozenset({"insufficient_quota", "token_limit_exceeded"})
     batch_quota_error_codes = frozenset({"token_limit_exceeded"})
     connection_fields = {
@@ -294,14 +296,6 @@ class AzureOpenAIDialect(Dialect):
         return isinstance(code, str) and code.lower() in self.batch_quota_error_codes
 
     # ---- request lines ----------------------------------------------------------------
-    def unsupported(self, canonical: Mapping[str, Any]) -> str | None:
-        """A line must name its deployment: Azure runs each line on ``body.model``'s deployment."""
-        body = canonical.get("body")
-        model = body.get("model") if isinstance(body, Mapping) else None
-        if not isinstance(model, str) or not model.strip():
-            return "Azure OpenAI needs body.model, the batch deployment's name, on every line"
-        return None
-
     def wire_endpoint(self, endpoint: str) -> str:
         """The endpoint as this connection's API names it: ``/v1/chat/completions`` on the v1
         API, ``/chat/completions`` on the classic one (Microsoft's classic samples and files).
@@ -367,8 +361,7 @@ def _token(access: Any) -> Token:
 def _token_error(exc: Exception, secret: str | None) -> BatchApiAuthError:
     """The error of a failed token request: its kind and first line, never the client secret."""
     text = (str(exc).strip().splitlines() or [""])[0][:300]
-    if secret:
-        text = text.replace(secret, "***")
+    text = redact(text, secret)
     return BatchApiAuthError(
         f"Microsoft Entra ID refused a token for {ENTRA_SCOPE}: {type(exc).__name__}: {text}"
     )

@@ -10,9 +10,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+import orjson
+
 from airflow_batch_provider.exceptions import BatchApiResponseError
 from airflow_batch_provider.ids import id_problem, path_segment
-from airflow_batch_provider.limits import MB, Limits, ValidationRules
+from airflow_batch_provider.limits import MAX_RESULT_LINE_BYTES, MB, Limits, ValidationRules
 
 # The models are imported for type checking only; ``bind_models`` puts them into this module
 # when the first dialect is made. Reading a dialect's rules (``airflow-batch validate``) then
@@ -177,6 +179,21 @@ class Dialect:
     line_shape: ClassVar[LineShape | None] = LineShape()
     #: Where the model goes (see ``ModelPlacement``); "job" dialects get it in ``create_batch_body``.
     model_placement: ClassVar[ModelPlacement] = "line"
+    #: Endpoints whose requests the vendor runs without a model (it picks its own default). A
+    #: "line" dialect needs ``body.model`` on every line to any other endpoint (see
+    #: ``needs_line_model``); a "job" dialect takes the model from the job instead.
+    model_optional_endpoints: ClassVar[frozenset[str]] = frozenset({"/v1/moderations"})
+    #: What ``body.model`` names for this vendor, in the message of a line without one.
+    model_meaning: ClassVar[str] = "the model"
+    #: Per endpoint, the body fields a request there cannot go without: a chat body sent to the
+    #: embeddings url (``messages``, no ``input``) is refused by the validator, not by the vendor
+    #: hours later. Endpoints not listed are not checked.
+    required_body_fields: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "/v1/chat/completions": ("messages",),
+        "/v1/embeddings": ("input",),
+        "/v1/completions": ("prompt",),
+        "/v1/moderations": ("input",),
+    }
     #: Whether submit passes every staged (canonical) line through ``unsupported`` and
     #: ``encode_line`` into an encoded copy before uploading. False (OpenAI's shape): the staged
     #: file is uploaded as it is, with no pass over its lines. Not a ClassVar: a configured
@@ -312,7 +329,22 @@ class Dialect:
             unique_custom_ids=cls.unique_custom_ids,
             mixed_models=cls.mixed_models,
             max_custom_id_chars=cls.max_custom_id_chars,
+            model_endpoints=frozenset(e for e in cls.endpoints if cls.needs_line_model(e)),
+            required_fields={e: f for e, f in cls.required_body_fields.items() if e in cls.endpoints},
+            dialect=cls.name,
+            model_meaning=cls.model_meaning,
         )
+
+    @classmethod
+    def needs_line_model(cls, endpoint: str) -> bool:
+        """Whether every line to ``endpoint`` must name its model (``body.model``).
+
+        A "job" dialect names one model on the job (from the lines or submit's ``model=``), so
+        its lines may go without; a "line" dialect's vendor runs each line on its own model.
+
+        :param endpoint: a url of the dialect.
+        """
+        return cls.model_placement == "line" and endpoint not in cls.model_optional_endpoints
 
     def check_connection(self, extra: Mapping[str, Any], conn_id: str) -> None:
         """Refuse a connection that lacks what this vendor requires on every request."""
@@ -571,6 +603,8 @@ class Dialect:
         if isinstance(response, dict):
             status_code = response.get("status_code")
             body = response.get("body")
+            if isinstance(body, str):
+                body = json_text_body(body)
             request_id = response.get("request_id")
             if isinstance(status_code, str) and status_code.isdigit():
                 status_code = int(status_code)
@@ -669,6 +703,25 @@ def page_items(raw: Mapping[str, Any], *keys: str) -> list[Any]:
         if value:
             return value
     return []
+
+
+def json_text_body(text: str) -> Any:
+    """A response body sent as JSON text (some OpenAI-compatible servers write ``"body": "{...}"``)
+    as the object it holds; text that is not a JSON object is returned as it is, so the line
+    still counts as having no body to read (the merge records ``invalid_output``).
+
+    The text is bounded by the result line it came in (``MAX_RESULT_LINE_BYTES``); longer text
+    (possible only in a line built in memory) is not decoded.
+
+    :param text: the ``response.body`` string.
+    """
+    if len(text) > MAX_RESULT_LINE_BYTES or not text.lstrip().startswith("{"):
+        return text
+    try:
+        decoded = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text
+    return decoded if isinstance(decoded, dict) else text
 
 
 def str_or_none(value: Any) -> str | None:

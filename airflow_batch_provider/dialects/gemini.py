@@ -263,8 +263,6 @@ class GeminiDialect(Dialect):
             return f"n={n} not supported by the Gemini API batch encoding (one candidate per request)"
         if body.get("stream"):
             return "stream=true not supported by the Gemini API's Batch Mode"
-        if not isinstance(body.get("model"), str) or not body.get("model"):
-            return "body.model is required by the Gemini API's Batch Mode (the batch names it)"
         if body.get("parallel_tool_calls") is False:
             return "parallel_tool_calls=false not supported by the Gemini API (it may call several functions)"
         return (

@@ -30,6 +30,19 @@ class AmbiguousCreate(Exception):
         self.response = response
 
 
+class BodyDropped(Exception):
+    """A 2xx answer's body broke off after its status and headers arrived (a dropped connection).
+
+    Kept apart from a failed connection: a results page or listing cut mid-body is restarted
+    on a budget of its own, as a streamed file is (``Restarts``), so drops and error answers
+    do not spend one another's retries.
+    """
+
+    def __init__(self, error: httpx.TransportError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def message_of(error: BatchApiError) -> str:
     """The error's message without the `` | status=... | body=...`` that ``BatchApiError`` appends."""
     return str(error).split(" | ", 1)[0]
@@ -71,14 +84,38 @@ class Retries:
     what: str | None
     log: Any
     retry: int = 0
+    # 2xx bodies that broke off mid-way (``body_dropped``), counted apart from ``retry``.
+    drops: int = 0
 
     def transport_failed(self, exc: httpx.TransportError) -> float:
         """Seconds to wait before the next attempt after ``exc``; raises once none is left."""
-        error = transport_error(exc, action=self.action, secret=self.settings.secrets)
+        error = transport_error(
+            exc, action=self.action, secret=self.settings.secrets, base_url=self.settings.base_url
+        )
         self._judge_transport(exc, error)
         if self.retry >= self.settings.retry.max_retries:
             raise error from exc
         return self._next(self.settings.retry.delay(self.retry), type(exc).__name__)
+
+    def body_dropped(self, exc: httpx.TransportError) -> float:
+        """Seconds to wait after a 2xx body broke off; its own budget (``max_retries`` drops)."""
+        error = transport_error(exc, action=self.action, secret=self.settings.secrets)
+        # A create whose answer broke off may have been acted on (SendOnce raises here).
+        self._judge_transport(exc, error)
+        policy = self.settings.retry
+        if self.drops >= policy.max_retries:
+            raise error from exc
+        self.drops += 1
+        delay = policy.backoff(self.drops - 1)
+        self.log.warning(
+            "%s: the answer broke off (%s); re-requesting (drop %d/%d) in %.2fs",
+            self.action,
+            type(exc).__name__,
+            self.drops,
+            policy.max_retries,
+            delay,
+        )
+        return delay
 
     def status_failed(self, response: httpx.Response) -> float:
         """Seconds to wait after an error answer (read and closed); raises the typed error instead."""
@@ -163,7 +200,9 @@ class Restarts:
         """Seconds to wait before restarting the stream; raises once the budget is spent."""
         policy = self.settings.retry
         if self.count >= policy.max_retries:
-            raise transport_error(exc, action=self.action, secret=self.settings.secrets) from exc
+            raise transport_error(
+                exc, action=self.action, secret=self.settings.secrets, base_url=self.settings.base_url
+            ) from exc
         self.log.warning(
             "%s: %s mid-stream; restarting (retry %d/%d)",
             self.action,

@@ -45,7 +45,7 @@ from airflow_batch_provider.exceptions import (
     BatchApiResponseError,
 )
 from airflow_batch_provider.hooks import calls, checks
-from airflow_batch_provider.hooks.attempts import AmbiguousCreate, Restarts, Retries, SendOnce
+from airflow_batch_provider.hooks.attempts import AmbiguousCreate, BodyDropped, Restarts, Retries, SendOnce
 from airflow_batch_provider.hooks.calls import Call
 from airflow_batch_provider.hooks.connection_form import (
     CONN_FIELDS,
@@ -296,6 +296,9 @@ class BatchApiHook(BaseHook):
             request = call.build(client, call.upload.iter_sync() if call.upload else None)
             try:
                 response = self._exchange(client, request, call)
+            except BodyDropped as dropped:
+                time.sleep(retries.body_dropped(dropped.error))
+                continue
             except httpx.TransportError as exc:
                 time.sleep(retries.transport_failed(exc))
                 continue
@@ -313,6 +316,9 @@ class BatchApiHook(BaseHook):
             request = call.build(client, call.upload.aiter() if call.upload else None)
             try:
                 response = await self._aexchange(client, request, call)
+            except BodyDropped as dropped:
+                await asyncio.sleep(retries.body_dropped(dropped.error))
+                continue
             except httpx.TransportError as exc:
                 await asyncio.sleep(retries.transport_failed(exc))
                 continue
@@ -344,7 +350,12 @@ class BatchApiHook(BaseHook):
                 if origin_of(request.url) != origin_of(client.base_url):
                     check_hop(request.url, action=call.action, allow_private=settings.allow_private_redirects)
             if not (call.stream and response.is_success):
-                read_capped(response, call.max_body, call.action)
+                try:
+                    read_capped(response, call.max_body, call.action)
+                except httpx.TransportError as exc:
+                    if response.is_success:
+                        raise BodyDropped(exc) from exc
+                    raise
         return response
 
     async def _aexchange(
@@ -376,7 +387,12 @@ class BatchApiHook(BaseHook):
                                 allow_private=settings.allow_private_redirects,
                             )
                     if not (call.stream and response.is_success):
-                        await aread_capped(response, call.max_body, call.action)
+                        try:
+                            await aread_capped(response, call.max_body, call.action)
+                        except httpx.TransportError as exc:
+                            if response.is_success:
+                                raise BodyDropped(exc) from exc
+                            raise
         except TimeoutError:
             if response is not None:
                 await response.aclose()
@@ -443,6 +459,9 @@ class BatchApiHook(BaseHook):
             assert call.upload is not None
             try:
                 response = self._exchange(client, call.build(client, call.upload.iter_sync()), call)
+            except BodyDropped as dropped:
+                # The answer broke off after its status: the session says what it holds.
+                time.sleep(upload.retries.body_dropped(dropped.error))
             except httpx.TransportError as exc:
                 time.sleep(upload.retries.transport_failed(exc))
             else:
@@ -486,6 +505,8 @@ class BatchApiHook(BaseHook):
             assert call.upload is not None
             try:
                 response = await self._aexchange(client, call.build(client, call.upload.aiter()), call)
+            except BodyDropped as dropped:
+                await asyncio.sleep(upload.retries.body_dropped(dropped.error))
             except httpx.TransportError as exc:
                 await asyncio.sleep(upload.retries.transport_failed(exc))
             else:
@@ -1067,7 +1088,9 @@ class BatchApiHook(BaseHook):
             try:
                 answer = self._json_object(self._request(call), call.action)
             except BatchApiError as exc:
-                ok, message = checks.report(target, checks.checks_for_error(exc, dialect.api_path), exc)
+                ok, message = checks.report(
+                    target, checks.checks_for_error(exc, dialect.api_path, settings.base_url), exc
+                )
                 return ok, redact(message, settings.secrets)
             parse_error: Exception | None = None
             try:

@@ -16,10 +16,9 @@ import httpx
 from airflow_batch_provider.dialects import Dialect
 from airflow_batch_provider.exceptions import ConfigurationError, JsonlValidationError
 from airflow_batch_provider.hooks.transport import MAX_CONTROL_BODY, FileBody, MultipartUpload, PathSource
+from airflow_batch_provider.limits import MAX_RESULT_LINE_BYTES
 
 LIST_ACTION = "listing batches"
-# Result lines are far smaller than this; the cap only stops a broken server from filling memory.
-MAX_RESULT_LINE_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)

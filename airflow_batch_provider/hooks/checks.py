@@ -41,19 +41,25 @@ class Check:
         return f"{self.name}: {verdict}" + (f" ({self.detail})" if self.detail else "")
 
 
-def checks_for_error(exc: BatchApiError, api_path: str = "/v1") -> list[Check]:
+def checks_for_error(exc: BatchApiError, api_path: str = "/v1", base_url: str | None = None) -> list[Check]:
     """The checks an error of the listing call settles: transport, then auth, then the dialect.
 
     The error's own text leads the message (see :func:`report`), so the details stay short.
 
     :param exc: the listing call's error.
     :param api_path: the dialect's API root path, named in the hint of a 404.
+    :param base_url: the API root tried, named when it gave no answer.
     """
     if isinstance(exc, BatchApiAuthError) and exc.status_code is None:
         # No token to send (the identity provider refused one): the API was never asked.
         return [Check("reachable", None, ""), Check("authenticated", False, "no token"), _unchecked()]
     if isinstance(exc, (BatchApiConnectionError, BatchApiRedirectError)) or exc.status_code is None:
-        return [Check("reachable", False, type(exc).__name__), Check("authenticated", None, ""), _unchecked()]
+        tried = f" at {base_url}" if base_url else ""
+        return [
+            Check("reachable", False, f"{type(exc).__name__}{tried}"),
+            Check("authenticated", None, ""),
+            _unchecked(),
+        ]
     status = exc.status_code
     answered = Check("reachable", True, f"HTTP {status}")
     if isinstance(exc, BatchApiAuthError) or status in (401, 403):

@@ -17,9 +17,10 @@ import httpx
 from airflow_batch_provider.exceptions import BatchApiResponseError
 from airflow_batch_provider.hooks import calls
 from airflow_batch_provider.hooks.attempts import Restarts
-from airflow_batch_provider.hooks.calls import MAX_RESULT_LINE_BYTES
 from airflow_batch_provider.hooks.settings import BatchApiSettings
-from airflow_batch_provider.hooks.transport import REDACTED, LineSplitter, parse_json_line
+from airflow_batch_provider.hooks.transport import LineSplitter, parse_json_line
+from airflow_batch_provider.limits import MAX_RESULT_LINE_BYTES
+from airflow_batch_provider.redaction import redact_bytes, secret_bytes
 
 # How the download cap is named in its error, so the user knows what to raise.
 DOWNLOAD_CAP = " (the connection extra 'max_download_bytes')"
@@ -44,10 +45,8 @@ def line_object(
     """The JSON object of line ``number`` (None for a blank line); with ``lenient`` a ``BadLine``."""
     if not data.strip():
         return None
-    for secret in hidden:
-        # A vendor may quote the key back in an error line; it must not reach the results table.
-        if secret in data:
-            data = data.replace(secret, REDACTED.encode())
+    # A vendor may quote the key back in an error line; it must not reach the results table.
+    data = redact_bytes(data, hidden)
     try:
         obj = parse_json_line(data, number, where)
         if not isinstance(obj, dict):
@@ -64,10 +63,7 @@ def raw_line(data: bytes, hidden: tuple[bytes, ...] = ()) -> bytes | None:
     """A line's bytes with any key redacted (None for a blank line), left for a warehouse to parse."""
     if not data.strip():
         return None
-    for secret in hidden:
-        if secret in data:
-            data = data.replace(secret, REDACTED.encode())
-    return data
+    return redact_bytes(data, hidden)
 
 
 class ResumableLines:
@@ -105,7 +101,7 @@ class ResumableLines:
         self.timeout = settings.timeout
         self.limit = settings.max_download_bytes
         self._restarts = Restarts(settings, self.action, log)
-        self._hidden = tuple(secret.encode() for secret in settings.secrets)
+        self._hidden = secret_bytes(settings.secrets)
         self._lenient = lenient
         # Give each non-blank line's bytes (keys redacted) unparsed, for a warehouse to parse.
         self._raw = raw

@@ -23,8 +23,9 @@ from airflow_batch_provider.exceptions import (
 from airflow_batch_provider.hooks.attempts import message_of
 from airflow_batch_provider.hooks.lines import BadLine
 from airflow_batch_provider.hooks.settings import BatchApiSettings
-from airflow_batch_provider.hooks.transport import REDACTED, origin_of, parse_json_body
+from airflow_batch_provider.hooks.transport import origin_of, parse_json_body
 from airflow_batch_provider.models import Batch, LineError, ResultLine
+from airflow_batch_provider.redaction import redact_bytes, secret_bytes
 
 T = TypeVar("T")
 
@@ -108,9 +109,7 @@ def results_body(response: httpx.Response, action: str, settings: BatchApiSettin
 
     A key the vendor quoted back (an error item) is removed before anything reads the page.
     """
-    content = response.content
-    for secret in settings.secrets if settings else ():
-        content = content.replace(secret.encode(), REDACTED.encode())
+    content = redact_bytes(response.content, secret_bytes(settings.secrets if settings else None))
     content_type = response.headers.get("content-type", "")
     if "ndjson" in content_type or "jsonl" in content_type:
         return content

@@ -135,6 +135,7 @@ class ResumableUpload:
             # Progress since the last send: the upload is not stuck, so its retry budget starts
             # again (it bounds failures in a row; each reset needs strictly more bytes held).
             self.retries.retry = 0
+            self.retries.drops = 0
         self.offset = int(received)
         self.resumes += 1
         self.log.warning(

@@ -35,7 +35,8 @@ from airflow_batch_provider.exceptions import (
     BatchApiServerError,
 )
 from airflow_batch_provider.hooks.retry import retry_after_seconds
-from airflow_batch_provider.jsonl import repeated_key
+from airflow_batch_provider.jsonl import json_error_text, repeated_key
+from airflow_batch_provider.redaction import Secrets, occurs, redact
 
 if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
@@ -46,7 +47,6 @@ UPLOAD_CHUNK = 1 << 20
 REQUEST_ID_HEADERS = ("x-request-id", "request-id", "x-amzn-requestid", "cf-ray")
 #: Most characters of a non-JSON error body kept on an exception (after redaction).
 ERROR_BODY_LIMIT = 4000
-REDACTED = "***"
 
 
 _SSL_CONTEXT: ssl.SSLContext | None = None
@@ -104,22 +104,6 @@ def shared_transport() -> httpx.AsyncBaseTransport:
     return _SharedTransport(inner)
 
 
-Secrets = str | Iterable[str] | None
-
-
-def _each(secret: Secrets) -> Iterable[str | None]:
-    """The secrets of ``secret``: one, several, or none."""
-    return (secret,) if isinstance(secret, str) or secret is None else secret
-
-
-def redact(text: str, secret: Secrets) -> str:
-    """Remove a secret (or each of several) from text: a server may echo a header back."""
-    for one in _each(secret):
-        if one and one in text:
-            text = text.replace(one, REDACTED)
-    return text
-
-
 def _redact_value(value: Any, secret: Secrets) -> Any:
     if not secret:
         return value
@@ -142,14 +126,9 @@ def redact_json(value: Any, secret: Secrets, raw: bytes | None = None) -> Any:
         (no backslash) holds every parsed string verbatim, so when no secret occurs in it either,
         nothing is walked (a 100-batch listing page: ~2 ms of walking saved, a byte scan instead).
     """
-    if raw is not None and b"\\" not in raw and not _occurs(raw, secret):
+    if raw is not None and b"\\" not in raw and not occurs(raw, secret):
         return value
     return _redact_value(value, secret)
-
-
-def _occurs(raw: bytes, secret: Secrets) -> bool:
-    """Whether any secret occurs in ``raw`` as UTF-8 bytes."""
-    return any(one and one.encode() in raw for one in _each(secret))
 
 
 # ---- a deadline per call ---------------------------------------------------------------------
@@ -842,7 +821,9 @@ def parse_json_line(data: bytes, number: int, where: str) -> Any:
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
-        raise BatchApiResponseError(f"{where} line {number} is not valid JSON: {exc}") from None
+        raise BatchApiResponseError(
+            f"{where} line {number} is not valid JSON: {json_error_text(exc)}"
+        ) from None
     ambiguous = repeated_key(data, obj)
     if ambiguous is not None:
         raise BatchApiResponseError(f"{where} line {number} {ambiguous}")
@@ -950,8 +931,15 @@ def status_error(
     return BatchApiError(redact(f"{action}: HTTP {status}{detail}", secret), **kwargs)
 
 
-def transport_error(exc: Exception, *, action: str, secret: Secrets) -> BatchApiConnectionError:
+def transport_error(
+    exc: Exception, *, action: str, secret: Secrets, base_url: str | None = None
+) -> BatchApiConnectionError:
+    """The error of a call that got no answer, naming the API root it tried (never the key).
+
+    :param base_url: the connection's API root, so "Connection refused" says where.
+    """
     kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
+    where = f" to {base_url}" if base_url else ""
     return BatchApiConnectionError(
-        redact(f"{action}: the connection {kind}: {type(exc).__name__}: {exc}", secret)
+        redact(f"{action}: the connection{where} {kind}: {type(exc).__name__}: {exc}", secret)
     )

@@ -69,7 +69,9 @@ class SqlToBatchJsonlOperator(BaseOperator):
         over the batch connection's extra ``request_defaults`` when ``batch_conn_id`` is given.
     :param endpoint: the url every line targets (templated); default chat completions, or
         embeddings when ``input_column`` is given.
-    :param model: the model (templated); omit it to set it later with ``airflow-batch prepare``.
+    :param model: the model (templated). A dialect whose vendor runs each line on its own model
+        refuses a line without one (reject code ``missing_model``); give it here, in ``body`` or
+        the template, or (a job-model dialect such as Mistral) on the submit.
     :param dialect: vendor dialect whose rules and limits apply (default ``openai``) (templated).
     :param batch_conn_id: a batch API connection to read the dialect from, when ``dialect`` is
         not given (templated).
@@ -86,7 +88,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
     :param fetch_batch_size: rows per fetch from the database.
     :param session_sql: statements run on the source connection before the query, e.g.
         ``["SET memory_limit = '512MB'"]`` to bound DuckDB's cache of scanned table blocks.
-    :param outlets: (a BaseOperator argument) every ``Asset`` among them gets the build's figures
+    :param list outlets: (a BaseOperator argument) every ``Asset`` among them gets the build's figures
         as its event extra: shard count, rows read / written / rejected, the staging URI.
     """
 
@@ -356,9 +358,13 @@ class SqlToBatchJsonlOperator(BaseOperator):
         summary = ", ".join(f"{code}: {n}" for code, n in build.reject_codes.most_common())
         where = f"see {directory / staging.REJECTS_NAME}"
         if build.rows_written == 0 and not self.allow_empty:
-            detail = (
-                f"; all {build.rows_read} row(s) rejected ({summary}), {where}" if build.rows_read else ""
-            )
+            detail = ""
+            if build.rows_read:
+                top = build.reject_codes.most_common(1)[0][0]
+                first = build.first_reasons.get(top)
+                detail = f"; all {build.rows_read} row(s) rejected ({summary}), {where}" + (
+                    f"; the first {top}: {first}" if first else ""
+                )
             raise EmptyBatchError(f"the query returned no row that makes a valid line{detail}")
         if self.max_reject_ratio is not None and build.rows_read:
             ratio = build.rows_rejected / build.rows_read

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from airflow_batch_provider.dialects.base import Dialect
     from airflow_batch_provider.hooks.batch import BatchApiHook
+    from airflow_batch_provider.staging import ModelShardWriter, ShardedJsonlWriter
 
 BAD_RESULT_LINE_CHOICES = ("fail", "record")
 
@@ -172,7 +173,7 @@ class MergeBatchResultsOperator(BaseOperator):
     :param results_mode: force ``files`` or ``results_endpoint`` when reading results.
     :param session_settings: settings for the merge's own database session, e.g.
         ``{"memory_limit": "256MB"}`` on DuckDB (which runs inside the worker process).
-    :param outlets: (a BaseOperator argument) every ``Asset`` among them gets the merge's figures as
+    :param list outlets: (a BaseOperator argument) every ``Asset`` among them gets the merge's figures as
         its event extra: rows per status, tokens, cost, batch ids (see
         :func:`airflow_batch_provider.assets.results_table_asset` for the table's URI).
     :param on_bad_result_line: a line of a result file that is not JSON, not an object or has
@@ -453,8 +454,15 @@ class MergeBatchResultsOperator(BaseOperator):
         limits = to.dialect.limits
         written = 0
         shard_paths = {s.index: s.path for s in manifest.shards}
+        # Failed lines of several one-model shards must not share a shard where the target
+        # vendor runs one model per batch.
+        writer: staging.ShardedJsonlWriter | staging.ModelShardWriter = (
+            staging.ShardedJsonlWriter(target, limits, endpoint=manifest.endpoint)
+            if to.dialect.mixed_models
+            else staging.ModelShardWriter(target, limits, endpoint=manifest.endpoint)
+        )
         with (
-            staging.ShardedJsonlWriter(target, limits, endpoint=manifest.endpoint) as writer,
+            writer,
             staging.atomic_writer(target / staging.KEYS_NAME) as keys_out,
         ):
             for shard, wanted in _group_by_shard(first, retryable):
@@ -469,7 +477,7 @@ class MergeBatchResultsOperator(BaseOperator):
                         if key is None:
                             continue
                         to.take(obj, f"shard {shard_paths[shard]}")
-                        new_shard = writer.add(orjson.dumps(obj))
+                        new_shard = _add_line(writer, obj)
                         keys_out.write(orjson.dumps(KeyRecord(obj["custom_id"], key, new_shard).as_dict()))
                         keys_out.write(b"\n")
                         written += 1
@@ -644,9 +652,6 @@ class ResubmitTarget:
         self.conn_id = conn_id
         self.dialect = dialect
         self.model = model
-        # A dialect with the model on the job runs one model per batch: the attempt's lines
-        # must agree, as the submit would require (checked here, before anything is written).
-        self._job_model: str | None = None
 
     def take(self, obj: dict[str, Any], where: str) -> None:
         """Rewrite ``obj``'s model if asked, then refuse a line the dialect cannot express.
@@ -674,15 +679,21 @@ class ResubmitTarget:
         if reason is not None:
             raise ConfigurationError(f"{what}: {reason}")
         if dialect.model_placement == "job":
+            # Lines of several models are fine: each model gets shards (and jobs) of its own.
             model = body.get("model")
             if not isinstance(model, str) or not model:
                 raise ConfigurationError(
                     f"{what}: body.model is missing and {dialect.label} needs one model per batch"
                 )
-            if self._job_model is None:
-                self._job_model = model
-            elif model != self._job_model:
-                raise ConfigurationError(
-                    f"{what}: its model {model!r} differs from {self._job_model!r} and {dialect.label} "
-                    "runs one model per batch; pass fallback_model"
-                )
+
+
+def _add_line(writer: ShardedJsonlWriter | ModelShardWriter, obj: dict[str, Any]) -> int:
+    """Write one line to its shard (by its ``body.model`` for a per-model writer)."""
+    from airflow_batch_provider.staging import ModelShardWriter
+
+    line = orjson.dumps(obj)
+    if isinstance(writer, ModelShardWriter):
+        body = obj.get("body")
+        model = body.get("model") if isinstance(body, dict) else None
+        return writer.add(line, model if isinstance(model, str) else None)
+    return writer.add(line)

@@ -754,8 +754,12 @@ class SubmitBatchOperator(BaseOperator):
         """Validate a file with the dialect's rules while hashing it; a bad file fails naming its lines."""
         rules = dialect.validation_rules()
         if self.model:
-            # Every line is sent with the override model, so the file's own models may differ.
-            rules = replace(rules, mixed_models=True)
+            # Every line is sent with the override model, so the file's own models may differ,
+            # and a line may name none.
+            rules = replace(rules, mixed_models=True, model_endpoints=frozenset())
+        elif self._line_defaults.get("model"):
+            # The connection's request defaults give a line without a model one.
+            rules = replace(rules, model_endpoints=frozenset())
         validator = LineValidator(rules, endpoint)
         problems: list[Problem] = []
         count = 0

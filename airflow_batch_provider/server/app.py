@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from functools import partial
+from pathlib import Path
 from typing import Any, cast
 from urllib.parse import quote
 
@@ -438,27 +439,8 @@ def _files_routes(r: APIRouter) -> None:
             raise st.wire.not_found("file", file_id)
         path = st.store.file_path(file_id)
         size = path.stat().st_size
-        drop = request.state.fault == "drop" or (
-            not request.state.fault and st.faults.fires("drop", st.faults.config.drop_rate)
-        )
-        if drop:
-            st.faults.count("drop")
-
-        async def body() -> AsyncIterator[bytes]:
-            sent = 0
-            # Local-disk reads of 64 KiB are cheaper than a thread hop per chunk.
-            with open(path, "rb") as fh:  # noqa: ASYNC230
-                while chunk := fh.read(_DOWNLOAD_CHUNK):
-                    if drop and sent + len(chunk) > size // 2:
-                        yield chunk[: max(size // 2 - sent, 0)]
-                        # Raising mid-body makes uvicorn abort the connection: the client sees
-                        # a truncated download, exactly like a dropped connection.
-                        raise ConnectionAbortedError("injected dropped connection")
-                    sent += len(chunk)
-                    yield chunk
-
         return StreamingResponse(
-            body(),
+            _results_body([path], size, _drops(request, st)),
             media_type="application/octet-stream",
             headers={
                 "Content-Length": str(size),
@@ -747,6 +729,8 @@ def _batch_routes(r: APIRouter) -> None:
                 page = await asyncio.to_thread(xai_page, st.store, rec, q.get("pagination_token"), limit)
             except ValueError as exc:
                 raise wire.error(400, str(exc), param="pagination_token") from None
+            if _drops(request, st):
+                return _dropped_page(orjson.dumps(page), "application/json", {})
             return ORJSON(page)
         try:
             data = await asyncio.to_thread(st.dw_results.page, rec, skip, limit)
@@ -759,7 +743,47 @@ def _batch_routes(r: APIRouter) -> None:
                 param="input_file_id",
             ) from None
         headers = wire.results_headers(rec, skip, data.count(b"\n"))
+        if _drops(request, st):
+            return _dropped_page(data, "application/x-ndjson", headers)
         return Response(data, media_type="application/x-ndjson", headers=headers)
+
+
+def _drops(request: Request, st: ServerState) -> bool:
+    """Whether this results response is cut mid-body (fault ``drop``: header or ``drop_rate``)."""
+    drop = request.state.fault == "drop" or (
+        not request.state.fault and st.faults.fires("drop", st.faults.config.drop_rate)
+    )
+    if drop:
+        st.faults.count("drop")
+    return bool(drop)
+
+
+async def _results_body(paths: list[Path], size: int, drop: bool) -> AsyncIterator[bytes]:
+    """The files' bytes in 64 KiB chunks; with ``drop``, only the first half, then an abort."""
+    sent = 0
+    for path in paths:
+        # Local-disk reads of 64 KiB are cheaper than a thread hop per chunk.
+        with open(path, "rb") as fh:  # noqa: ASYNC230
+            while chunk := fh.read(_DOWNLOAD_CHUNK):
+                if drop and sent + len(chunk) > size // 2:
+                    yield chunk[: max(size // 2 - sent, 0)]
+                    # Raising mid-body makes uvicorn abort the connection: the client sees a
+                    # truncated body, exactly like a dropped connection.
+                    raise ConnectionAbortedError("injected dropped connection")
+                sent += len(chunk)
+                yield chunk
+
+
+def _dropped_page(data: bytes, media_type: str, headers: Mapping[str, str]) -> StreamingResponse:
+    """A results page whose connection drops halfway through its body."""
+
+    async def body() -> AsyncIterator[bytes]:
+        yield data[: len(data) // 2]
+        raise ConnectionAbortedError("injected dropped connection")
+
+    return StreamingResponse(
+        body(), media_type=media_type, headers={**headers, "Content-Length": str(len(data))}
+    )
 
 
 # ---- Anthropic Message Batches ---------------------------------------------------------------
@@ -882,25 +906,10 @@ def _message_batch_routes(r: APIRouter) -> None:
             if fid and st.store.file_path(fid).exists()
         ]
         size = sum(p.stat().st_size for p in paths)
-        drop = request.state.fault == "drop" or (
-            not request.state.fault and st.faults.fires("drop", st.faults.config.drop_rate)
-        )
-        if drop:
-            st.faults.count("drop")
-
-        async def body() -> AsyncIterator[bytes]:
-            sent = 0
-            for path in paths:
-                with open(path, "rb") as fh:  # noqa: ASYNC230 - local 64 KiB reads, as for file content
-                    while chunk := fh.read(_DOWNLOAD_CHUNK):
-                        if drop and sent + len(chunk) > size // 2:
-                            yield chunk[: max(size // 2 - sent, 0)]
-                            raise ConnectionAbortedError("injected dropped connection")
-                        sent += len(chunk)
-                        yield chunk
-
         return StreamingResponse(
-            body(), media_type="application/binary", headers={"Content-Length": str(size)}
+            _results_body(paths, size, _drops(request, st)),
+            media_type="application/binary",
+            headers={"Content-Length": str(size)},
         )
 
 

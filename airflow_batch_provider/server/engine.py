@@ -180,7 +180,12 @@ class Engine:
         self.faults = faults
         self.backend = backend
         self.wire = wire
-        self.rules = wire.dialect.validation_rules(config.limits())
+        # The file rules a vendor checks before it runs anything. Not the client-side body checks
+        # (a model on every line, the fields an endpoint needs): an upstream such as vLLM may
+        # serve a default model, and a body it cannot take fails that line, as at a vendor.
+        self.rules = dataclasses.replace(
+            wire.dialect.validation_rules(config.limits()), model_endpoints=frozenset(), required_fields={}
+        )
         self.active: dict[str, dict[str, Any]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}

@@ -532,6 +532,8 @@ def result_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
             f"(e_kind = 'http' AND NOT {leaf.strish(inner)} AND k{inner} <> 'object')",
             # Lines counted as unreadable are counted by the mapper.
             "e_code = 'invalid_result_line'",
+            # A body sent as JSON text: Python decodes it (Dialect.parse_result_line).
+            f"k{body} = 'string'",
             # Answers that are JSON text or joined parts.
             f"(a_kind = 'chat' AND k{msg} = 'object' AND {leaf.nullish(content)} AND {leaf.truthy(tools)})",
             f"(a_kind = 'chat' AND k{msg} = 'object' AND k{content} = 'array')",
@@ -636,7 +638,10 @@ def common_row_sql(json: JsonSql, shape: LineShape, raw: str, batch_ids: Sequenc
     failed = (
         "NOT amb AND t_cid <> '' AND k_err = 'object' AND (k_code IS NULL OR k_code IN ('null', 'string')) "
         "AND (k_msg IS NULL OR k_msg IN ('null', 'string')) "
-        "AND t_code IS DISTINCT FROM 'invalid_result_line' AND k_body IS DISTINCT FROM 'object'"
+        "AND t_code IS DISTINCT FROM 'invalid_result_line' AND k_body IS DISTINCT FROM 'object' "
+        # A body sent as JSON text may hold the model and token counts: result_row_sql leaves it
+        # to Python.
+        "AND k_body IS DISTINCT FROM 'string'"
     )
     fence = j.fence
     parsed = f"SELECT seq, f, line, {j.parse('line')} AS j FROM {raw} r{fence}"

@@ -171,11 +171,16 @@ def test_limits_and_one_deployment_per_file() -> None:
 
 
 def test_a_line_without_a_deployment_is_refused_by_name() -> None:
-    d = get_dialect("azure")
-    reason = d.unsupported({"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": []}})
-    assert reason is not None and "body.model" in reason and "Azure OpenAI" in reason
-    ok = {"custom_id": "a", "url": "/v1/chat/completions", "body": {"model": "gpt-4o-batch"}}
-    assert d.unsupported(ok) is None
+    rules = get_dialect("azure").validation_rules()
+    bare = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}}
+    data = (
+        orjson.dumps(bare)
+        + b"\n"
+        + orjson.dumps({**bare, "custom_id": "b", "body": {"model": "gpt-4o-batch", "messages": []}})
+    )
+    found = list(validate_stream(io.BytesIO(data), rules))
+    assert [(p.line, p.code) for p in found] == [(1, "missing_model")]
+    assert "the batch deployment's name" in found[0].message and "'azure'" in found[0].message
 
 
 def test_token_limit_exceeded_at_create_is_a_quota_error() -> None:

@@ -372,7 +372,7 @@ def test_connection_errors_are_retried_then_raise(mock_hook, sleeps) -> None:
         calls += 1
         raise httpx.ConnectError("connection refused", request=request)
 
-    with pytest.raises(BatchApiConnectionError, match="connection failed"):
+    with pytest.raises(BatchApiConnectionError, match="the connection to http.* failed"):
         mock_hook(handler).get_batch("batch_1")
     assert calls == 4
 
@@ -861,6 +861,36 @@ def test_download_that_keeps_dropping_leaves_nothing(mock_hook, sleeps, tmp_path
         hook.download_file("file-out", dest)
     assert dest.read_bytes() == b"old complete file"
     assert [p.name for p in tmp_path.iterdir()] == ["result.jsonl"]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+async def test_answers_cut_mid_body_have_a_budget_apart_from_error_answers(
+    mock_hook, sleeps, asynchronous: bool
+) -> None:
+    # 3 error answers and 3 bodies cut off after a 200 (max_retries is 3): on one shared budget
+    # the 7th attempt would never be made; a dropped body counts as a drop, an error as a retry.
+    body = orjson.dumps(openai_batch("batch_1", "completed"))
+    script = ["503", "drop", "500", "drop", "429", "drop", "ok"]
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        step = script[len(seen)]
+        seen.append(step)
+        if step == "drop":
+            return httpx.Response(200, stream=DroppingStream([body[:20]]))
+        if step == "ok":
+            return json_response(200, orjson.loads(body))
+        return json_response(int(step), {"error": {"message": "try later"}})
+
+    hook = mock_hook(handler)
+    batch = await hook.aget_batch("batch_1") if asynchronous else hook.get_batch("batch_1")
+    assert batch.state is BatchState.COMPLETED and seen == script
+    # A fourth drop is one too many: the error names the call and the dropped connection.
+    seen.clear()
+    script[:] = ["drop"] * 5
+    with pytest.raises(BatchApiConnectionError, match="getting batch batch_1.*RemoteProtocolError"):
+        await hook.aget_batch("batch_1") if asynchronous else hook.get_batch("batch_1")
+    assert len(seen) == 4
 
 
 def test_download_404_leaves_no_file(mock_hook, tmp_path: Path) -> None:

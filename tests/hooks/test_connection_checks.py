@@ -8,6 +8,7 @@ import socket
 import httpx
 import pytest
 
+from airflow_batch_provider.exceptions import BatchApiConnectionError
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from tests.fixtures.hook import FAST
 
@@ -75,7 +76,7 @@ def test_an_unreachable_host_fails_reachable(monkeypatch) -> None:
     ok, message = _hook(monkeypatch, connection).test_connection()
     assert not ok
     assert message.startswith("BatchApiConnectionError: ")
-    assert "reachable: NO (BatchApiConnectionError)" in message
+    assert f"reachable: NO (BatchApiConnectionError at http://127.0.0.1:{port}/v1)" in message
     assert "authenticated: not checked" in message and KEY not in message
 
 
@@ -210,3 +211,21 @@ def test_an_azure_entra_token_is_checked(batch_server, monkeypatch) -> None:
     ok, message = _hook(monkeypatch, connection).test_connection()
     assert not ok and message.startswith("BatchApiAuthError: Microsoft Entra ID refused a token")
     assert "reachable: not checked | authenticated: NO (no token)" in message
+
+
+def test_a_refused_connection_names_the_base_url_tried(monkeypatch) -> None:
+    """Both the error text and the reachable check say which API root was tried, never the key."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base_url = f"http://127.0.0.1:{port}/v1"
+    connection = json.dumps({"conn_type": "batch_api", "host": base_url, "password": KEY, "extra": {}})
+    hook = _hook(monkeypatch, connection)
+    with pytest.raises(BatchApiConnectionError) as caught:
+        hook.get_batch("batch_1")
+    assert f"the connection to {base_url} failed" in str(caught.value)
+    assert KEY not in str(caught.value)
+    ok, message = hook.test_connection()
+    assert not ok
+    assert f"reachable: NO (BatchApiConnectionError at {base_url})" in message
+    assert KEY not in message

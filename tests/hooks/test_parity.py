@@ -33,10 +33,10 @@ from airflow_batch_provider.server.config import FaultConfig, ServerConfig
 from tests.fixtures.hostile import Exchange, HostileServer, Route, redirect
 from tests.fixtures.server import FAST_TIME_SCALE, BatchServerHandle
 from tests.hooks.test_batch_live import (
-    DIALECTS,
     ENDPOINT,
     FAST,
     KEY,
+    REGISTRY,
     await_terminal,
     metadata_for,
     wait_terminal,
@@ -203,7 +203,18 @@ def _connections(world: World) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module", params=DIALECTS)
+# The dialects whose batches are made from an uploaded file of canonical lines with the model
+# on each line: the scenarios below call the file-level API with such files. The dialects that
+# encode lines, take the model on the job or submit inline have their sync and async paths
+# driven side by side in tests/hooks/test_batch_live.py and their pipeline tests.
+PARITY_DIALECTS = [
+    name
+    for name, cls in sorted(REGISTRY.items())
+    if cls.submission_mode == "file" and not cls.encodes_lines and cls.model_placement == "line"
+]
+
+
+@pytest.fixture(scope="module", params=PARITY_DIALECTS)
 def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     """One server per dialect for the whole module, with a completed batch and stalled ones."""
     dialect: str = request.param

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from airflow_batch_provider import staging
-from airflow_batch_provider.dialects import get_dialect
+from airflow_batch_provider.dialects import DIALECTS, get_dialect
 from airflow_batch_provider.exceptions import (
     ConfigurationError,
     DuplicateKeyError,
@@ -47,6 +47,8 @@ def build(wh: Any, tmp_path: Path, **kwargs: Any) -> tuple[dict[str, Any], Path]
         "conn_id": wh.conn_id,
         "key_columns": "id",
         "staging_path": str(out),
+        # Every dialect's chat and embeddings lines need a model (the build refuses a line without).
+        "model": "m",
     }
     params.update(kwargs)
     if "sql" not in params and "table" not in params:
@@ -191,11 +193,11 @@ def test_body_template_renders_whole_body(duckdb_warehouse: Any, tmp_path: Path)
     )
     lines = all_lines(out, staging.read_manifest(out))
     assert lines[0]["body"] == {
+        "model": "m",
         "temperature": 0.5,
         "messages": [{"role": "user", "content": 'say "hi"'}],
         "max_tokens": 10,
     }
-    assert "model" not in lines[0]["body"]
 
 
 def test_body_callable(sqlite_warehouse: Any, tmp_path: Path) -> None:
@@ -418,6 +420,7 @@ def test_invalid_json_from_body_template_is_rejected(sqlite_warehouse: Any, tmp_
     rejects = read_jsonl(out / "rejects.jsonl")
     assert [(r["key"], r["code"]) for r in rejects] == [([2], "invalid_json")]
     assert all_lines(out, staging.read_manifest(out))[0]["body"] == {
+        "model": "m",
         "messages": [{"role": "user", "content": 'has "quote'}],
         "max_tokens": 7,
     }
@@ -537,6 +540,7 @@ def test_default_staging_path_has_run_identity(
         key_columns="id",
         sql="SELECT * FROM tickets",
         messages=MESSAGES,
+        model="m",
     )
     result = op.execute({"ti": TI(), "run_id": TI.run_id})  # type: ignore[arg-type]
     expected = tmp_path / "root" / "my_dag" / "manual__2026-01-01T00_00_00_00_00" / "build-3"
@@ -600,6 +604,7 @@ def test_object_storage_staging(sqlite_warehouse: Any) -> None:
         messages=MESSAGES,
         staging_path="memory://staging-test/run-1",
         max_lines=3,
+        model="m",
     )
     result = op.execute({})  # type: ignore[arg-type]
     assert [s["uri"] for s in result["shards"]] == [
@@ -637,9 +642,13 @@ def test_validator_rejects_lines_a_variable_body_makes_invalid(sqlite_warehouse:
     def make(row: dict[str, Any]) -> dict[str, Any]:
         if row["title"] == "empty":
             return {}
-        return {"messages": [{"role": "user", "content": "x"}], "stream": row["title"] == "true"}
+        return {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": row["title"] == "true",
+        }
 
-    _, out = build(sqlite_warehouse, tmp_path, body_callable=make)
+    _, out = build(sqlite_warehouse, tmp_path, body_callable=make, model=None)
     rejects = read_jsonl(out / "rejects.jsonl")
     assert [(r["key"], r["code"], r["column"]) for r in rejects] == [
         ([2], "stream_not_supported", "body.stream"),
@@ -829,7 +838,9 @@ def test_tojson_in_a_body_template_still_writes_a_json_value(sqlite_warehouse: A
         body_template='{"messages": [{"role": "user", "content": {{ title | tojson }}}], "seed": {{ id }}}',
     )
     bodies = [line["body"] for line in all_lines(out, staging.read_manifest(out))]
-    assert bodies == [{"messages": [{"role": "user", "content": t}], "seed": k} for k, t, _ in AWKWARD]
+    assert bodies == [
+        {"model": "m", "messages": [{"role": "user", "content": t}], "seed": k} for k, t, _ in AWKWARD
+    ]
 
 
 def test_a_template_model_never_overrides_the_operator_model_silently(
@@ -842,13 +853,17 @@ def test_a_template_model_never_overrides_the_operator_model_silently(
     assert [(r["key"], r["code"], r["column"]) for r in rejects] == [([2], "model_conflict", "model")]
     assert "'other'" in rejects[0]["reason"] and "'m'" in rejects[0]["reason"]
     assert [line["body"]["model"] for line in all_lines(out, staging.read_manifest(out))] == ["m"]
-    # Without an operator model, the template's model is the model (on a dialect whose files may
-    # mix models; OpenAI's may not, so there the second model is a reject of its own).
-    _, out = build(sqlite_warehouse, tmp_path, body_template=template, dialect="doubleword")
-    assert [line["body"]["model"] for line in all_lines(out, staging.read_manifest(out))] == ["m", "other"]
-    _, out = build(sqlite_warehouse, tmp_path, body_template=template)
-    assert [line["body"]["model"] for line in all_lines(out, staging.read_manifest(out))] == ["m"]
-    assert [(r["key"], r["code"]) for r in read_jsonl(out / "rejects.jsonl")] == [([2], "mismatched_model")]
+    # Without an operator model, the template's model is the model: on a dialect whose files may
+    # mix models in one shard; on OpenAI's, whose files may not, in one shard per model.
+    _, out = build(sqlite_warehouse, tmp_path, body_template=template, dialect="doubleword", model=None)
+    manifest = staging.read_manifest(out)
+    assert len(manifest.shards) == 1
+    assert [line["body"]["model"] for line in all_lines(out, manifest)] == ["m", "other"]
+    _, out = build(sqlite_warehouse, tmp_path, body_template=template, model=None)
+    manifest = staging.read_manifest(out)
+    assert [(s.index, s.lines) for s in manifest.shards] == [(0, 1), (1, 1)]
+    assert [line["body"]["model"] for line in all_lines(out, manifest)] == ["m", "other"]
+    assert read_jsonl(out / "rejects.jsonl") == []
 
 
 # ---- a data-triggered template error (issue #13 point 18) -------------------------------------
@@ -934,3 +949,41 @@ def test_a_key_that_cannot_be_encoded_rejects_its_row_with_the_key_escaped(
     assert [(r["key"], r["code"], r["column"]) for r in rejects] == [
         (["bad \\udc00"], "invalid_text", "note")
     ]
+
+
+@pytest.mark.parametrize("name", sorted(DIALECTS))
+def test_a_build_without_a_model_is_refused_by_name_where_the_dialect_needs_one(
+    sqlite_warehouse: Any, tmp_path: Path, name: str
+) -> None:
+    """No model anywhere (operator, body, template): every line would reach the vendor without
+    one. A dialect that runs each line on its own model refuses each row naming the fix; a
+    job-model dialect (the model goes on the job, from submit's model=) writes the lines."""
+    seed(sqlite_warehouse, [(1, "a", "b"), (2, "c", "d")])
+    dialect = DIALECTS[name]
+    kwargs: dict[str, Any] = {"dialect": name, "model": None, "body": {"max_tokens": 5}}
+    if not dialect.needs_line_model("/v1/chat/completions"):
+        result, out = build(sqlite_warehouse, tmp_path, messages=MESSAGES, **kwargs)
+        assert result["rows_written"] == 2
+        assert all("model" not in line["body"] for line in all_lines(out, staging.read_manifest(out)))
+        return
+    with pytest.raises(EmptyBatchError, match=r"missing_model: 2"):
+        build(sqlite_warehouse, tmp_path, messages=MESSAGES, **kwargs)
+    rejects = read_jsonl(tmp_path / "staging" / "rejects.jsonl")
+    assert [(r["key"], r["code"], r["column"]) for r in rejects] == [([1], "missing_model", "body.model")] + [
+        ([2], "missing_model", "body.model")
+    ]
+    assert f"dialect {name!r}" in rejects[0]["reason"] and "model= on the build" in rejects[0]["reason"]
+    with pytest.raises(
+        EmptyBatchError, match=r"; the first missing_model: body.model .* model= on the build"
+    ):
+        build(sqlite_warehouse, tmp_path, messages=MESSAGES, **kwargs)
+
+
+def test_a_chat_body_sent_to_embeddings_is_rejected_naming_the_field(
+    sqlite_warehouse: Any, tmp_path: Path
+) -> None:
+    seed(sqlite_warehouse, [(1, "a", "b")])
+    with pytest.raises(EmptyBatchError, match="missing_body_field: 1"):
+        build(sqlite_warehouse, tmp_path, messages=MESSAGES, endpoint="/v1/embeddings")
+    (reject,) = read_jsonl(tmp_path / "staging" / "rejects.jsonl")
+    assert reject["column"] == "body.input" and "/v1/chat/completions" in reject["reason"]

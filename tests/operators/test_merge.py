@@ -583,9 +583,10 @@ def test_every_later_attempt_stays_on_the_fallback(
     assert lines and {line["body"]["model"] for line in lines} == {"other-model"}
 
 
-def test_a_job_model_fallback_needs_one_model_per_attempt() -> None:
-    """Mistral runs one model per job: resubmitted lines naming two models are refused by name
-    unless fallback_model rewrites them all; a custom_id over the vendor's limit is refused."""
+def test_a_job_model_fallback_takes_each_lines_model_or_the_fallback_model() -> None:
+    """Mistral runs one model per job: resubmitted lines naming two models are taken (the
+    attempt writes one shard per model), fallback_model rewrites them all, a line without a
+    model is refused by name, and so is a custom_id over the vendor's limit."""
     from airflow_batch_provider.dialects import get_dialect
     from airflow_batch_provider.operators.merge import ResubmitTarget
 
@@ -595,8 +596,11 @@ def test_a_job_model_fallback_needs_one_model_per_attempt() -> None:
 
     mixed = ResubmitTarget("fb", get_dialect("mistral"))
     mixed.take(line("a", "m-1"), "shard-00000.jsonl")
-    with pytest.raises(ConfigurationError, match="'b'.*'m-2' differs from 'm-1' and Mistral runs one model"):
-        mixed.take(line("b", "m-2"), "shard-00000.jsonl")
+    mixed.take(line("b", "m-2"), "shard-00000.jsonl")
+    no_model = line("c", "m")
+    del no_model["body"]["model"]
+    with pytest.raises(ConfigurationError, match="'c'.*body.model is missing and Mistral needs one model"):
+        mixed.take(no_model, "shard-00000.jsonl")
     rewritten = ResubmitTarget("fb", get_dialect("mistral"), model="mistral-small")
     lines = [line("a", "m-1"), line("b", "m-2")]
     for obj in lines:

@@ -14,7 +14,7 @@ import orjson
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
-from airflow_batch_provider.dialects import DIALECTS as REGISTERED_DIALECTS
+from airflow_batch_provider.dialects import DIALECTS as REGISTERED
 from airflow_batch_provider.dialects import get_dialect
 from airflow_batch_provider.exceptions import (
     BatchApiBadRequestError,
@@ -32,7 +32,7 @@ from airflow_batch_provider.submission import KEY_NAME, RunIdentity, StateStore,
 from tests.fixtures.airflow import write_batch_jsonl
 
 # Every registered dialect (a new one is covered as soon as it is registered).
-DIALECTS = sorted(REGISTERED_DIALECTS)
+DIALECTS = sorted(REGISTERED)
 FAST = {"poll_interval": 0.05, "max_poll_interval": 0.2}
 
 
@@ -574,9 +574,51 @@ async def test_a_hand_made_line_the_vendor_cannot_express_fails_before_any_uploa
     del second["body"]["model"]
     source.write_bytes(b"\n".join([lines[0], orjson.dumps(second), lines[2]]) + b"\n")
     op = SubmitBatchOperator(task_id="submit", source=str(source), wait_for_completion=False)
-    with pytest.raises(JsonlValidationError, match=r"line 2: Azure OpenAI needs body.model.*\[unsupported\]"):
+    with pytest.raises(
+        JsonlValidationError,
+        match=r"line 2: body.model \(the batch deployment's name\) is missing.*\[missing_model\]",
+    ):
         op.execute(task_context())
     assert server.stats()["counters"].get("files_uploaded", 0) == 0
     # With a model override every line names the deployment: the same file goes.
     op = SubmitBatchOperator(task_id="submit", source=str(source), wait_for_completion=False, model="echo-1")
     assert op.execute(task_context())["batch_ids"]
+
+
+@pytest.mark.parametrize("name", sorted(REGISTERED))
+async def test_a_hand_made_line_without_a_model_fails_before_any_upload_unless_submit_names_one(
+    server_for: Any, task_context: Any, tmp_path: Path, name: str
+) -> None:
+    """Line 2 names no model: every dialect refuses the file by line (a line-model vendor would
+    run that line on no model; a job-model one has no model for the job), before uploading;
+    submit's model= supplies it, and the same file goes."""
+    server = server_for(name)
+    source = write_batch_jsonl(tmp_path / "in.jsonl", 3)
+    lines = source.read_bytes().splitlines()
+    second = orjson.loads(lines[1])
+    del second["body"]["model"]
+    source.write_bytes(b"\n".join([lines[0], orjson.dumps(second), lines[2]]) + b"\n")
+    op = SubmitBatchOperator(task_id="submit", source=str(source), wait_for_completion=False)
+    with pytest.raises(
+        JsonlValidationError, match=rf"line 2: body.model.* is missing; dialect '{name}'"
+    ) as caught:
+        op.execute(task_context())
+    if REGISTERED[name].needs_line_model("/v1/chat/completions"):
+        assert "model= on the build or the submit" in str(caught.value)
+    assert server.stats()["counters"].get("files_uploaded", 0) == 0
+    op = SubmitBatchOperator(task_id="submit", source=str(source), wait_for_completion=False, model="echo-1")
+    assert op.execute(task_context())["batch_ids"]
+
+
+async def test_a_chat_body_sent_to_embeddings_fails_before_any_upload(
+    server_for: Any, task_context: Any, tmp_path: Path
+) -> None:
+    server = server_for("openai")
+    source = write_batch_jsonl(tmp_path / "in.jsonl", 2)
+    source.write_bytes(source.read_bytes().replace(b"/v1/chat/completions", b"/v1/embeddings"))
+    op = SubmitBatchOperator(task_id="submit", source=str(source), wait_for_completion=False)
+    with pytest.raises(
+        JsonlValidationError, match=r"line 1: body has no 'input', which /v1/embeddings needs"
+    ):
+        op.execute(task_context())
+    assert server.stats()["counters"].get("files_uploaded", 0) == 0

@@ -9,9 +9,12 @@ phase, as real ones stay running for minutes.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.fixtures.reliability import Pipeline
 
 
 @pytest.fixture
@@ -22,3 +25,10 @@ def batch_server(batch_server: Any) -> Any:
         return batch_server(*args, **config)
 
     return start
+
+
+@pytest.fixture(params=["postgres", "duckdb"])
+def wh_pipeline(request: pytest.FixtureRequest, tmp_path: Path, task_context: Any) -> Pipeline:
+    """A pipeline on PostgreSQL and on DuckDB (the test runs once on each)."""
+    warehouse = request.getfixturevalue("pg_warehouse" if request.param == "postgres" else "duckdb_warehouse")
+    return Pipeline(warehouse, tmp_path / "staging", task_context)

@@ -28,19 +28,13 @@ from airflow_batch_provider.exceptions import BatchApiQuotaError, BatchFailedErr
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.staging import resolve_path
 from airflow_batch_provider.submission import StateStore, SubmitState
-from tests.fixtures.reliability import MESSAGES, Pipeline, seed_texts
+from tests.fixtures.reliability import MESSAGES, Pipeline, rows_of, seed_texts
 
 ROWS = 30
 KEY = "azure-pipeline-key"
 TOKEN = "entra-stand-in-token-0123456789"
 API_VERSION = "2024-10-21"
 BUILD = {"table": "tickets", "key_columns": "id", "messages": MESSAGES}
-
-
-@pytest.fixture(params=["postgres", "duckdb"])
-def wh_pipeline(request: pytest.FixtureRequest, tmp_path: Path, task_context: Any) -> Pipeline:
-    warehouse = request.getfixturevalue("pg_warehouse" if request.param == "postgres" else "duckdb_warehouse")
-    return Pipeline(warehouse, tmp_path / "staging", task_context)
 
 
 def serve(
@@ -67,16 +61,6 @@ def serve(
         conn["password"] = password
     monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", json.dumps(conn))
     return server
-
-
-def rows_of(pipeline: Pipeline, table: str = "answers") -> dict[int, tuple[str, str | None, str | None]]:
-    q = pipeline.warehouse.quote
-    return {
-        r[0]: (r[1], r[2], r[3])
-        for r in pipeline.warehouse.rows(
-            f"SELECT id, status, error_code, content FROM {q(table)} ORDER BY id"
-        )
-    }
 
 
 @pytest.mark.parametrize("path", ["v1", "classic"])

@@ -15,37 +15,22 @@ from typing import Any
 import orjson
 import pytest
 
+from airflow_batch_provider import staging
 from airflow_batch_provider.dialects.mistral import MistralDialect
 from airflow_batch_provider.exceptions import BatchFailedError
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.staging import resolve_path
 from airflow_batch_provider.submission import StateStore, SubmitState
-from tests.fixtures.reliability import MESSAGES, Pipeline, seed_texts
+from tests.fixtures.reliability import MESSAGES, Pipeline, rows_of, seed_texts
 
 ROWS = 30
 BUILD = {"table": "tickets", "key_columns": "id", "messages": MESSAGES}
-
-
-@pytest.fixture(params=["postgres", "duckdb"])
-def wh_pipeline(request: pytest.FixtureRequest, tmp_path: Path, task_context: Any) -> Pipeline:
-    warehouse = request.getfixturevalue("pg_warehouse" if request.param == "postgres" else "duckdb_warehouse")
-    return Pipeline(warehouse, tmp_path / "staging", task_context)
 
 
 def serve(batch_server: Any, monkeypatch: pytest.MonkeyPatch, dialect: str = "mistral", **config: Any) -> Any:
     server = batch_server(dialect=dialect, **config)
     monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
     return server
-
-
-def rows_of(pipeline: Pipeline, table: str = "answers") -> dict[int, tuple[str, str | None, str | None]]:
-    q = pipeline.warehouse.quote
-    return {
-        r[0]: (r[1], r[2], r[3])
-        for r in pipeline.warehouse.rows(
-            f"SELECT id, status, error_code, content FROM {q(table)} ORDER BY id"
-        )
-    }
 
 
 async def test_completed_with_mixed_rows_lands_every_row(
@@ -181,27 +166,68 @@ async def test_crash_between_create_and_record_adopts_the_job_found_by_metadata(
     assert merged["counts"]["succeeded"] == ROWS
 
 
-async def test_a_build_naming_two_models_rejects_the_rows_of_the_second_by_name(
+async def test_a_build_naming_several_models_gets_one_job_per_model(
     batch_server: Any, pg_warehouse: Any, tmp_path: Path, task_context: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A Mistral job runs one model: rows whose body names another model than the shard's are
-    # rejected with the reason, and the rest is submitted and merged as usual.
+    # A Mistral job runs one model: the build writes each model's rows into shards of their own
+    # (interleaved rows included), submit creates one job per shard with that model, and every
+    # row is answered by the model its body named.
     serve(batch_server, monkeypatch)
-    seed_texts(pg_warehouse, "tickets", [f"question {i}" for i in range(6)])
+    seed_texts(pg_warehouse, "tickets", [f"question {i}" for i in range(9)])
     pipeline = Pipeline(pg_warehouse, tmp_path / "staging", task_context)
+    models = {1: "echo-1", 2: "echo-2", 0: "echo-3"}
 
     def body(row: dict[str, Any]) -> dict[str, Any]:
-        model = "echo-1" if row["id"] <= 4 else "echo-2"
-        return {"model": model, "messages": [{"role": "user", "content": row["text"]}]}
+        return {"model": models[row["id"] % 3], "messages": [{"role": "user", "content": row["text"]}]}
 
     record = await pipeline.run(
-        "two-models",
+        "three-models",
         "answers",
         build={"table": "tickets", "key_columns": "id", "body_callable": body, "model": None},
     )
-    assert record.manifest["rows_rejected"] == 2, record.manifest
-    rejects = resolve_path(record.manifest["staging_path"]) / "rejects.jsonl"
-    reasons = [orjson.loads(line) for line in rejects.read_bytes().splitlines()]
-    assert [(r["key"], r["code"]) for r in reasons] == [([5], "mismatched_model"), ([6], "mismatched_model")]
-    assert all("one model per batch file" in r["reason"] for r in reasons)
-    assert pipeline.status_counts("answers") == {"succeeded": 4, "rejected": 2}
+    assert record.manifest["rows_rejected"] == 0, record.manifest
+    assert [s["lines"] for s in record.manifest["shards"]] == [3, 3, 3]
+    assert record.event is not None and record.event["status"] == "success", record.event
+    hook = BatchApiHook()
+    job_models = sorted(hook.get_batch(b).raw.get("model") for b in record.event["batch_ids"])
+    assert job_models == ["echo-1", "echo-2", "echo-3"]
+    q = pg_warehouse.quote
+    answered = {r[0]: r[1] for r in pg_warehouse.rows(f"SELECT id, model FROM {q('answers')} ORDER BY id")}
+    assert pipeline.status_counts("answers") == {"succeeded": 9}
+    assert all(model.endswith(models[key % 3]) for key, model in answered.items()), answered
+
+
+async def test_resubmitted_rows_of_several_models_keep_one_model_per_job(
+    batch_server: Any, pg_warehouse: Any, tmp_path: Path, task_context: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The merge's resubmission gathers failed lines from every shard: a job-model vendor still
+    # gets one model per shard, so attempt 2 submits (one job per model) instead of failing.
+    serve(batch_server, monkeypatch, faults={"line_failure_rate": 0.5})
+    seed_texts(pg_warehouse, "tickets", [f"question {i}" for i in range(30)])
+    pipeline = Pipeline(pg_warehouse, tmp_path / "staging", task_context)
+
+    def body(row: dict[str, Any]) -> dict[str, Any]:
+        return {"model": f"echo-{row['id'] % 3}", "messages": [{"role": "user", "content": row["text"]}]}
+
+    record = await pipeline.run(
+        "resubmit-models",
+        "answers",
+        build={"table": "tickets", "key_columns": "id", "body_callable": body, "model": None},
+        submit={"on_partial_failure": "succeed"},
+        merge={"resubmit_failed": True},
+    )
+    assert record.merge is not None and record.merge["resubmit_lines"] > 0
+    attempt_file = record.merge["resubmit_manifest_path"]
+    attempt = staging.read_manifest(attempt_file)
+    directory = staging.staging_dir_of(resolve_path(attempt_file))
+    shard_models = [
+        {orjson.loads(raw)["body"]["model"] for raw in (directory / s.path).read_bytes().splitlines()}
+        for s in attempt.shards
+    ]
+    assert all(len(models) == 1 for models in shard_models), shard_models
+    assert sum(s.lines for s in attempt.shards) == record.merge["resubmit_lines"]
+    failed_models = {f"echo-{key % 3}" for key, row in rows_of(pipeline).items() if row[0] == "failed"}
+    assert {next(iter(m)) for m in shard_models} == failed_models
+    second = await pipeline.submit_and_wait(attempt_file, "resubmit-models-2")
+    assert second.submit_error is None and second.event is not None, second.submit_error
+    assert len(second.event["batch_ids"]) == len(attempt.shards)

@@ -689,3 +689,54 @@ def test_a_hostile_corpus_writes_the_same_rows_on_every_path(
     assert by_id["h-status"][9].endswith("repeats the key 'status_code'")
     assert by_id["h-cid-1"][9].endswith("repeats the key 'custom_id'")
     assert by_id["h-pair"][2] == "\U0001f600"
+
+
+#: Response bodies sent as JSON text (an OpenAI-compatible server in wide use writes them so).
+TEXT_BODIES: list[tuple[str, Any]] = [
+    ("chat as text", ok(orjson.dumps(chat("from text")).decode())),
+    ("chat as spaced text", ok(" " + orjson.dumps(chat("spaced")).decode() + "\n")),
+    ("text not json", ok("the model said hi")),
+    ("text broken json", ok('{"choices": [')),
+    ("text of an array", ok("[1, 2]")),
+    ("text of a string", ok('"hi"')),
+    (
+        "http 500 error as text",
+        {"response": {"status_code": 500, "body": '{"error": {"code": "server_error", "message": "died"}}'}},
+    ),
+    (
+        "error object, body text",
+        {
+            "response": {"status_code": 400, "body": orjson.dumps(chat("n")).decode()},
+            "error": {"code": "e", "message": "m"},
+        },
+    ),
+]
+
+
+def test_a_body_sent_as_json_text_is_decoded_by_the_python_parser() -> None:
+    dialect = get_dialect("openai")
+    lines = [dialect.parse_result_line({"custom_id": w, **line}, "output") for w, line in TEXT_BODIES]
+    decoded = lines[0]
+    assert decoded.ok and decoded.body == chat("from text")
+    assert lines[1].ok and lines[1].body == chat("spaced")
+    # Text that is not a JSON object stays no body (the merge records invalid_output).
+    assert [line.body for line in lines[2:6]] == [None] * 4 and all(line.ok for line in lines[2:6])
+    assert lines[6].error is not None and lines[6].error.code == "server_error"
+    assert lines[7].error is not None and lines[7].error.code == "e" and lines[7].body == chat("n")
+
+
+def test_a_body_sent_as_json_text_writes_the_same_rows_on_both_paths(parsing_warehouse: Any) -> None:
+    (python_rows, python_report), (sql_rows, sql_report) = merge_both(
+        parsing_warehouse, corpus_lines(TEXT_BODIES)
+    )
+    by_id = {row[0].split("-", 1)[1]: row for row in python_rows}
+    assert by_id["chat as text"][1:3] == ("succeeded", "from text")
+    assert by_id["chat as spaced text"][1:3] == ("succeeded", "spaced")
+    for what in ("text not json", "text broken json", "text of an array", "text of a string"):
+        assert by_id[what][1] == "invalid_output", by_id[what]
+    assert (
+        by_id["http 500 error as text"][1] == "failed"
+        and by_id["http 500 error as text"][9] == "server_error"
+    )
+    assert sql_rows == python_rows
+    assert sql_report == python_report
