@@ -193,6 +193,21 @@ class GeminiDialect(Dialect):
         """``x-goog-api-key``."""
         return {"x-goog-api-key": api_key} if api_key else {}
 
+    def is_quota_error(self, status_code: int, body: Any) -> bool:
+        """A 429 RESOURCE_EXHAUSTED whose QuotaFailure names a per-day quota: waiting minutes does
+        not refill it. Per-minute limits (and a 429 without that detail) are retried."""
+        if status_code != 429:
+            return False
+        error = body.get("error") if isinstance(body, Mapping) else None
+        details = error.get("details") if isinstance(error, Mapping) else None
+        for detail in details if isinstance(details, list) else []:
+            violations = detail.get("violations") if isinstance(detail, Mapping) else None
+            for violation in violations if isinstance(violations, list) else []:
+                quota = violation.get("quotaId") if isinstance(violation, Mapping) else None
+                if isinstance(quota, str) and "PerDay" in quota:
+                    return True
+        return False
+
     def is_auth_error(self, status_code: int, body: Any) -> bool:
         """Google refuses a wrong key with 400 INVALID_ARGUMENT whose ErrorInfo reason is API_KEY_INVALID."""
         error = body.get("error") if isinstance(body, Mapping) else None

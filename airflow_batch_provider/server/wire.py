@@ -1291,14 +1291,30 @@ class GeminiWire(Wire):
             raise error
 
     def rate_limited(self, retry_after: float) -> ApiError:
-        return self.error(
+        error = self.error(
             429,
             "Resource has been exhausted (injected by the local batch server).",
             headers={"Retry-After": f"{retry_after:g}"},
         )
+        error.body["error"]["details"] = [
+            self._quota_failure("GenerateRequestsPerMinutePerProjectPerModel"),
+            {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": f"{retry_after:g}s"},
+        ]
+        return error
 
     def quota_exceeded(self) -> ApiError:
-        return self.error(429, "You exceeded your current quota (injected by the local batch server).")
+        error = self.error(429, "You exceeded your current quota (injected by the local batch server).")
+        error.body["error"]["details"] = [self._quota_failure("GenerateRequestsPerDayPerProjectPerModel")]
+        return error
+
+    @staticmethod
+    def _quota_failure(quota_id: str) -> dict[str, Any]:
+        return {
+            "@type": "type.googleapis.com/google.rpc.QuotaFailure",
+            "violations": [
+                {"quotaMetric": "generativelanguage.googleapis.com/generate_requests", "quotaId": quota_id}
+            ],
+        }
 
     def server_error(self, status: int, retry_after: float) -> ApiError:
         headers = {"Retry-After": f"{retry_after:g}"} if status == 503 else {}

@@ -533,3 +533,20 @@ def test_a_function_call_answer_becomes_tool_calls() -> None:
     (call,) = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["function"]["name"] == "get_weather"
     assert call["function"]["arguments"] == '{"city":"Paris"}'
+
+
+def test_a_per_day_quota_stops_and_a_per_minute_limit_is_retried() -> None:
+    def exhausted(quota_id: str) -> dict[str, Any]:
+        violation = {
+            "quotaMetric": "generativelanguage.googleapis.com/generate_requests",
+            "quotaId": quota_id,
+        }
+        failure = {"@type": "type.googleapis.com/google.rpc.QuotaFailure", "violations": [violation]}
+        return {
+            "error": {"code": 429, "message": "quota", "status": "RESOURCE_EXHAUSTED", "details": [failure]}
+        }
+
+    assert D.is_quota_error(429, exhausted("GenerateRequestsPerDayPerProjectPerModel-FreeTier"))
+    assert not D.is_quota_error(429, exhausted("GenerateRequestsPerMinutePerProjectPerModel"))
+    assert not D.is_quota_error(429, {"error": {"code": 429, "status": "RESOURCE_EXHAUSTED"}})
+    assert not D.is_quota_error(400, exhausted("GenerateRequestsPerDayPerProjectPerModel"))
