@@ -6,6 +6,7 @@ from airflow_batch_provider.dialects.anthropic import AnthropicDialect
 from airflow_batch_provider.dialects.azure import AzureOpenAIDialect
 from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage
 from airflow_batch_provider.dialects.doubleword import DoublewordDialect
+from airflow_batch_provider.dialects.gemini import GeminiDialect
 from airflow_batch_provider.dialects.mistral import MistralDialect
 from airflow_batch_provider.dialects.openai import OpenAIDialect
 from airflow_batch_provider.dialects.xai import XAIDialect
@@ -23,6 +24,7 @@ DIALECTS: dict[str, type[Dialect]] = {
         MistralDialect,
         AnthropicDialect,
         AzureOpenAIDialect,
+        GeminiDialect,
     )
 }
 
@@ -54,6 +56,7 @@ __all__ = [
     "AzureOpenAIDialect",
     "Dialect",
     "DoublewordDialect",
+    "GeminiDialect",
     "Limits",
     "ListPage",
     "MistralDialect",

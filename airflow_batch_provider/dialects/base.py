@@ -59,6 +59,11 @@ OrphanLookup = Literal["tags", "time_and_count"]
 # Where a request's model goes. "line": each line's ``body.model`` (OpenAI); "job": one model
 # named on the create call, taken from the shard's lines (which must all name the same one).
 ModelPlacement = Literal["line", "job"]
+# How a file is uploaded. "multipart": one ``POST files`` with a multipart/form-data body;
+# "resumable": the resumable upload protocol (Google's Files API): a start call at
+# ``Dialect.upload_url`` opens a session whose URL takes the bytes (``upload, finalize``), and a
+# dropped upload is resumed from the offset the session reports.
+UploadProtocol = Literal["multipart", "resumable"]
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,10 @@ class Dialect:
     # waiting does not help, so the call fails at once.
     quota_error_codes: ClassVar[frozenset[str]] = frozenset({"insufficient_quota"})
     upload_purpose: ClassVar[str | None] = "batch"
+    #: How files are uploaded (see ``UploadProtocol``).
+    upload_protocol: ClassVar[UploadProtocol] = "multipart"
+    #: The media type a resumable upload declares for a JSONL file.
+    upload_media_type: ClassVar[str] = "application/jsonl"
     supports_metadata: ClassVar[bool] = True
     max_metadata_pairs: ClassVar[int] = 16
     results_modes: ClassVar[tuple[ResultsMode, ...]] = ("files",)
@@ -297,6 +306,26 @@ class Dialect:
     def cancel_path(self, batch_id: str) -> str:
         return f"{self.batches_path}/{path_segment(batch_id, 'batch_id')}/cancel"
 
+    @property
+    def file_content_params(self) -> dict[str, str]:
+        """Query parameters of a file's content download (``alt=media`` at Google); none by default."""
+        return {}
+
+    def create_path(self, model: str | None) -> str:
+        """The path of the create call; the model is the shard's for a "job" dialect whose path names it."""
+        return self.batches_path
+
+    def upload_url(self, base_url: str) -> str:
+        """Where a "resumable" upload starts (an absolute URL on the API's origin).
+
+        :param base_url: the API root.
+        """
+        raise NotImplementedError(f"dialect {self.name!r} uploads multipart to {self.files_path}")
+
+    def upload_start_body(self, filename: str) -> dict[str, Any]:
+        """The JSON body of a "resumable" upload's start call (the file's metadata)."""
+        return {}
+
     def results_path(self, batch_id: str) -> str:
         raise NotImplementedError(f"dialect {self.name!r} has no results endpoint; read the output files")
 
@@ -349,6 +378,10 @@ class Dialect:
         else:
             values = (body.get("code"), body.get("type"))
         return any(isinstance(v, str) and v.lower() in self.quota_error_codes for v in values)
+
+    def is_auth_error(self, status_code: int, body: Any) -> bool:
+        """Whether an error answer other than 401/403 means the key was refused (none by default)."""
+        return False
 
     @classmethod
     def check_endpoint(cls, endpoint: str) -> None:
@@ -429,6 +462,11 @@ class Dialect:
         if metadata:
             body["metadata"] = dict(metadata)
         return body
+
+    def create_name(self, body: Mapping[str, Any]) -> str | None:
+        """The batch name a create body carries (how a dialect without metadata finds it again)."""
+        name = body.get("name")
+        return name if isinstance(name, str) else None
 
     def inline_create_body(
         self, *, endpoint: str, completion_window: str, metadata: Mapping[str, str] | None, model: str | None

@@ -129,7 +129,12 @@ class Retries:
     def status_error(self, response: httpx.Response) -> BatchApiError:
         settings = self.settings
         return status_error(
-            response, action=self.action, what=self.what, base_url=settings.base_url, secret=settings.secrets
+            response,
+            action=self.action,
+            what=self.what,
+            base_url=settings.base_url,
+            secret=settings.secrets,
+            auth_refused=settings.dialect.is_auth_error(response.status_code, error_body(response)),
         )
 
     def _judge_transport(self, exc: httpx.TransportError, error: BatchApiError) -> None:

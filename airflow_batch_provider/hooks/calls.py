@@ -36,6 +36,7 @@ class Call:
     :param foreign_redirects: let a redirect reach another origin (without credentials).
     :param max_body: the most bytes of a body read whole.
     :param accept: statuses returned (read and closed) instead of raised or retried.
+    :param headers: headers of this call alone (a resumable upload's commands).
     """
 
     method: str
@@ -49,6 +50,7 @@ class Call:
     foreign_redirects: bool = False
     max_body: int = MAX_CONTROL_BODY
     accept: frozenset[int] = frozenset()
+    headers: Mapping[str, str] | None = None
 
     def build(self, client: httpx.Client | httpx.AsyncClient, content: Any) -> httpx.Request:
         """The request; ``content`` is the upload's sync or async byte stream, or None."""
@@ -58,7 +60,7 @@ class Call:
             params=dict(self.params) if self.params else None,
             json=self.json,
             content=content,
-            headers=self.upload.headers if self.upload else None,
+            headers={**(self.upload.headers if self.upload else {}), **(self.headers or {})} or None,
         )
 
 
@@ -94,11 +96,21 @@ def delete_file(dialect: Dialect, file_id: str) -> Call:
 def file_content(dialect: Dialect, file_id: str, action: str) -> Call:
     """A file's content, streamed (its redirect may lead to object storage)."""
     path = dialect.file_content_path(file_id)
-    return Call("GET", path, action, f"file {file_id!r}", stream=True, foreign_redirects=True)
+    return Call(
+        "GET",
+        path,
+        action,
+        f"file {file_id!r}",
+        params=dialect.file_content_params or None,
+        stream=True,
+        foreign_redirects=True,
+    )
 
 
-def create_batch(dialect: Dialect, body: Mapping[str, Any], input_file_id: str) -> Call:
-    return Call("POST", dialect.batches_path, f"creating a batch from file {input_file_id}", json=body)
+def create_batch(
+    dialect: Dialect, body: Mapping[str, Any], input_file_id: str, model: str | None = None
+) -> Call:
+    return Call("POST", dialect.create_path(model), f"creating a batch from file {input_file_id}", json=body)
 
 
 def create_inline(dialect: Dialect, body: FileBody) -> Call:

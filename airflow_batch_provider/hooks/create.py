@@ -69,7 +69,7 @@ def create_identity(
     if dialect.supports_metadata:
         return dict(metadata) if metadata else None
     # A dialect without metadata carries the identity in the batch name, when the caller chose one.
-    body_name = body.get("name")
+    body_name = dialect.create_name(body)
     chosen = {name, *(metadata or {}).values()} - {None}
     if isinstance(body_name, str) and body_name in chosen:
         return {"name": body_name}
@@ -192,7 +192,7 @@ class BatchCreate:
                 model=model,
             )
             self.identity = create_identity(dialect, body, metadata, name)
-            self.call = calls.create_batch(dialect, body, input_file_id)
+            self.call = calls.create_batch(dialect, body, input_file_id, model)
         self.action = self.call.action
         self.retry = 0
 

@@ -603,6 +603,8 @@ class FileBody:
     :param size: the file size in bytes.
     :param content_type: the body's media type.
     :param requests: how many batch requests the body holds (an inline create), if known.
+    :param offset: the first byte of the file sent (a resumed upload sends the rest from there);
+        ``size`` is then the bytes from the offset to the end.
     """
 
     def __init__(
@@ -613,11 +615,13 @@ class FileBody:
         size: int,
         content_type: str = "application/json",
         requests: int | None = None,
+        offset: int = 0,
     ) -> None:
         self.source = source
         self.requests = requests
         self.filename = filename or source_name(source)
         self.size = size
+        self.offset = offset
         self.body_type = content_type
         self.head = b""
         self.tail = b""
@@ -637,9 +641,23 @@ class FileBody:
                 f"{self.filename}: file changed during upload ({sent:,} bytes read, {self.size:,} expected)"
             )
 
+    def _skip(self, handle: IO[bytes]) -> None:
+        """Move past the first ``offset`` bytes (a resumed upload): seek, else read them away."""
+        if not self.offset:
+            return
+        try:
+            handle.seek(self.offset)
+            return
+        except (OSError, ValueError, AttributeError):
+            pass
+        left = self.offset
+        while left and (chunk := handle.read(min(left, UPLOAD_CHUNK))):
+            left -= len(chunk)
+
     def iter_sync(self) -> Iterator[bytes]:
         handle, _ = _open_source(self.source)
         with handle:
+            self._skip(handle)
             yield self.head
             sent = 0
             while chunk := handle.read(UPLOAD_CHUNK):
@@ -654,6 +672,7 @@ class FileBody:
         # thread so the event loop keeps serving other coroutines during a large upload.
         handle, _ = await asyncio.to_thread(_open_source, self.source)
         try:
+            await asyncio.to_thread(self._skip, handle)
             yield self.head
             sent = 0
             while chunk := await asyncio.to_thread(handle.read, UPLOAD_CHUNK):
@@ -858,9 +877,19 @@ def _vendor_message(body: Any) -> str | None:
 
 
 def status_error(
-    response: httpx.Response, *, action: str, what: str | None, base_url: str, secret: Secrets
+    response: httpx.Response,
+    *,
+    action: str,
+    what: str | None,
+    base_url: str,
+    secret: Secrets,
+    auth_refused: bool = False,
 ) -> BatchApiError:
-    """The typed exception for a non-2xx response (the body must already be read)."""
+    """The typed exception for a non-2xx response (the body must already be read).
+
+    :param auth_refused: the dialect reads this answer as a refused key whatever its status
+        (Google answers a wrong key with 400 ``API_KEY_INVALID``).
+    """
     status = response.status_code
     body = body_of(response, secret)
     request_id = request_id_of(response)
@@ -872,8 +901,8 @@ def status_error(
         "body": body,
         "retry_after": retry_after_seconds(response.headers),
     }
-    if status in (401, 403):
-        reason = "rejected" if status == 401 else "rejected or lacks permission"
+    if status in (401, 403) or auth_refused:
+        reason = "rejected or lacks permission" if status == 403 else "rejected"
         return BatchApiAuthError(
             redact(
                 f"{action}: the API key was {reason} by {base_url} (HTTP {status}); "

@@ -57,6 +57,9 @@ class ServerState:
         self.backend = make_backend(config)
         self.engine = Engine(self.store, config, self.faults, self.backend, self.wire)
         self.dw_results = DoublewordResults(self.store)
+        # Open resumable upload sessions by id (``Wire.upload_prefix``): in memory, so a restart
+        # ends them (the client starts a new one).
+        self.uploads: dict[str, dict[str, Any]] = {}
 
 
 def _state(request: Request) -> ServerState:
@@ -69,7 +72,16 @@ async def _guard(request: Request) -> None:
     st = _state(request)
     faults = st.faults
     faults.count("requests")
-    st.wire.check_auth(request.headers, st.config.api_key)
+    wire = st.wire
+    # A resumable upload's session URL is its own credential (Google's clients send no key to it):
+    # the unguessable upload_id, issued only to a caller that presented the key.
+    in_session = (
+        wire.upload_prefix is not None
+        and request.url.path.startswith(wire.upload_prefix)
+        and "upload_id" in request.query_params
+    )
+    if not in_session:
+        wire.check_auth(request.headers, st.config.api_key)
     st.wire.check_request(request.url.path, request.query_params)
     forced = request.headers.get(FAULT_HEADER, "").strip().lower()
     if forced and forced not in REQUEST_FAULTS and forced not in BATCH_FAULTS:
@@ -145,6 +157,11 @@ def create_app(config: ServerConfig) -> FastAPI:
         _message_batch_routes(api)
         _inference_routes(api)
         app.include_router(api)
+    upload_prefix = get_wire(config.dialect).upload_prefix
+    if upload_prefix is not None:
+        uploads = APIRouter(prefix=upload_prefix, dependencies=[Depends(_guard)])
+        _resumable_routes(uploads)
+        app.include_router(uploads)
     app.include_router(_admin_router())
     ui.install(app)
 
@@ -401,9 +418,14 @@ def _files_routes(r: APIRouter) -> None:
         )
         return st.wire.render_file_list(items, more)
 
-    @r.get("/files/{file_id}")
-    async def get_file(file_id: str, request: Request) -> dict[str, Any]:
+    @r.get("/files/{file_id}", response_model=None)
+    async def get_file(file_id: str, request: Request) -> dict[str, Any] | Response:
         st = _state(request)
+        if st.wire.colon_download and file_id.endswith(":download"):
+            # Google's custom method: GET files/{id}:download?alt=media is the file's content.
+            if request.query_params.get("alt") != "media":
+                raise st.wire.error(400, "files:download needs alt=media.")
+            return await content(file_id.removesuffix(":download"), request)
         rec = st.store.get_file(file_id)
         if rec is None:
             raise st.wire.not_found("file", file_id)
@@ -431,7 +453,145 @@ def _files_routes(r: APIRouter) -> None:
         st = _state(request)
         if not st.store.delete_file(file_id):
             raise st.wire.not_found("file", file_id)
-        return {"id": file_id, "object": "file", "deleted": True}
+        return st.wire.render_deleted(file_id)
+
+
+# ---- resumable uploads (Google's Files API) --------------------------------------------------
+_UPLOAD_STATUS = "X-Goog-Upload-Status"
+
+
+def _resumable_routes(r: APIRouter) -> None:
+    """``POST {upload_prefix}/files``: a start opens a session; its URL takes ``upload``,
+    ``finalize`` and ``query`` commands (the bytes at the offset the session holds)."""
+
+    @r.post("/files", response_model=None)
+    async def upload(request: Request) -> Response:
+        st = _state(request)
+        session = request.query_params.get("upload_id")
+        if session is None:
+            return await _upload_start(st, request)
+        return await _upload_command(st, request, session)
+
+
+async def _upload_start(st: ServerState, request: Request) -> Response:
+    wire = st.wire
+    headers = request.headers
+    if (headers.get("x-goog-upload-protocol") or "").lower() != "resumable":
+        raise wire.error(
+            400, "The local batch server serves resumable uploads only (X-Goog-Upload-Protocol)."
+        )
+    if (headers.get("x-goog-upload-command") or "").lower() != "start":
+        raise wire.error(400, "A resumable upload begins with X-Goog-Upload-Command: start.")
+    length = headers.get("x-goog-upload-header-content-length") or ""
+    if not length.isdigit():
+        raise wire.error(400, "X-Goog-Upload-Header-Content-Length must give the file's size in bytes.")
+    size = int(length)
+    limit = st.config.limits().max_shard_bytes
+    if size > limit:
+        raise wire.upload_too_large(limit)
+    raw = await _read_body(st, request, _MAX_FORM_FIELD)
+    try:
+        body = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError:
+        raise wire.error(400, "Invalid JSON payload received.") from None
+    meta = body.get("file") if isinstance(body, dict) else None
+    meta = meta if isinstance(meta, dict) else {}
+    display = meta.get("displayName") or meta.get("display_name") or "upload.jsonl"
+    _storage_room(st)
+    session = os.urandom(16).hex()
+    temp = st.store.temp_path(f"upload-{session}")
+    temp.touch()
+    st.uploads[session] = {
+        "temp": temp,
+        "size": size,
+        "received": 0,
+        "filename": str(display),
+        "mime_type": headers.get("x-goog-upload-header-content-type") or "application/octet-stream",
+        "file_id": None,
+    }
+    root = str(request.base_url).rstrip("/")
+    url = f"{root}{wire.upload_prefix}/files?upload_id={session}&upload_protocol=resumable"
+    return Response(b"", headers={"X-Goog-Upload-URL": url, _UPLOAD_STATUS: "active"})
+
+
+async def _upload_command(st: ServerState, request: Request, session: str) -> Response:
+    wire = st.wire
+    up = st.uploads.get(session)
+    if up is None:
+        raise wire.error(404, f"No upload session {session[:12]}... (it ended or the server restarted).")
+    commands = {c.strip().lower() for c in (request.headers.get("x-goog-upload-command") or "").split(",")}
+    if "query" in commands:
+        return _upload_answer(st, up)
+    if not commands <= {"upload", "finalize"} or not commands:
+        raise wire.error(400, f"Unknown X-Goog-Upload-Command {sorted(commands)}.")
+    if up["file_id"] is not None:
+        raise wire.error(400, "The upload is already finalized.")
+    if "upload" in commands:
+        offset = request.headers.get("x-goog-upload-offset") or ""
+        if not offset.isdigit() or int(offset) != up["received"]:
+            raise wire.error(
+                400, f"X-Goog-Upload-Offset {offset!r} is not the {up['received']} bytes the session holds."
+            )
+        drop = request.state.fault == "drop" or (
+            not request.state.fault and st.faults.fires("drop", st.faults.config.drop_rate)
+        )
+        # A dropped upload keeps the first half of what this command sent, then the connection dies.
+        keep = (up["size"] - up["received"]) // 2 if drop else None
+        written = 0
+        with open(up["temp"], "ab") as out:  # noqa: ASYNC230 - local appends, as the multipart sink does
+            async for chunk in request.stream():
+                if keep is not None:
+                    chunk = chunk[: max(keep - written, 0)]
+                if up["received"] + written + len(chunk) > up["size"]:
+                    raise wire.error(400, f"The upload sends more than the {up['size']:,} bytes it declared.")
+                if not st.store.reserve(len(chunk)):
+                    raise _storage_full(st)
+                out.write(chunk)
+                written += len(chunk)
+                if keep is not None and written >= keep:
+                    break
+        up["received"] += written
+        if drop:
+            st.faults.count("drop")
+
+            async def dropped() -> AsyncIterator[bytes]:
+                raise ConnectionAbortedError("injected dropped connection")
+                yield b""  # pragma: no cover - makes this an async generator
+
+            return StreamingResponse(dropped(), headers={_UPLOAD_STATUS: "active"})
+    if "finalize" in commands:
+        if up["received"] != up["size"]:
+            raise wire.error(
+                400,
+                f"Cannot finalize: {up['received']:,} of the {up['size']:,} declared bytes were received.",
+            )
+        file_id = st.store.new_id("file-")
+        os.replace(up["temp"], st.store.file_path(file_id))
+        st.store.add_file(
+            {
+                "id": file_id,
+                "bytes": up["size"],
+                "created_at": now(),
+                "filename": up["filename"],
+                "purpose": "batch",
+                "mime_type": up["mime_type"],
+            }
+        )
+        up["file_id"] = file_id
+        st.faults.count("files_uploaded")
+    return _upload_answer(st, up)
+
+
+def _upload_answer(st: ServerState, up: dict[str, Any]) -> Response:
+    """The session's state: active with the bytes received, or final with the file."""
+    if up["file_id"] is not None:
+        rec = st.store.get_file(up["file_id"])
+        if rec is None:
+            raise st.wire.not_found("file", up["file_id"])
+        return ORJSON({"file": st.wire.render_file(rec)}, headers={_UPLOAD_STATUS: "final"})
+    return Response(
+        b"", headers={_UPLOAD_STATUS: "active", "X-Goog-Upload-Size-Received": str(up["received"])}
+    )
 
 
 # ---- batches ---------------------------------------------------------------------------
@@ -444,13 +604,24 @@ def _batch_routes(r: APIRouter) -> None:
     async def create_job(request: Request) -> dict[str, Any]:
         return await _create(_own(request, "batch/jobs"), request)
 
-    async def _create(st: ServerState, request: Request) -> dict[str, Any]:
+    @r.post("/models/{model_action}")
+    async def create_for_model(model_action: str, request: Request) -> dict[str, Any]:
+        # Google's custom method: POST models/{model}:batchGenerateContent, the model on the path.
+        st = _state(request)
+        model, _, action = model_action.rpartition(":")
+        if not st.wire.model_batches or action != "batchGenerateContent" or not model:
+            raise st.wire.error(404, f"Unknown path {request.url.path}.", code="not_found")
+        return await _create(st, request, model=f"models/{model}")
+
+    async def _create(st: ServerState, request: Request, model: str | None = None) -> dict[str, Any]:
         wire = st.wire
         try:
             body = orjson.loads(await _read_body(st, request, _MAX_FORM_FIELD))
         except orjson.JSONDecodeError:
             raise wire.error(400, "Request body is not valid JSON.") from None
         created = wire.parse_create(body)
+        if model is not None:
+            created["model"] = model
         _storage_room(st)  # a batch writes output files: refused up front when storage is full
         file_rec = st.store.get_file(created["input_file_id"])
         if file_rec is None:
@@ -813,7 +984,7 @@ def _cancel(st: ServerState, batch_id: str) -> dict[str, Any]:
     # A finalizing batch has every answer it will get and ends as it is: cancel leaves it alone
     # and says so by answering its real status rather than a "cancelling" it would never honour.
     st.engine.cancel(rec)
-    return st.wire.render_batch(rec)
+    return st.wire.render_cancelled(rec)
 
 
 async def _validate_now(st: ServerState, rec: dict[str, Any], force_fail: bool) -> None:

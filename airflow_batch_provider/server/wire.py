@@ -74,6 +74,14 @@ class Wire:
     vendor_lines = False
     # Where the API is mounted; each prefix serves the same files and batches.
     path_prefixes: tuple[str, ...] = ("/v1",)
+    # Whether failed requests go to the output file beside the answers (one responses file).
+    one_results_file = False
+    # Where the resumable upload protocol is served (Google's ``/upload/v1beta``); None: not served.
+    upload_prefix: str | None = None
+    # Whether a file's content is ``GET files/{id}:download?alt=media`` (Google) beside ``/content``.
+    colon_download = False
+    # Whether a batch is created at ``POST models/{model}:batchGenerateContent`` (Google).
+    model_batches = False
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
@@ -194,6 +202,10 @@ class Wire:
             "status": "processed",
             "status_details": None,
         }
+
+    def render_deleted(self, file_id: str) -> dict[str, Any]:
+        """The answer to a file's delete."""
+        return {"id": file_id, "object": "file", "deleted": True}
 
     def render_file_list(self, items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
         data = [self.render_file(r) for r in items]
@@ -336,6 +348,10 @@ class Wire:
 
     def is_cancel_path(self, tail: str) -> bool:
         return tail == "cancel"
+
+    def render_cancelled(self, rec: Mapping[str, Any]) -> dict[str, Any]:
+        """The answer to a cancel: the batch, by default."""
+        return self.render_batch(rec)
 
     def list_query(self, params: Mapping[str, str], multi: list[tuple[str, str]]) -> dict[str, Any]:
         """A listing paged by number (``page``, ``page_size``) with filters: what the page wants.
@@ -1181,9 +1197,416 @@ def _blocks_text(content: Any) -> str:
     return ""
 
 
+class GeminiWire(Wire):
+    """Google's Gemini API Batch Mode: ``/v1beta`` with ``x-goog-api-key``, files through the
+    resumable upload protocol (``/upload/v1beta/files``), ``models/{model}:batchGenerateContent``
+    creating a batch that is a long-running operation (``BATCH_STATE_*``, string int64
+    ``batchStats``), a ``pageSize``/``pageToken`` listing of ``operations``, ``:cancel`` answering
+    ``{}``, and one responses file of ``{key, response | error}`` lines, downloaded with
+    ``files/{id}:download?alt=media``. Errors are ``{"error": {"code", "message", "status"}}``."""
+
+    name = "gemini"
+    vendor_lines = True
+    upload_requires_purpose = False
+    # Failed requests are lines of the one responses file, beside the answers.
+    one_results_file = True
+    upload_prefix = "/upload/v1beta"
+    colon_download = True
+    model_batches = True
+    cancel_final_status = 400
+    path_prefixes = ("/v1beta",)
+    # A batch still pending or running after 48 hours expires.
+    WINDOW = "48h"
+    MAX_PAGE = 1000
+    STATES = {
+        "validating": "BATCH_STATE_PENDING",
+        "in_progress": "BATCH_STATE_RUNNING",
+        "finalizing": "BATCH_STATE_RUNNING",
+        # No cancelling state: the batch runs until the cancel takes effect.
+        "cancelling": "BATCH_STATE_RUNNING",
+        "completed": "BATCH_STATE_SUCCEEDED",
+        "failed": "BATCH_STATE_FAILED",
+        "expired": "BATCH_STATE_EXPIRED",
+        "cancelled": "BATCH_STATE_CANCELLED",
+    }
+    _STATUS = {
+        400: "INVALID_ARGUMENT",
+        401: "UNAUTHENTICATED",
+        403: "PERMISSION_DENIED",
+        404: "NOT_FOUND",
+        405: "UNIMPLEMENTED",
+        409: "ABORTED",
+        413: "INVALID_ARGUMENT",
+        415: "INVALID_ARGUMENT",
+        429: "RESOURCE_EXHAUSTED",
+        499: "CANCELLED",
+        500: "INTERNAL",
+        501: "UNIMPLEMENTED",
+        503: "UNAVAILABLE",
+        504: "DEADLINE_EXCEEDED",
+    }
+    _BATCH_TYPE = "type.googleapis.com/google.ai.generativelanguage.v1main.GenerateContentBatch"
+    _OUTPUT_TYPE = "type.googleapis.com/google.ai.generativelanguage.v1main.GenerateContentBatchOutput"
+    _FINISH = {"stop": "STOP", "length": "MAX_TOKENS", "content_filter": "SAFETY"}
+
+    def error(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> ApiError:
+        name = "FAILED_PRECONDITION" if code == "invalid_state" else self._STATUS.get(status)
+        if name is None:
+            name = "INTERNAL" if status >= 500 else "INVALID_ARGUMENT"
+        return ApiError(status, {"error": {"code": status, "message": message, "status": name}}, headers)
+
+    def presented_key(self, headers: Mapping[str, str]) -> str | None:
+        return (headers.get("x-goog-api-key") or "").strip() or None
+
+    def check_key(self, headers: Mapping[str, str], api_key: str | None) -> None:
+        if api_key is None:
+            return
+        presented = self.presented_key(headers)
+        if presented is None:
+            raise self.error(
+                403,
+                "Method doesn't allow unregistered callers (callers without established identity). "
+                "Please use API Key or other form of API consumer identity to call this API.",
+            )
+        if not hmac.compare_digest(presented.encode(), api_key.encode()):
+            # Google answers a wrong key as an invalid argument; the key is never echoed.
+            error = self.error(400, "API key not valid. Please pass a valid API key.")
+            error.body["error"]["details"] = [
+                {
+                    "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                    "reason": "API_KEY_INVALID",
+                    "domain": "googleapis.com",
+                }
+            ]
+            raise error
+
+    def rate_limited(self, retry_after: float) -> ApiError:
+        error = self.error(
+            429,
+            "Resource has been exhausted (injected by the local batch server).",
+            headers={"Retry-After": f"{retry_after:g}"},
+        )
+        error.body["error"]["details"] = [
+            self._quota_failure("GenerateRequestsPerMinutePerProjectPerModel"),
+            {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": f"{retry_after:g}s"},
+        ]
+        return error
+
+    def quota_exceeded(self) -> ApiError:
+        error = self.error(429, "You exceeded your current quota (injected by the local batch server).")
+        error.body["error"]["details"] = [self._quota_failure("GenerateRequestsPerDayPerProjectPerModel")]
+        return error
+
+    @staticmethod
+    def _quota_failure(quota_id: str) -> dict[str, Any]:
+        return {
+            "@type": "type.googleapis.com/google.rpc.QuotaFailure",
+            "violations": [
+                {"quotaMetric": "generativelanguage.googleapis.com/generate_requests", "quotaId": quota_id}
+            ],
+        }
+
+    def server_error(self, status: int, retry_after: float) -> ApiError:
+        headers = {"Retry-After": f"{retry_after:g}"} if status == 503 else {}
+        return self.error(status, f"Injected {status} from the local batch server.", headers=headers)
+
+    def not_found(self, what: str, ident: str) -> ApiError:
+        return self.error(404, f"Requested entity was not found ({what} {ident}).")
+
+    # ---- files ------------------------------------------------------------------------
+    def render_file(self, rec: Mapping[str, Any]) -> dict[str, Any]:
+        created = _iso(rec["created_at"])
+        generated = rec.get("purpose") == "batch_output"
+        return {
+            "name": f"files/{rec['id']}",
+            "displayName": rec["filename"],
+            "mimeType": rec.get("mime_type") or "application/jsonl",
+            "sizeBytes": str(rec["bytes"]),
+            "createTime": created,
+            "updateTime": created,
+            "expirationTime": _iso(float(rec["created_at"]) + 48 * 3600),
+            "state": "ACTIVE",
+            "source": "GENERATED" if generated else "UPLOADED",
+        }
+
+    def render_deleted(self, file_id: str) -> dict[str, Any]:
+        return {}
+
+    def render_file_list(self, items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+        files = [self.render_file(r) for r in items]
+        page: dict[str, Any] = {"files": files}
+        if has_more and items:
+            page["nextPageToken"] = items[-1]["id"]
+        return page
+
+    # ---- create -----------------------------------------------------------------------
+    def parse_create(self, body: Any) -> dict[str, Any]:
+        """``{"batch": {displayName, inputConfig: {fileName}}}`` (snake_case accepted, as the API does)."""
+        if not isinstance(body, Mapping):
+            raise self.error(400, "Invalid JSON payload: the body must be an object.")
+        batch = body.get("batch")
+        if not isinstance(batch, Mapping):
+            raise self.error(400, "batch is required.")
+        display = _either(batch, "displayName", "display_name")
+        if not isinstance(display, str) or not display:
+            raise self.error(400, "batch.display_name is required.")
+        source = _either(batch, "inputConfig", "input_config")
+        if not isinstance(source, Mapping):
+            raise self.error(400, "batch.input_config is required.")
+        if _either(source, "requests") is not None:
+            raise self.error(400, "The local batch server takes batch input from a file only (file_name).")
+        file_name = _either(source, "fileName", "file_name")
+        if not isinstance(file_name, str) or not file_name.startswith("files/"):
+            raise self.error(400, "batch.input_config.file_name must name a file: files/{id}.")
+        return {
+            "input_file_id": file_name.removeprefix("files/"),
+            "endpoint": "/v1/chat/completions",
+            "completion_window": self.WINDOW,
+            "metadata": None,
+            "name": display,
+        }
+
+    def canonical_line(self, obj: Any, rec: Mapping[str, Any]) -> Any:
+        """``{key, request: GenerateContentRequest}`` as the chat-completions line the backend answers."""
+        if not isinstance(obj, dict):
+            return obj
+        extra = sorted(set(obj) - {"key", "request", "metadata"})
+        if extra:
+            raise ValueError(f"unexpected field(s) {', '.join(extra)}: a batch line is {{key, request}}")
+        request = obj.get("request")
+        if not isinstance(request, dict):
+            raise ValueError("a batch line needs a request object (GenerateContentRequest)")
+        messages: list[dict[str, Any]] = []
+        system = request.get("systemInstruction") or request.get("system_instruction")
+        if isinstance(system, dict):
+            messages.append({"role": "system", "content": _parts_text(system.get("parts"))})
+        contents = request.get("contents")
+        if not isinstance(contents, list) or not contents:
+            raise ValueError("request.contents must be a non-empty list")
+        for content in contents:
+            if not isinstance(content, dict):
+                raise ValueError("request.contents holds an item that is not an object")
+            role = content.get("role") or "user"
+            if role not in ("user", "model"):
+                raise ValueError(f"request.contents role {role!r} is not user or model")
+            messages.append(
+                {
+                    "role": "assistant" if role == "model" else "user",
+                    "content": _parts_text(content.get("parts")),
+                }
+            )
+        body: dict[str, Any] = {
+            "model": str(rec.get("model") or "").removeprefix("models/"),
+            "messages": messages,
+        }
+        config = request.get("generationConfig") or request.get("generation_config") or {}
+        if not isinstance(config, dict):
+            raise ValueError("request.generationConfig must be an object")
+        for source, target in (
+            ("temperature", "temperature"),
+            ("topP", "top_p"),
+            ("maxOutputTokens", "max_tokens"),
+            ("seed", "seed"),
+        ):
+            if config.get(source) is not None:
+                body[target] = config[source]
+        if config.get("stopSequences"):
+            body["stop"] = list(config["stopSequences"])
+        schema = config.get("responseSchema")
+        if isinstance(schema, dict):
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "response", "schema": _json_schema(schema)},
+            }
+        elif config.get("responseMimeType") == "application/json":
+            body["response_format"] = {"type": "json_object"}
+        return {"custom_id": obj.get("key"), "method": "POST", "url": rec["endpoint"], "body": body}
+
+    # ---- batch objects ----------------------------------------------------------------
+    def status_of(self, rec: Mapping[str, Any]) -> str:
+        return self.STATES[str(rec["status"])]
+
+    def render_batch(self, rec: Mapping[str, Any]) -> dict[str, Any]:
+        name = f"batches/{rec['id']}"
+        status = str(rec["status"])
+        done = status in ("completed", "failed", "expired", "cancelled")
+        counts = rec["request_counts"]
+        total = int(counts["total"])
+        progress = rec.get("progress") or {}
+        unrun = int(progress.get("cancelled") or 0) + int(progress.get("expired") or 0)
+        succeeded = int(counts["completed"])
+        failed = max(int(counts["failed"]) - unrun, 0)
+        ended = (
+            rec.get("completed_at")
+            or rec.get("failed_at")
+            or rec.get("expired_at")
+            or rec.get("cancelled_at")
+        )
+        meta: dict[str, Any] = {
+            "@type": self._BATCH_TYPE,
+            "name": name,
+            "model": rec.get("model"),
+            "displayName": rec.get("name"),
+            "inputConfig": {"fileName": f"files/{rec['input_file_id']}"},
+            "createTime": _iso(rec["created_at"]),
+            "updateTime": _iso(ended or rec.get("in_progress_at") or rec["created_at"]),
+            "batchStats": {
+                "requestCount": str(total),
+                "successfulRequestCount": str(succeeded),
+                "failedRequestCount": str(failed),
+                "pendingRequestCount": str(max(total - succeeded - failed - unrun, 0) if not done else 0),
+            },
+            "state": self.status_of(rec),
+        }
+        if done:
+            meta["endTime"] = _iso(ended)
+        operation: dict[str, Any] = {"name": name, "metadata": meta, "done": done}
+        output = rec.get("output_file_id")
+        if done and output:
+            meta["output"] = {"responsesFile": f"files/{output}"}
+            operation["response"] = {"@type": self._OUTPUT_TYPE, "responsesFile": f"files/{output}"}
+        if status == "failed":
+            errors = rec.get("errors") or [{}]
+            message = str(errors[0].get("message") or errors[0].get("code") or "the batch failed")
+            operation["error"] = {"code": 3, "message": message, "status": "INVALID_ARGUMENT"}
+        return operation
+
+    def render_cancelled(self, rec: Mapping[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def list_page_args(self, params: Mapping[str, str]) -> tuple[str | None, int]:
+        size = _int_param(params.get("pageSize") or params.get("page_size"), 50, "pageSize", self)
+        if not 1 <= size <= self.MAX_PAGE:
+            raise self.error(400, f"pageSize must be 1..{self.MAX_PAGE}.")
+        return (params.get("pageToken") or params.get("page_token") or None), size
+
+    def render_batch_list(self, items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+        page: dict[str, Any] = {"operations": [self.render_batch(r) for r in items]}
+        if has_more and items:
+            page["nextPageToken"] = items[-1]["id"]
+        return page
+
+    def is_cancel_path(self, tail: str) -> bool:
+        # Cancel is a custom method: POST batches/{id}:cancel.
+        return False
+
+    # ---- result lines -------------------------------------------------------------------
+    def response_line(
+        self, line_id: str, custom_id: str, status: int, body: Any, request_id: str
+    ) -> tuple[bool, dict[str, Any]]:
+        if 200 <= status < 300 and isinstance(body, Mapping):
+            return True, {"key": custom_id, "response": self._response(body, request_id)}
+        inner = body.get("error") if isinstance(body, Mapping) else None
+        message = inner.get("message") if isinstance(inner, Mapping) else None
+        return False, {
+            "key": custom_id,
+            "error": {
+                "code": status,
+                "message": str(message or f"request failed with HTTP {status}"),
+                "status": self._STATUS.get(status, "INTERNAL" if status >= 500 else "INVALID_ARGUMENT"),
+            },
+        }
+
+    def system_line(
+        self, line_id: str, custom_id: str, code: str, message: str | None = None, param: Any = None
+    ) -> dict[str, Any]:
+        status = {"batch_expired": "DEADLINE_EXCEEDED", "batch_cancelled": "CANCELLED"}.get(code, "INTERNAL")
+        return {
+            "key": custom_id,
+            "error": {
+                "code": 499 if status == "CANCELLED" else 504 if status == "DEADLINE_EXCEEDED" else 500,
+                "message": message or SYSTEM_MESSAGES.get(code, code),
+                "status": status,
+            },
+        }
+
+    def _response(self, body: Mapping[str, Any], request_id: str) -> dict[str, Any]:
+        """A chat-completion answer as a ``GenerateContentResponse``."""
+        choice = (body.get("choices") or [{}])[0]
+        reply = choice.get("message") or {}
+        usage = body.get("usage") or {}
+        prompt = int(usage.get("prompt_tokens") or 0)
+        answer = int(usage.get("completion_tokens") or 0)
+        return {
+            "candidates": [
+                {
+                    "content": {"role": "model", "parts": [{"text": str(reply.get("content") or "")}]},
+                    "finishReason": self._FINISH.get(choice.get("finish_reason"), "STOP"),
+                    "index": 0,
+                }
+            ],
+            "usageMetadata": {
+                "promptTokenCount": prompt,
+                "candidatesTokenCount": answer,
+                "totalTokenCount": prompt + answer,
+            },
+            "modelVersion": body.get("model"),
+            "responseId": request_id,
+        }
+
+
+def _either(obj: Mapping[str, Any], *names: str) -> Any:
+    """The first of ``names`` present (proto JSON takes camelCase and snake_case alike)."""
+    for name in names:
+        if name in obj:
+            return obj[name]
+    return None
+
+
+def _parts_text(parts: Any) -> Any:
+    """Gemini parts as chat content: text alone as a string, with inline data as content parts."""
+    if not isinstance(parts, list):
+        raise ValueError("parts must be a list")
+    out: list[dict[str, Any]] = []
+    for part in parts:
+        if not isinstance(part, dict):
+            raise ValueError("a part is not an object")
+        if isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif isinstance(part.get("inlineData"), dict):
+            data = part["inlineData"]
+            url = f"data:{data.get('mimeType')};base64,{data.get('data')}"
+            out.append({"type": "image_url", "image_url": {"url": url}})
+        elif isinstance(part.get("functionCall"), dict) or isinstance(part.get("functionResponse"), dict):
+            # Function turns reach the backend as text (the echo model calls no function).
+            out.append({"type": "text", "text": orjson.dumps(part).decode()})
+        else:
+            raise ValueError(f"part with fields {sorted(part)} is not supported by the local batch server")
+    if all(p["type"] == "text" for p in out):
+        return "".join(p["text"] for p in out)
+    return out
+
+
+def _json_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``responseSchema`` (OpenAPI subset, upper-case types) as the JSON schema the backend reads."""
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "type" and isinstance(value, str):
+            out["type"] = value.lower()
+        elif key == "properties" and isinstance(value, dict):
+            out[key] = {k: _json_schema(v) for k, v in value.items() if isinstance(v, dict)}
+        elif key == "items" and isinstance(value, dict):
+            out[key] = _json_schema(value)
+        elif key in ("nullable", "propertyOrdering"):
+            continue
+        else:
+            out[key] = value
+    return out
+
+
 WIRES: dict[str, type[Wire]] = {
     cls.name: cls
-    for cls in (Wire, DoublewordWire, ZeroGPUWire, XAIWire, MistralWire, AzureWire, AnthropicWire)
+    for cls in (Wire, DoublewordWire, ZeroGPUWire, XAIWire, MistralWire, AzureWire, AnthropicWire, GeminiWire)
 }
 
 

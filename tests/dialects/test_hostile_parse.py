@@ -79,11 +79,39 @@ def anthropic_item(batch_id: str, **fields: Any) -> dict[str, Any]:
     }
 
 
+# Fields of a Gemini batch operation itself; the others are of its metadata (the batch).
+_OPERATION_KEYS = ("name", "done", "error", "response")
+
+
+def gemini_item(batch_id: Any, **fields: Any) -> dict[str, Any]:
+    if "status" in fields:
+        fields["state"] = fields.pop("status")
+    top = {k: fields.pop(k) for k in _OPERATION_KEYS if k in fields}
+    name = f"batches/{batch_id}" if isinstance(batch_id, str) else batch_id
+    return {
+        "name": name,
+        "metadata": {
+            "@type": "type.googleapis.com/google.ai.generativelanguage.v1main.GenerateContentBatch",
+            "name": name,
+            "model": "models/gemini-2.5-flash",
+            "displayName": "k",
+            "inputConfig": {"fileName": "files/in-1"},
+            "state": "BATCH_STATE_RUNNING",
+            "createTime": "2026-01-04T12:00:00.123456789Z",
+            "batchStats": {"requestCount": "2", "pendingRequestCount": "2"},
+            **fields,
+        },
+        "done": False,
+        **top,
+    }
+
+
 ITEMS: dict[str, Callable[..., dict[str, Any]]] = {
     **dict.fromkeys(OPENAI_SHAPED, openai_item),
     "xai": xai_item,
     "mistral": mistral_item,
     "anthropic": anthropic_item,
+    "gemini": gemini_item,
 }
 
 
@@ -96,6 +124,8 @@ def page_of(dialect: str, items: list[Any], **envelope: Any) -> dict[str, Any]:
         return {"batches": items, **envelope}
     if dialect == "mistral":
         return {"object": "list", "data": items, "total": len(items), **envelope}
+    if dialect == "gemini":
+        return {"operations": items, **envelope}
     return {"object": "list", "data": items, "has_more": False, **envelope}
 
 
@@ -146,9 +176,26 @@ ANTHROPIC_FIELDS: dict[str, dict[str, Any]] = {
     "count-bool": {"request_counts": {"succeeded": True}},
     "results-url-number": {"results_url": 5},
 }
-FIELDS = {"xai": XAI_FIELDS, "mistral": MISTRAL_FIELDS, "anthropic": ANTHROPIC_FIELDS}
+GEMINI_FIELDS: dict[str, dict[str, Any]] = {
+    "created-garbage": {"createTime": "yesterday-ish"},
+    "created-object": {"createTime": {"seconds": 1}},
+    "ended-bool": {"endTime": True},
+    "stats-text": {"batchStats": "two"},
+    "count-text": {"batchStats": {"requestCount": "two"}},
+    "count-negative": {"batchStats": {"requestCount": -1}},
+    "count-object": {"batchStats": {"successfulRequestCount": {"n": 1}}},
+    "display-number": {"displayName": 5},
+    "output-file-path": {"output": {"responsesFile": "files/../admin"}},
+    "input-file-number": {"inputConfig": {"fileName": 5}},
+}
+FIELDS = {
+    "xai": XAI_FIELDS,
+    "mistral": MISTRAL_FIELDS,
+    "anthropic": ANTHROPIC_FIELDS,
+    "gemini": GEMINI_FIELDS,
+}
 # The status each dialect reports for a batch in progress, and one it does not know.
-UNKNOWN_STATUS = {"mistral": "PAUSED", "anthropic": "paused"}
+UNKNOWN_STATUS = {"mistral": "PAUSED", "anthropic": "paused", "gemini": "BATCH_STATE_PAUSED"}
 
 
 def bad_fields(dialect: str) -> list[dict[str, Any]]:
@@ -184,7 +231,7 @@ def test_a_batch_that_is_not_an_object_or_has_no_string_id_is_a_response_error(d
             d.parse_batch({**item_of(dialect)("b1"), key: bad_id})
 
 
-@pytest.mark.parametrize("dialect", [*OPENAI_SHAPED, "mistral", "anthropic"])
+@pytest.mark.parametrize("dialect", [*OPENAI_SHAPED, "mistral", "anthropic", "gemini"])
 def test_an_unknown_status_is_a_read_error_of_its_batch(dialect: str) -> None:
     d = get_dialect(dialect)
     for status in (UNKNOWN_STATUS.get(dialect, "queued"), 5, ["completed"]):
@@ -213,7 +260,8 @@ def test_a_listed_item_that_does_not_parse_fails_only_itself(dialect: str) -> No
 
 
 def make_id(item: dict[str, Any], key: str) -> str:
-    return str(item[key])
+    # Gemini names a batch "batches/<id>"; its id is the part after the collection.
+    return str(item[key]).removeprefix("batches/")
 
 
 @pytest.mark.parametrize("dialect", OPENAI_SHAPED)

@@ -41,15 +41,24 @@ def batch(status: str = "in_progress", **fields: Any) -> dict[str, Any]:
 
 
 def test_registry() -> None:
-    assert sorted(DIALECTS) == ["anthropic", "azure", "doubleword", "mistral", "openai", "xai", "zerogpu"]
+    assert sorted(DIALECTS) == [
+        "anthropic",
+        "azure",
+        "doubleword",
+        "gemini",
+        "mistral",
+        "openai",
+        "xai",
+        "zerogpu",
+    ]
     assert isinstance(get_dialect(None), OpenAIDialect)
     assert get_dialect(" XAI ").name == "xai"
     assert get_dialect(D) is D
     with pytest.raises(
         UnknownDialectError,
-        match="unknown dialect 'gemini'.*anthropic, azure, doubleword, mistral, openai, xai, zerogpu",
+        match="unknown dialect 'vertex'.*anthropic, azure, doubleword, gemini, mistral, openai, xai, zerogpu",
     ):
-        get_dialect("gemini")
+        get_dialect("vertex")
 
 
 def test_auth_headers() -> None:

@@ -1131,6 +1131,7 @@ def test_connection_form_matches_airflow_schemas() -> None:
         "anthropic",
         "azure",
         "doubleword",
+        "gemini",
         "mistral",
         "openai",
         "xai",
