@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from airflow_batch_provider.dialects.base import Dialect, batch_object, bind_models, str_or_none
+from airflow_batch_provider.dialects.chat import forced_tool
 from airflow_batch_provider.exceptions import BatchApiResponseError, UnknownBatchStatusError
 from airflow_batch_provider.limits import MB, Limits
 
@@ -504,17 +505,9 @@ def _tools_problem(body: Mapping[str, Any]) -> str | None:
             return f"tool of type {kind!r} not supported by Anthropic's Messages API (function tools only)"
     choice = body.get("tool_choice")
     if choice is not None and not (
-        (isinstance(choice, str) and choice in _TOOL_CHOICE) or _forced_tool(choice)
+        (isinstance(choice, str) and choice in _TOOL_CHOICE) or forced_tool(choice)
     ):
         return f"tool_choice {choice!r} not supported by Anthropic's Messages API"
-    return None
-
-
-def _forced_tool(choice: Any) -> str | None:
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        return name if isinstance(name, str) and name else None
     return None
 
 
@@ -529,7 +522,7 @@ def _tool(function: Mapping[str, Any]) -> dict[str, Any]:
 def _tool_choice(choice: Any, parallel: Any) -> dict[str, Any] | None:
     if choice is None and parallel is not False:
         return None
-    forced = _forced_tool(choice)
+    forced = forced_tool(choice)
     result: dict[str, Any] = (
         {"type": "tool", "name": forced} if forced else dict(_TOOL_CHOICE.get(choice, {"type": "auto"}))
     )

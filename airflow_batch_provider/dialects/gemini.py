@@ -44,6 +44,7 @@ from airflow_batch_provider.dialects.base import (
     page_object,
     str_or_none,
 )
+from airflow_batch_provider.dialects.chat import forced_tool
 from airflow_batch_provider.exceptions import BatchApiResponseError, UnknownBatchStatusError
 from airflow_batch_provider.ids import id_problem, path_segment
 from airflow_batch_provider.limits import MB, Limits
@@ -320,7 +321,7 @@ class GeminiDialect(Dialect):
             ]
         choice = body.get("tool_choice")
         if choice is not None:
-            forced = _forced_tool(choice)
+            forced = forced_tool(choice)
             config: dict[str, Any] = {"mode": "ANY" if forced else _TOOL_MODES[choice]}
             if forced:
                 config["allowedFunctionNames"] = [forced]
@@ -754,17 +755,9 @@ def _tools_problem(body: Mapping[str, Any]) -> str | None:
                 return problem.replace("response_format ", "", 1)
     choice = body.get("tool_choice")
     if choice is not None and not (
-        (isinstance(choice, str) and choice in _TOOL_MODES) or _forced_tool(choice)
+        (isinstance(choice, str) and choice in _TOOL_MODES) or forced_tool(choice)
     ):
         return f"tool_choice {choice!r} not supported by the Gemini API"
-    return None
-
-
-def _forced_tool(choice: Any) -> str | None:
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        return name if isinstance(name, str) and name else None
     return None
 
 

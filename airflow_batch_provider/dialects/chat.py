@@ -1,0 +1,22 @@
+"""Reading the canonical chat-completions body, for the dialects that re-encode it.
+
+Vendors whose requests are not OpenAI-shaped (Anthropic's Messages, Gemini's
+GenerateContentRequest) read the same canonical fields; what they read in common lives here,
+what they write stays in each dialect.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def forced_tool(choice: Any) -> str | None:
+    """The function a ``tool_choice`` forces (``{"type": "function", "function": {"name"}}``), or None.
+
+    :param choice: the canonical body's ``tool_choice``.
+    """
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        return name if isinstance(name, str) and name else None
+    return None
