@@ -10,7 +10,6 @@ the results table against every other vendor's.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -21,32 +20,16 @@ from airflow_batch_provider.exceptions import BatchFailedError
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.staging import resolve_path
 from airflow_batch_provider.submission import StateStore, SubmitState
-from tests.fixtures.reliability import MESSAGES, Pipeline, seed_texts
+from tests.fixtures.reliability import MESSAGES, Pipeline, rows_of, seed_texts
 
 ROWS = 30
 BUILD = {"table": "tickets", "key_columns": "id", "messages": MESSAGES}
-
-
-@pytest.fixture(params=["postgres", "duckdb"])
-def wh_pipeline(request: pytest.FixtureRequest, tmp_path: Path, task_context: Any) -> Pipeline:
-    warehouse = request.getfixturevalue("pg_warehouse" if request.param == "postgres" else "duckdb_warehouse")
-    return Pipeline(warehouse, tmp_path / "staging", task_context)
 
 
 def serve(batch_server: Any, monkeypatch: pytest.MonkeyPatch, **config: Any) -> Any:
     server = batch_server(dialect="gemini", **config)
     monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
     return server
-
-
-def rows_of(pipeline: Pipeline, table: str = "answers") -> dict[int, tuple[str, str | None, str | None]]:
-    q = pipeline.warehouse.quote
-    return {
-        r[0]: (r[1], r[2], r[3])
-        for r in pipeline.warehouse.rows(
-            f"SELECT id, status, error_code, content FROM {q(table)} ORDER BY id"
-        )
-    }
 
 
 async def test_completed_with_mixed_rows_lands_every_row(
