@@ -22,7 +22,7 @@ from airflow_batch_provider.exceptions import BatchApiResponseError, Configurati
 from airflow_batch_provider.hooks.attempts import Retries
 from airflow_batch_provider.hooks.calls import Call
 from airflow_batch_provider.hooks.settings import BatchApiSettings
-from airflow_batch_provider.hooks.transport import FileBody, PathSource, _open_source, origin_of, source_name
+from airflow_batch_provider.hooks.transport import FileBody, PathSource, open_source, origin_of, source_name
 
 PROTOCOL = "X-Goog-Upload-Protocol"
 COMMAND = "X-Goog-Upload-Command"
@@ -46,7 +46,7 @@ class ResumableUpload:
     ) -> None:
         dialect = settings.dialect
         try:
-            handle, size = _open_source(source)
+            handle, size = open_source(source)
         except FileNotFoundError:
             raise ConfigurationError(f"cannot upload {source}: no such file") from None
         handle.close()

@@ -573,7 +573,7 @@ def source_name(value: PathSource) -> str:
     return os.path.basename(os.fspath(value))  # type: ignore[arg-type]
 
 
-def _open_source(value: PathSource) -> tuple[IO[bytes], int]:
+def open_source(value: PathSource) -> tuple[IO[bytes], int]:
     """Open a file for binary reading and return it with its size."""
     local = local_path_of(value)
     if local is not None:
@@ -655,7 +655,7 @@ class FileBody:
             left -= len(chunk)
 
     def iter_sync(self) -> Iterator[bytes]:
-        handle, _ = _open_source(self.source)
+        handle, _ = open_source(self.source)
         with handle:
             self._skip(handle)
             yield self.head
@@ -670,7 +670,7 @@ class FileBody:
     async def aiter(self) -> AsyncIterator[bytes]:
         # File reads (local disk or an object store's SDK) are blocking calls: run them in a
         # thread so the event loop keeps serving other coroutines during a large upload.
-        handle, _ = await asyncio.to_thread(_open_source, self.source)
+        handle, _ = await asyncio.to_thread(open_source, self.source)
         try:
             await asyncio.to_thread(self._skip, handle)
             yield self.head
@@ -726,7 +726,7 @@ class MultipartUpload(FileBody):
     def from_source(
         cls, source: PathSource, *, filename: str | None, fields: dict[str, str]
     ) -> MultipartUpload:
-        handle, size = _open_source(source)
+        handle, size = open_source(source)
         handle.close()
         return cls(source, filename=filename, fields=fields, size=size)
 
