@@ -276,6 +276,12 @@ class Dialect:
         """
 
     @property
+    def default_url(self) -> str:
+        """The API's URL when the connection names no host (a configured dialect may compute it:
+        Vertex AI's depends on the location)."""
+        return self.default_base_url
+
+    @property
     def api_path(self) -> str:
         """The API root's path when the connection's URL names none (see ``default_api_path``)."""
         return self.default_api_path

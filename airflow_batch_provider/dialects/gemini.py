@@ -424,9 +424,9 @@ class GeminiDialect(Dialect):
             input_file_id=_short(input_file, "files/"),
             output_file_id=_short(responses, "files/"),
             request_counts=RequestCounts(
-                total=_count(stats, "requestCount"),
-                completed=_count(stats, "successfulRequestCount"),
-                failed=_count(stats, "failedRequestCount"),
+                total=int64_count(stats, "requestCount"),
+                completed=int64_count(stats, "successfulRequestCount"),
+                failed=int64_count(stats, "failedRequestCount"),
             ),
             created_at=to_utc(meta.get("createTime")),
             completed_at=ended if state is BatchState.COMPLETED else None,
@@ -472,21 +472,9 @@ class GeminiDialect(Dialect):
             raise BatchApiResponseError(
                 f"result of {key!r} has neither a response nor an error", body=dict(raw)
             )
-        candidates = response.get("candidates")
-        if not isinstance(candidates, list) or not candidates:
-            feedback = response.get("promptFeedback")
-            reason = feedback.get("blockReason") if isinstance(feedback, dict) else None
-            return ResultLine(
-                custom_id=key,
-                ok=False,
-                status_code=200,
-                body=chat_completion(response),
-                error=LineError(
-                    code="prompt_blocked" if reason else "no_candidates",
-                    message=f"prompt blocked: {reason}" if reason else "the response has no candidates",
-                ),
-                source="output",
-            )
+        blocked = self.blocked_line(key, response)
+        if blocked is not None:
+            return blocked
         return ResultLine(
             custom_id=key,
             ok=True,
@@ -496,8 +484,27 @@ class GeminiDialect(Dialect):
             source=source,
         )
 
+    def blocked_line(self, key: str, response: Mapping[str, Any]) -> ResultLine | None:
+        """The failed line of a response without candidates (a blocked prompt); None if it has some."""
+        candidates = response.get("candidates")
+        if isinstance(candidates, list) and candidates:
+            return None
+        feedback = response.get("promptFeedback")
+        reason = feedback.get("blockReason") if isinstance(feedback, dict) else None
+        return ResultLine(
+            custom_id=key,
+            ok=False,
+            status_code=200,
+            body=chat_completion(response),
+            error=LineError(
+                code="prompt_blocked" if reason else "no_candidates",
+                message=f"prompt blocked: {reason}" if reason else "the response has no candidates",
+            ),
+            source="output",
+        )
 
-def _count(stats: Mapping[str, Any], key: str) -> int:
+
+def int64_count(stats: Mapping[str, Any], key: str) -> int:
     """An int64 count (JSON sends it as a digit string); absent is 0."""
     value = stats.get(key)
     if value is None:

@@ -219,7 +219,7 @@ def settings_from_connection(
         conn.host,
         port=conn.port,
         schema=conn.schema,
-        default=dialect.default_base_url,
+        default=dialect.default_url,
         api_path=dialect.api_path,
     )
     dialect.check_base_url(base_url, conn_id)
