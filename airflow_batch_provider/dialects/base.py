@@ -317,8 +317,9 @@ class Dialect:
         """Query parameters of a file's content download (``alt=media`` at Google); none by default."""
         return {}
 
-    def create_path(self, model: str | None) -> str:
-        """The path of the create call; the model is the shard's for a "job" dialect whose path names it."""
+    def create_path(self, model: str | None, endpoint: str | None = None) -> str:
+        """The path of the create call; the model is the shard's for a "job" dialect whose path
+        names it, the endpoint the shard's for a vendor with one create method per endpoint."""
         return self.batches_path
 
     def upload_url(self, base_url: str) -> str:

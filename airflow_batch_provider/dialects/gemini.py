@@ -62,6 +62,12 @@ if TYPE_CHECKING:  # bound at run time by bind_models (see dialects/base.py)
     )
 
 CHAT = "/v1/chat/completions"
+EMBEDDINGS = "/v1/embeddings"
+# Each endpoint's custom method on ``models/{model}``, and the metadata type of its batches.
+CREATE_METHODS = {CHAT: "batchGenerateContent", EMBEDDINGS: "asyncBatchEmbedContent"}
+EMBED_BATCH_TYPE = "EmbedContentBatch"
+# Canonical embeddings parameters an EmbedContentRequest has a field for.
+_EMBED_MAPPED = frozenset({"model", "input", "dimensions", "encoding_format"})
 # The metadata key whose value becomes the batch's display name (the shard's idempotency key).
 NAME_KEY = "airflow_batch_key"
 GB = 1024 * MB
@@ -150,8 +156,8 @@ class GeminiDialect(Dialect):
     label = "Google Gemini API"
     default_base_url = "https://generativelanguage.googleapis.com/v1beta"
     default_api_path = "/v1beta"
-    # The canonical line is chat completions; embeddings (asyncBatchEmbedContent) are not built.
-    endpoints = frozenset({CHAT})
+    # Chat completions (batchGenerateContent) and embeddings (asyncBatchEmbedContent).
+    endpoints = frozenset({CHAT, EMBEDDINGS})
     # Google targets 24 hours; a batch still pending or running after 48 hours expires.
     completion_windows = ("24h",)
     # The Files API takes files up to 2 GB, the batch input file's documented limit too; no
@@ -235,8 +241,10 @@ class GeminiDialect(Dialect):
     def cancel_path(self, batch_id: str) -> str:
         return f"{self.batch_path(batch_id)}:cancel"
 
-    def create_path(self, model: str | None) -> str:
-        return f"models/{path_segment(_short(model, 'models/'), 'model')}:batchGenerateContent"
+    def create_path(self, model: str | None, endpoint: str | None = None) -> str:
+        """``models/{model}:batchGenerateContent``, or ``:asyncBatchEmbedContent`` for embeddings."""
+        method = CREATE_METHODS.get(endpoint or CHAT, CREATE_METHODS[CHAT])
+        return f"models/{path_segment(_short(model, 'models/'), 'model')}:{method}"
 
     def upload_url(self, base_url: str) -> str:
         """The Files API's upload root: ``/upload`` before the API root's path, same origin."""
@@ -261,14 +269,14 @@ class GeminiDialect(Dialect):
     # ---- request lines ----------------------------------------------------------------
     def unsupported(self, canonical: Mapping[str, Any]) -> str | None:
         url = canonical.get("url")
-        if url == "/v1/embeddings":
-            return (
-                "endpoint /v1/embeddings not supported by the Gemini API's Batch Mode as this provider "
-                "drives it (batchGenerateContent only; asyncBatchEmbedContent is not implemented)"
-            )
-        if url != CHAT:
-            return f"endpoint {url} not supported by the Gemini API's Batch Mode (chat completions only)"
         body = canonical.get("body")
+        if url == EMBEDDINGS:
+            return _embedding_problem(body) if isinstance(body, Mapping) else None
+        if url != CHAT:
+            return (
+                f"endpoint {url} not supported by the Gemini API's Batch Mode "
+                "(chat completions and embeddings only)"
+            )
         if not isinstance(body, Mapping):
             return None
         refused = sorted(k for k, v in body.items() if k not in _MAPPED and v is not None)
@@ -290,6 +298,8 @@ class GeminiDialect(Dialect):
     def encode_line(self, canonical: dict[str, Any]) -> dict[str, Any]:
         """``{key, request}``: the chat body as a ``GenerateContentRequest`` (checked by ``unsupported``)."""
         body = canonical["body"]
+        if canonical.get("url") == EMBEDDINGS:
+            return {"key": canonical["custom_id"], "request": _embed_request(body)}
         system: list[dict[str, Any]] = []
         contents: list[dict[str, Any]] = []
         # The function each tool call id named, for the tool turn that answers it.
@@ -416,10 +426,12 @@ class GeminiDialect(Dialect):
                 )
             )
         ended = to_utc(meta.get("endTime"))
+        kind = meta.get("@type")
+        embeds = isinstance(kind, str) and kind.endswith("." + EMBED_BATCH_TYPE)
         return Batch(
             id=batch_id,
             state=state,
-            endpoint=CHAT,
+            endpoint=EMBEDDINGS if embeds else CHAT,
             completion_window="24h",
             input_file_id=_short(input_file, "files/"),
             output_file_id=_short(responses, "files/"),
@@ -472,6 +484,8 @@ class GeminiDialect(Dialect):
             raise BatchApiResponseError(
                 f"result of {key!r} has neither a response nor an error", body=dict(raw)
             )
+        if "embedding" in response:
+            return self.embedding_line(key, response, source)
         blocked = self.blocked_line(key, response)
         if blocked is not None:
             return blocked
@@ -482,6 +496,24 @@ class GeminiDialect(Dialect):
             body=chat_completion(response),
             line_id=str_or_none(response.get("responseId")),
             source=source,
+        )
+
+    def embedding_line(self, key: str, response: Mapping[str, Any], source: ResultSource) -> ResultLine:
+        """An ``EmbedContentResponse`` as the embeddings answer the merge reads (one vector)."""
+        embedding = response.get("embedding")
+        values = embedding.get("values") if isinstance(embedding, dict) else None
+        if not isinstance(values, list) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+        ):
+            return ResultLine(
+                custom_id=key,
+                ok=False,
+                status_code=200,
+                error=LineError(code="invalid_output", message="the embedding has no list of numbers"),
+                source="output",
+            )
+        return ResultLine(
+            custom_id=key, ok=True, status_code=200, body=embedding_list(response), source=source
         )
 
     def blocked_line(self, key: str, response: Mapping[str, Any]) -> ResultLine | None:
@@ -502,6 +534,53 @@ class GeminiDialect(Dialect):
             ),
             source="output",
         )
+
+
+def embedding_list(response: Mapping[str, Any]) -> dict[str, Any]:
+    """An ``EmbedContentResponse`` as an OpenAI embeddings body: one vector at index 0, and the
+    token count where Google sends one (``tokenCount``) as usage."""
+    body: dict[str, Any] = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": response["embedding"]["values"]}],
+        "model": response.get("modelVersion"),
+    }
+    tokens = response.get("tokenCount")
+    if type(tokens) is int or (isinstance(tokens, str) and tokens.isdigit()):
+        body["usage"] = {"prompt_tokens": int(tokens), "total_tokens": int(tokens)}
+    return body
+
+
+def _embedding_problem(body: Mapping[str, Any]) -> str | None:
+    """What an EmbedContentRequest cannot carry: one text per request, float vectors."""
+    refused = sorted(k for k, v in body.items() if k not in _EMBED_MAPPED and v is not None)
+    if refused:
+        return f"{', '.join(refused)} not supported by the Gemini API's embedContent (as encoded here)"
+    text = body.get("input")
+    if isinstance(text, list) and len(text) == 1:
+        text = text[0]
+    if not isinstance(text, str) or not text:
+        return (
+            "input must be one non-empty text for the Gemini API's asyncBatchEmbedContent (each request "
+            "embeds one content: give each text its own row)"
+        )
+    if body.get("encoding_format") not in (None, "float"):
+        return (
+            f"encoding_format={body['encoding_format']!r} not supported by the Gemini API "
+            "(float vectors only)"
+        )
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (type(dimensions) is not int or dimensions < 1):
+        return f"dimensions={dimensions!r} must be a whole number above 0 (outputDimensionality)"
+    return None
+
+
+def _embed_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The embeddings body as an ``EmbedContentRequest`` (checked by ``_embedding_problem``)."""
+    text = body["input"][0] if isinstance(body["input"], list) else body["input"]
+    request: dict[str, Any] = {"content": {"parts": [{"text": text}]}}
+    if body.get("dimensions") is not None:
+        request["outputDimensionality"] = body["dimensions"]
+    return request
 
 
 def int64_count(stats: Mapping[str, Any], key: str) -> int:

@@ -233,7 +233,7 @@ class VertexDialect(GeminiDialect):
     def cancel_path(self, batch_id: str) -> str:
         return f"{self.batch_path(batch_id)}:cancel"
 
-    def create_path(self, model: str | None) -> str:
+    def create_path(self, model: str | None, endpoint: str | None = None) -> str:
         return JOBS
 
     # ---- request lines ----------------------------------------------------------------

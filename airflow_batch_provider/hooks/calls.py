@@ -108,9 +108,14 @@ def file_content(dialect: Dialect, file_id: str, action: str) -> Call:
 
 
 def create_batch(
-    dialect: Dialect, body: Mapping[str, Any], input_file_id: str, model: str | None = None
+    dialect: Dialect,
+    body: Mapping[str, Any],
+    input_file_id: str,
+    model: str | None = None,
+    endpoint: str | None = None,
 ) -> Call:
-    return Call("POST", dialect.create_path(model), f"creating a batch from file {input_file_id}", json=body)
+    path = dialect.create_path(model, endpoint)
+    return Call("POST", path, f"creating a batch from file {input_file_id}", json=body)
 
 
 def create_inline(dialect: Dialect, body: FileBody) -> Call:

@@ -192,7 +192,7 @@ class BatchCreate:
                 model=model,
             )
             self.identity = create_identity(dialect, body, metadata, name)
-            self.call = calls.create_batch(dialect, body, input_file_id, model)
+            self.call = calls.create_batch(dialect, body, input_file_id, model, endpoint)
         self.action = self.call.action
         self.retry = 0
 

@@ -606,14 +606,18 @@ def _batch_routes(r: APIRouter) -> None:
 
     @r.post("/models/{model_action}")
     async def create_for_model(model_action: str, request: Request) -> dict[str, Any]:
-        # Google's custom method: POST models/{model}:batchGenerateContent, the model on the path.
+        # Google's custom methods: POST models/{model}:batchGenerateContent (or
+        # :asyncBatchEmbedContent), the model on the path, the endpoint named by the method.
         st = _state(request)
         model, _, action = model_action.rpartition(":")
-        if not st.wire.model_batches or action != "batchGenerateContent" or not model:
+        endpoint = st.wire.model_methods.get(action)
+        if not st.wire.model_batches or endpoint is None or not model:
             raise st.wire.error(404, f"Unknown path {request.url.path}.", code="not_found")
-        return await _create(st, request, model=f"models/{model}")
+        return await _create(st, request, model=f"models/{model}", endpoint=endpoint)
 
-    async def _create(st: ServerState, request: Request, model: str | None = None) -> dict[str, Any]:
+    async def _create(
+        st: ServerState, request: Request, model: str | None = None, endpoint: str | None = None
+    ) -> dict[str, Any]:
         wire = st.wire
         try:
             body = orjson.loads(await _read_body(st, request, _MAX_FORM_FIELD))
@@ -622,6 +626,8 @@ def _batch_routes(r: APIRouter) -> None:
         created = wire.parse_create(body)
         if model is not None:
             created["model"] = model
+        if endpoint is not None:
+            created["endpoint"] = endpoint
         _storage_room(st)  # a batch writes output files: refused up front when storage is full
         file_rec = st.store.get_file(created["input_file_id"])
         if file_rec is None:

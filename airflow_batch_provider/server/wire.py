@@ -12,7 +12,7 @@ import re
 import uuid
 from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -82,6 +82,8 @@ class Wire:
     colon_download = False
     # Whether a batch is created at ``POST models/{model}:batchGenerateContent`` (Google).
     model_batches = False
+    # Those custom methods, each with the endpoint its batches' lines target.
+    model_methods: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
@@ -1213,6 +1215,10 @@ class GeminiWire(Wire):
     upload_prefix = "/upload/v1beta"
     colon_download = True
     model_batches = True
+    model_methods = {
+        "batchGenerateContent": "/v1/chat/completions",
+        "asyncBatchEmbedContent": "/v1/embeddings",
+    }
     cancel_final_status = 400
     path_prefixes = ("/v1beta",)
     # A batch still pending or running after 48 hours expires.
@@ -1245,8 +1251,9 @@ class GeminiWire(Wire):
         503: "UNAVAILABLE",
         504: "DEADLINE_EXCEEDED",
     }
-    _BATCH_TYPE = "type.googleapis.com/google.ai.generativelanguage.v1main.GenerateContentBatch"
-    _OUTPUT_TYPE = "type.googleapis.com/google.ai.generativelanguage.v1main.GenerateContentBatchOutput"
+    _TYPES = "type.googleapis.com/google.ai.generativelanguage.v1main."
+    # The batch's metadata type (and its output's) by the endpoint its lines target.
+    _KIND = {"/v1/embeddings": "EmbedContentBatch"}
     _FINISH = {"stop": "STOP", "length": "MAX_TOKENS", "content_filter": "SAFETY"}
 
     def error(
@@ -1377,13 +1384,16 @@ class GeminiWire(Wire):
         }
 
     def canonical_line(self, obj: Any, rec: Mapping[str, Any]) -> Any:
-        """``{key, request: GenerateContentRequest}`` as the chat-completions line the backend answers."""
+        """``{key, request: GenerateContentRequest | EmbedContentRequest}`` as the canonical line
+        the backend answers."""
         if not isinstance(obj, dict):
             return obj
         extra = sorted(set(obj) - {"key", "request", "metadata"})
         if extra:
             raise ValueError(f"unexpected field(s) {', '.join(extra)}: a batch line is {{key, request}}")
         request = obj.get("request")
+        if rec["endpoint"] == "/v1/embeddings":
+            return self._embedding_line(obj.get("key"), request, rec)
         if not isinstance(request, dict):
             raise ValueError("a batch line needs a request object (GenerateContentRequest)")
         messages: list[dict[str, Any]] = []
@@ -1432,6 +1442,22 @@ class GeminiWire(Wire):
             body["response_format"] = {"type": "json_object"}
         return {"custom_id": obj.get("key"), "method": "POST", "url": rec["endpoint"], "body": body}
 
+    def _embedding_line(self, key: Any, request: Any, rec: Mapping[str, Any]) -> dict[str, Any]:
+        """``{key, request: EmbedContentRequest}`` as an embeddings line: one content's text."""
+        if not isinstance(request, dict):
+            raise ValueError("a batch line needs a request object (EmbedContentRequest)")
+        content = request.get("content")
+        if not isinstance(content, dict):
+            raise ValueError("request.content must be an object (EmbedContentRequest)")
+        text = _parts_text(content.get("parts"))
+        if not isinstance(text, str) or not text:
+            raise ValueError("request.content needs text parts")
+        body: dict[str, Any] = {"model": str(rec.get("model") or "").removeprefix("models/"), "input": text}
+        dimensions = _either(request, "outputDimensionality", "output_dimensionality")
+        if dimensions is not None:
+            body["dimensions"] = dimensions
+        return {"custom_id": key, "method": "POST", "url": rec["endpoint"], "body": body}
+
     # ---- batch objects ----------------------------------------------------------------
     def status_of(self, rec: Mapping[str, Any]) -> str:
         return self.STATES[str(rec["status"])]
@@ -1452,8 +1478,9 @@ class GeminiWire(Wire):
             or rec.get("expired_at")
             or rec.get("cancelled_at")
         )
+        kind = self._KIND.get(str(rec.get("endpoint")), "GenerateContentBatch")
         meta: dict[str, Any] = {
-            "@type": self._BATCH_TYPE,
+            "@type": self._TYPES + kind,
             "name": name,
             "model": rec.get("model"),
             "displayName": rec.get("name"),
@@ -1474,7 +1501,10 @@ class GeminiWire(Wire):
         output = rec.get("output_file_id")
         if done and output:
             meta["output"] = {"responsesFile": f"files/{output}"}
-            operation["response"] = {"@type": self._OUTPUT_TYPE, "responsesFile": f"files/{output}"}
+            operation["response"] = {
+                "@type": f"{self._TYPES}{kind}Output",
+                "responsesFile": f"files/{output}",
+            }
         if status == "failed":
             errors = rec.get("errors") or [{}]
             message = str(errors[0].get("message") or errors[0].get("code") or "the batch failed")
@@ -1504,6 +1534,8 @@ class GeminiWire(Wire):
     def response_line(
         self, line_id: str, custom_id: str, status: int, body: Any, request_id: str
     ) -> tuple[bool, dict[str, Any]]:
+        if 200 <= status < 300 and isinstance(body, Mapping) and body.get("object") == "list":
+            return True, {"key": custom_id, "response": self._embedding(body)}
         if 200 <= status < 300 and isinstance(body, Mapping):
             return True, {"key": custom_id, "response": self._response(body, request_id)}
         inner = body.get("error") if isinstance(body, Mapping) else None
@@ -1528,6 +1560,15 @@ class GeminiWire(Wire):
                 "message": message or SYSTEM_MESSAGES.get(code, code),
                 "status": status,
             },
+        }
+
+    def _embedding(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """An embeddings answer (one input) as an ``EmbedContentResponse``."""
+        data = body.get("data") or [{}]
+        usage = body.get("usage") or {}
+        return {
+            "embedding": {"values": list(data[0].get("embedding") or [])},
+            "tokenCount": int(usage.get("prompt_tokens") or 0),
         }
 
     def _response(self, body: Mapping[str, Any], request_id: str) -> dict[str, Any]:

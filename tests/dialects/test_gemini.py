@@ -313,7 +313,14 @@ def test_a_json_schema_response_format_becomes_response_schema() -> None:
             "data:<mime>;base64",
         ),
         (chat(messages=[{"role": "user", "content": [{"type": "input_audio"}]}]), "'input_audio'"),
-        ({**chat(), "url": "/v1/embeddings", "body": {"model": "m", "input": "x"}}, "asyncBatchEmbedContent"),
+        (
+            {**chat(), "url": "/v1/embeddings", "body": {"model": "m", "input": ["x", "y"]}},
+            "asyncBatchEmbedContent",
+        ),
+        (
+            {**chat(), "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}},
+            "chat completions and embeddings",
+        ),
     ],
 )
 def test_what_gemini_cannot_express_is_refused_by_name(line: dict[str, Any], named: str) -> None:

@@ -207,3 +207,65 @@ async def test_crash_between_create_and_record_adopts_the_batch_found_by_display
     assert len(list(hook.list_batches())) == 2
     merged = wh_pipeline.merge(record.submission, manifest, "answers")
     assert merged["counts"]["succeeded"] == ROWS
+
+
+async def test_embeddings_run_through_async_batch_embed_content(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = serve(batch_server, monkeypatch, faults={"line_failure_rate": 0.2})
+    seed_texts(wh_pipeline.warehouse, "docs", [f"document {i}" for i in range(ROWS)])
+    build = {"table": "docs", "key_columns": "id", "input_column": "text", "model": "echo-embed"}
+    record = await wh_pipeline.run("emb", "vectors", build=build, submit={"on_partial_failure": "succeed"})
+    failures = server.stats()["counters"]["line_failures"]
+    assert record.event is not None and record.event["status"] in ("completed", "partial"), record.event
+    (batch_id,) = record.event["batch_ids"]
+    hook = BatchApiHook()
+    batch = hook.get_batch(batch_id)
+    # Created with the embeddings method: its metadata type says so, and the lines are EmbedContentRequests.
+    assert batch.endpoint == "/v1/embeddings"
+    assert batch.raw["metadata"]["@type"].endswith(".EmbedContentBatch")
+    uploaded = list(hook.iter_file_lines(batch.input_file_id or ""))
+    assert uploaded[0]["request"] == {
+        "content": {"parts": [{"text": uploaded[0]["request"]["content"]["parts"][0]["text"]}]}
+    }
+    q = wh_pipeline.warehouse.quote
+    rows = wh_pipeline.warehouse.rows(f"SELECT id, status, embedding FROM {q('vectors')} ORDER BY id")
+    assert len(rows) == ROWS
+    statuses = [r[1] for r in rows]
+    assert statuses.count("failed") == failures and statuses.count("succeeded") == ROWS - failures
+    for _, status, embedding in rows:
+        if status == "succeeded":
+            vector = embedding if isinstance(embedding, list) else orjson.loads(embedding)
+            assert len(vector) > 0 and all(isinstance(v, float) for v in vector)
+
+
+def test_what_an_embed_content_request_cannot_carry_is_refused_by_name() -> None:
+    dialect = GeminiDialect()
+    line = {"custom_id": "k", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", "input": "x"}}
+    assert dialect.unsupported(line) is None
+    assert dialect.encode_line({**line, "body": {"input": ["x"], "dimensions": 4}}) == {
+        "key": "k",
+        "request": {"content": {"parts": [{"text": "x"}]}, "outputDimensionality": 4},
+    }
+    for body, named in (
+        ({"input": ["a", "b"]}, "one non-empty text"),
+        ({"input": [1, 2, 3]}, "one non-empty text"),
+        ({"input": "x", "encoding_format": "base64"}, "encoding_format='base64'"),
+        ({"input": "x", "user": "u"}, "user not supported"),
+        ({"input": "x", "dimensions": 0}, "dimensions=0"),
+    ):
+        assert named in (dialect.unsupported({**line, "body": body}) or ""), body
+    assert dialect.create_path("gemini-embedding-001", "/v1/embeddings") == (
+        "models/gemini-embedding-001:asyncBatchEmbedContent"
+    )
+    ok = dialect.parse_result_line(
+        {"key": "k", "response": {"embedding": {"values": [0.5, -0.5]}, "tokenCount": "3"}}, "output"
+    )
+    assert ok.ok and ok.body == {
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": [0.5, -0.5]}],
+        "model": None,
+        "usage": {"prompt_tokens": 3, "total_tokens": 3},
+    }
+    bad = dialect.parse_result_line({"key": "k", "response": {"embedding": {"values": ["x"]}}}, "output")
+    assert not bad.ok and bad.error is not None and bad.error.code == "invalid_output"

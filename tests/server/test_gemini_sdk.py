@@ -140,3 +140,34 @@ def test_gemini_sdk_errors_in_googles_shape(batch_server: Any, tmp_path: Path) -
     body = answer.json()
     assert answer.status_code == 403 and set(body["error"]) == {"code", "message", "status"}
     assert body["error"]["status"] == "PERMISSION_DENIED"
+
+
+def test_gemini_sdk_embeddings_batch(batch_server: Any, tmp_path: Path) -> None:
+    """``batches.create_embeddings``: ``models/{model}:asyncBatchEmbedContent`` over an uploaded
+    file of ``{key, request: EmbedContentRequest}`` lines; the responses file holds embeddings."""
+    server = batch_server(dialect="gemini", api_key=KEY)
+    client = sdk(server)
+    data = b"".join(
+        orjson.dumps(
+            {
+                "key": f"emb-{i}",
+                "request": {"content": {"parts": [{"text": f"text {i}"}]}, "outputDimensionality": 8},
+            }
+        )
+        + b"\n"
+        for i in range(4)
+    )
+    uploaded = upload(client, tmp_path, data)
+    job = client.batches.create_embeddings(
+        model="gemini-embedding-001", src={"file_name": uploaded.name}, config={"display_name": "emb-run"}
+    )
+    assert job.name is not None and job.display_name == "emb-run"
+    job = wait_until(client, job.name, DONE)
+    assert job.state == "JOB_STATE_SUCCEEDED"
+    assert job.dest is not None and job.dest.file_name is not None
+    lines = [orjson.loads(line) for line in client.files.download(file=job.dest.file_name).splitlines()]
+    assert sorted(line["key"] for line in lines) == [f"emb-{i}" for i in range(4)]
+    for line in lines:
+        response = types.SingleEmbedContentResponse._from_response(response=line["response"], kwargs={})
+        assert response.embedding is not None and len(response.embedding.values or []) == 8
+        assert response.token_count
