@@ -126,6 +126,8 @@ def get_provider_info() -> dict[str, Any]:
                 },
             }
         },
+        # gs:// staging through gcsfs when the google provider (which serves gs://) is absent.
+        "filesystems": ["airflow_batch_provider.fs.gcs"],
         "connection-types": [
             {
                 "hook-class-name": "airflow_batch_provider.hooks.batch.BatchApiHook",

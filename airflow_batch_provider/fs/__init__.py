@@ -1,0 +1,1 @@
+"""Object-storage filesystems this provider registers for ``ObjectStoragePath`` (see ``fs/gcs.py``)."""
