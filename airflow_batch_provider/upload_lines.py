@@ -37,7 +37,7 @@ def needs_pass(dialect: Dialect, model: str | None, defaults: Mapping[str, Any] 
         or bool(defaults)
         or dialect.encodes_lines
         or dialect.model_placement == "job"
-        or dialect.submission_mode == "inline"
+        or dialect.submission_mode != "file"
     )
 
 

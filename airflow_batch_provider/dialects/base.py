@@ -44,12 +44,21 @@ def bind_models(namespace: dict[str, Any], *names: str) -> None:
 
 # What the hook can read results from. "files": the batch's output and error files;
 # "results_endpoint": a paged endpoint on the batch itself (xAI, Doubleword); "results_url": one
-# JSONL stream at the URL the ended batch names (``Dialect.results_url_of``; Anthropic).
-ResultsMode = Literal["files", "results_endpoint", "results_url"]
+# JSONL stream at the URL the ended batch names (``Dialect.results_url_of``; Anthropic);
+# "object_store": the objects the batch wrote under its output prefix (``Dialect.results_prefix_of``),
+# those ``Dialect.result_object_kind`` names, found by listing the prefix (Bedrock, Vertex AI).
+ResultsMode = Literal["files", "results_endpoint", "results_url", "object_store"]
 # How a batch is submitted. "file": the encoded shard is uploaded, and the create names the
 # file; "inline": the create call's body carries the encoded requests themselves (Anthropic),
-# streamed from the shard as ``{..., "requests": [line, line, ...]}``.
-SubmissionMode = Literal["file", "inline"]
+# streamed from the shard as ``{..., "requests": [line, line, ...]}``; "object_store": the
+# encoded shard is written under the run's staging prefix on the vendor's object store (which the
+# run's staging must be, ``Dialect.object_store_schemes``), and the create names its URI and an
+# output prefix (``Dialect.object_create_body``); nothing goes to a Files API.
+SubmissionMode = Literal["file", "inline", "object_store"]
+# What a listed object under a batch's output prefix holds ("object_store" results): result lines
+# ("output", or "error" lines), a summary of the batch's totals checked against what was read
+# ("summary", ``Dialect.check_summary``), or nothing to read (None).
+ResultObjectKind = Literal["output", "error", "summary"]
 # How a batch whose create went unrecorded (a crash, a lost answer) is found again. "tags": by the
 # metadata (or name) it was created with, which the listing shows (and may filter by);
 # "time_and_count": the vendor keeps no tag, so by its creation time and request count (which
@@ -201,6 +210,18 @@ class Dialect:
     encodes_lines: bool = False
     #: How a batch is submitted (see ``SubmissionMode``).
     submission_mode: ClassVar[SubmissionMode] = "file"
+    #: The object-store schemes an "object_store" dialect reads input from and writes output to
+    #: (``("s3",)``); the run's staging must be on one of them, checked before anything is written.
+    object_store_schemes: ClassVar[tuple[str, ...]] = ()
+    #: The Airflow connection through which the provider reads the vendor's output objects (and
+    #: writes its input), when the URIs the vendor names carry none; None: the scheme's default
+    #: connection (``aws_default``...). Set by ``configure`` from the connection's extras.
+    storage_conn_id: str | None = None
+    #: Where a connection's credentials come from when the dialect signs requests with a
+    #: platform's identity rather than the connection's key: ``"aws"`` (the amazon provider's
+    #: connection), ``"google"``...; the hook reads them (``hooks/credentials.py``) and hands them
+    #: to ``credentials_auth``. None: the key (``auth_headers``) or ``request_auth`` says it all.
+    credentials_kind: ClassVar[str | None] = None
     #: The key of the create body that holds the encoded requests ("inline" dialects).
     inline_requests_key: ClassVar[str] = "requests"
     #: How a batch whose create went unrecorded is found again (see ``OrphanLookup``).
@@ -256,6 +277,17 @@ class Dialect:
         :param conn_id: the connection id, for error messages.
         """
         return None
+
+    def credentials_auth(self, credentials: Any, base_url: str, conn_id: str) -> httpx.Auth:
+        """The ``httpx.Auth`` that signs each request with a platform identity (SigV4 with AWS
+        credentials, a refreshed OAuth token), for a dialect with a ``credentials_kind``.
+
+        :param credentials: what ``hooks/credentials.py`` read for ``credentials_kind`` (a
+            provider of fresh credentials, sync and async; never logged).
+        :param base_url: the API root; only requests to its origin are signed.
+        :param conn_id: the connection id, for error messages.
+        """
+        raise NotImplementedError(f"dialect {self.name!r} signs no request with platform credentials")
 
     # ---- connection ---------------------------------------------------------------------
     def configure(self, extra: Mapping[str, Any], conn_id: str) -> Dialect:
@@ -363,6 +395,28 @@ class Dialect:
         :param endpoint: a url of the dialect.
         """
         return cls.model_placement == "line" and endpoint not in cls.model_optional_endpoints
+
+    def check_staging(self, staging: Any) -> None:
+        """Refuse, before anything is written, a run whose staging is not on the object store an
+        "object_store" dialect's jobs read (the encoded input is written there, beside the shard).
+
+        :param staging: the shard's (or the run's staging) path or URI.
+        """
+        if self.submission_mode != "object_store":
+            return
+        text = str(staging)
+        scheme = text.split("://", 1)[0].lower() if "://" in text else "file"
+        if scheme in self.object_store_schemes:
+            return
+        from airflow_batch_provider.exceptions import ConfigurationError
+
+        wanted = " or ".join(f"{s}://" for s in self.object_store_schemes)
+        raise ConfigurationError(
+            f"dialect {self.name!r} runs jobs that read their input from object storage ({wanted}), "
+            f"but the run's staging is {text!r}; set the build's staging_path (or the deployment's "
+            f"[batch_provider] staging_root, AIRFLOW__BATCH_PROVIDER__STAGING_ROOT) to a {wanted} "
+            "URI with its connection, e.g. s3://aws_default@bucket/batch-staging"
+        )
 
     def check_connection(self, extra: Mapping[str, Any], conn_id: str) -> None:
         """Refuse a connection that lacks what this vendor requires on every request."""
@@ -480,6 +534,47 @@ class Dialect:
     ) -> dict[str, Any]:
         """The fields of an "inline" create body beside its requests (``inline_requests_key``)."""
         raise NotImplementedError(f"dialect {self.name!r} submits a file, not inline requests")
+
+    def object_create_body(
+        self,
+        *,
+        input_uri: str,
+        output_uri: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: Mapping[str, str] | None,
+        name: str | None,
+        model: str | None,
+    ) -> dict[str, Any]:
+        """The create body of an "object_store" dialect: the job reads ``input_uri`` (the encoded
+        shard) and writes its results under ``output_uri`` (a prefix ending in ``/``).
+
+        :param input_uri: the encoded shard's plain URI (``s3://bucket/key``, no connection id).
+        :param output_uri: the prefix the vendor writes under.
+        :param name: the job's name (the shard's idempotency key), for vendors that name jobs.
+        """
+        raise NotImplementedError(f"dialect {self.name!r} does not submit through object storage")
+
+    def results_prefix_of(self, batch: Batch) -> str | None:
+        """The URI under which an "object_store" batch's result objects lie (None: none yet)."""
+        return None
+
+    def result_object_kind(self, relative: str) -> ResultObjectKind | None:
+        """What the object at ``relative`` (its key below ``results_prefix_of``) holds, or None
+        when it is not read ("object_store" results; found by listing, never by a guessed name).
+
+        :param relative: the object's key relative to the prefix (``<job>/shard-00000.jsonl.out``).
+        """
+        return None
+
+    def check_summary(self, batch: Batch, summary: Any, read: Mapping[str, int]) -> str | None:
+        """Why a "summary" object's totals disagree with the lines read, or None when they agree
+        (or it states none).
+
+        :param summary: the summary object, parsed as JSON.
+        :param read: result lines read, by source (``output``, ``error``).
+        """
+        return None
 
     def results_url_of(self, batch: Batch) -> str | None:
         """The URL of the batch's one results stream ("results_url" dialects), None until it has one."""

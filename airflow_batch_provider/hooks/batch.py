@@ -29,11 +29,12 @@ lines, resumed after a drop), ``results`` (result modes, pages and lines) and ``
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Container, Iterable, Iterator, Mapping
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import httpx
 from airflow.sdk import BaseHook
@@ -61,6 +62,7 @@ from airflow_batch_provider.hooks.create import (
     newest_created,
 )
 from airflow_batch_provider.hooks.lines import DOWNLOAD_CAP, LINES_PER_TURN, ResumableLines
+from airflow_batch_provider.hooks.objects import ObjectLines, list_result_objects, read_summary
 from airflow_batch_provider.hooks.redirects import acheck_hop, check_hop
 from airflow_batch_provider.hooks.results import (
     MAX_BARREN_PAGES,
@@ -94,6 +96,8 @@ from airflow_batch_provider.hooks.transport import (
 )
 from airflow_batch_provider.models import Batch, ResultLine
 from airflow_batch_provider.staging import atomic_writer, resolve_path
+
+T = TypeVar("T")
 
 # Listing items read per turn of the event loop, so a page of 190,000 items (8 MB) never holds
 # the loop for its whole parse.
@@ -693,6 +697,7 @@ class BatchApiHook(BaseHook):
         name: str | None = None,
         model: str | None = None,
         inline: FileBody | None = None,
+        output_uri: str | None = None,
         not_these: Iterable[str] = (),
     ) -> Batch:
         """Create a batch from an uploaded file, never paying twice for one call.
@@ -713,6 +718,8 @@ class BatchApiHook(BaseHook):
             vendor's batches carry no tags: after an ambiguous failure the batch is looked for
             by its creation time and request count (``inline.requests``; one match is adopted,
             several raise, none retries); without a count the failure is raised.
+        :param output_uri: for a dialect whose ``submission_mode`` is "object_store", the prefix the
+            job writes its results under; ``input_file_id`` is then the encoded input's URI.
         :param not_these: ids of batches known not to be this create's (the caller's other
             shards), left out of that lookup.
         """
@@ -727,6 +734,7 @@ class BatchApiHook(BaseHook):
             name,
             model=model,
             inline=inline,
+            output_uri=output_uri,
             not_these=not_these,
         )
         while True:
@@ -758,6 +766,7 @@ class BatchApiHook(BaseHook):
         name: str | None = None,
         model: str | None = None,
         inline: FileBody | None = None,
+        output_uri: str | None = None,
         not_these: Iterable[str] = (),
     ) -> Batch:
         """Async twin of ``create_batch`` (same duplicate protection)."""
@@ -772,6 +781,7 @@ class BatchApiHook(BaseHook):
             name,
             model=model,
             inline=inline,
+            output_uri=output_uri,
             not_these=not_these,
         )
         while True:
@@ -1027,6 +1037,9 @@ class BatchApiHook(BaseHook):
                 for number, obj in self._iter_jsonl(file_id, lenient=on_bad_line == "record"):
                     yield read(dialect, obj, source, file_id, number)
             return
+        if chosen == "object_store":
+            yield from self._iter_objects(batch, read, lenient=on_bad_line == "record")
+            return
         if chosen == "results_url":
             url = results_stream_url(self.get_settings(), batch)
             if url is None:
@@ -1055,6 +1068,16 @@ class BatchApiHook(BaseHook):
                 async for number, obj in self._aiter_jsonl(file_id, lenient=on_bad_line == "record"):
                     yield read(dialect, obj, source, file_id, number)
             return
+        if chosen == "object_store":
+            # Read by the merge (a worker), not a trigger: the object store's client is blocking,
+            # so lines are read in a thread a slice at a time and the event loop stays free.
+            lines = self._iter_objects(batch, read, lenient=on_bad_line == "record")
+            while True:
+                chunk = await asyncio.to_thread(_take, lines, LINES_PER_TURN)
+                for line in chunk:
+                    yield line
+                if len(chunk) < LINES_PER_TURN:
+                    return
         if chosen == "results_url":
             url = results_stream_url(await self.aget_settings(), batch)
             if url is None:
@@ -1069,6 +1092,27 @@ class BatchApiHook(BaseHook):
             for line in self._results_page(dialect, pages, await self._arequest(call)):
                 yield line
             pages.turn()
+
+    def _iter_objects(
+        self, batch: Batch, read: Callable[..., ResultLine], *, lenient: bool
+    ) -> Iterator[ResultLine]:
+        """The result lines of an "object_store" batch: every result object under its output
+        prefix (found by listing), then its summary's totals checked against the lines read."""
+        settings = self.get_settings()
+        dialect = settings.dialect
+        counts = {"output": 0, "error": 0}
+        summaries = []
+        for obj in list_result_objects(dialect, batch, dialect.storage_conn_id):
+            if obj.kind == "summary":
+                summaries.append(obj)
+                continue
+            for number, item in ObjectLines(settings, obj, self.log, lenient=lenient):
+                yield read(dialect, item, obj.kind, obj.relative, number)
+                counts[obj.kind] += 1
+        for summary in summaries:
+            problem = dialect.check_summary(batch, read_summary(summary), counts)
+            if problem is not None:
+                raise BatchApiResponseError(f"batch {batch.id}: {summary.relative}: {problem}")
 
     # ---- connection test -------------------------------------------------------------------
     def test_connection(self) -> tuple[bool, str]:
@@ -1131,6 +1175,11 @@ def _read_items(
     page.batches.extend(parsed)
     page.unreadable.extend(bad)
     return replace(page, skipped=page.skipped + skipped) if skipped else page
+
+
+def _take(items: Iterator[T], count: int) -> list[T]:
+    """Up to ``count`` next items of ``items`` (fewer: it is exhausted)."""
+    return list(itertools.islice(items, count))
 
 
 def _tagged(dialect: Dialect, metadata: Mapping[str, str], batches: Iterable[Batch]) -> list[Batch]:

@@ -118,6 +118,8 @@ class BatchCreate:
     :param model: the file's one model, for dialects whose ``model_placement`` is "job".
     :param inline: the body of an "inline" create (its requests), streamed from a local file;
         ``input_file_id`` is then None.
+    :param output_uri: for an "object_store" create, the prefix its results are written under
+        (``input_file_id`` is then the encoded shard's URI).
     :param not_these: batch ids that are not this create's, left out when looking for it.
     """
 
@@ -133,6 +135,7 @@ class BatchCreate:
         *,
         model: str | None = None,
         inline: FileBody | None = None,
+        output_uri: str | None = None,
         not_these: Iterable[str] = (),
     ) -> None:
         dialect = settings.dialect
@@ -166,6 +169,15 @@ class BatchCreate:
                     else "input_file_id="
                 )
             )
+        if (dialect.submission_mode == "object_store") != (output_uri is not None):
+            raise ConfigurationError(
+                f"dialect {dialect.name!r} "
+                + (
+                    "runs jobs on object storage: pass input_file_id= (the input's URI) and output_uri="
+                    if dialect.submission_mode == "object_store"
+                    else "takes no output_uri (its results are not written to object storage)"
+                )
+            )
         self.settings = settings
         self.log = log
         self.input_file_id = input_file_id
@@ -181,6 +193,19 @@ class BatchCreate:
             # are streamed from the file, which the caller framed with these fields.
             self.identity = None
             self.call = calls.create_inline(dialect, inline)
+        elif output_uri is not None:
+            assert input_file_id is not None
+            body = dialect.object_create_body(
+                input_uri=input_file_id,
+                output_uri=output_uri,
+                endpoint=endpoint,
+                completion_window=completion_window,
+                metadata=metadata,
+                name=name,
+                model=model,
+            )
+            self.identity = create_identity(dialect, body, metadata, name)
+            self.call = calls.create_batch(dialect, body, input_file_id, model)
         else:
             assert input_file_id is not None
             body = dialect.create_batch_body(

@@ -31,7 +31,7 @@ T = TypeVar("T")
 
 
 def results_mode(dialect: Dialect, batch: Batch, mode: str | None) -> str:
-    """``files`` or ``results_endpoint``: the one asked for, else what the batch and dialect offer."""
+    """The results mode (see ``ResultsMode``): the one asked for, else what the batch and dialect offer."""
     if mode is not None:
         if mode not in dialect.results_modes:
             raise ConfigurationError(
@@ -45,6 +45,8 @@ def results_mode(dialect: Dialect, batch: Batch, mode: str | None) -> str:
         return "results_endpoint"
     if "results_url" in dialect.results_modes:
         return "results_url"
+    if "object_store" in dialect.results_modes:
+        return "object_store"
     return "files"
 
 

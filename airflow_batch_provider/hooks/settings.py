@@ -235,8 +235,21 @@ def settings_from_connection(
         retry=retry,
         max_download_bytes=_positive_int(extra, "max_download_bytes", DEFAULT_MAX_DOWNLOAD_BYTES, conn_id),
         allow_private_redirects=_flag(extra, "allow_private_redirects", conn_id),
-        auth=dialect.request_auth(api_key, extra, base_url, conn_id),
+        auth=_auth(dialect, api_key, extra, base_url, conn_id),
     )
+
+
+def _auth(
+    dialect: Dialect, api_key: str | None, extra: Mapping[str, Any], base_url: str, conn_id: str
+) -> httpx.Auth | None:
+    """What signs each request: platform credentials (``credentials_kind``), read lazily, else
+    the dialect's own ``request_auth`` (a token), else nothing (the key's header says it all)."""
+    if dialect.credentials_kind is not None:
+        from airflow_batch_provider.hooks.credentials import platform_credentials
+
+        credentials = platform_credentials(dialect.credentials_kind, extra, conn_id)
+        return dialect.credentials_auth(credentials, base_url, conn_id)
+    return dialect.request_auth(api_key, extra, base_url, conn_id)
 
 
 def request_defaults(value: Any, where: str) -> dict[str, Any]:

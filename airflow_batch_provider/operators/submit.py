@@ -38,6 +38,7 @@ from airflow_batch_provider.links import batch_page_links, push_batch_ids
 from airflow_batch_provider.models import Batch, BatchState, Manifest, to_utc
 from airflow_batch_provider.prices import PriceBook, spend_settings
 from airflow_batch_provider.staging import (
+    atomic_writer,
     manifest_path,
     open_read,
     read_manifest,
@@ -259,6 +260,9 @@ class SubmitBatchOperator(BaseOperator):
         # Checked with each hand-made line as it will be sent (_unsupported).
         self._line_defaults = self._defaults(hook)
         shards, state_dir, manifest_file = self._plan(dialect)
+        for shard in shards:
+            # A job that reads object storage reads it beside the shard: refused before any write.
+            dialect.check_staging(shard.path)
         estimate = None
         if self.max_estimated_cost is not None or self.max_input_tokens is not None:
             # Before any upload or create: a refused run costs nothing.
@@ -449,6 +453,8 @@ class SubmitBatchOperator(BaseOperator):
             replaced = state.replaced_batch_ids
         if dialect.submission_mode == "inline":
             return self._create_inline(hook, store, identity, shard, key, fingerprint, replaced, defaults)
+        if dialect.submission_mode == "object_store":
+            return self._create_in_store(hook, store, identity, shard, key, fingerprint, replaced, defaults)
         file_id = (
             state.input_file_id
             if state is not None and self._file_exists(hook, state.input_file_id)
@@ -544,6 +550,68 @@ class SubmitBatchOperator(BaseOperator):
         state.created_at = batch.created_at or now_utc()
         store.write(state)
         self.log.info("Shard %d: created batch %s with %d inline request(s)", shard.index, batch.id, count)
+        return state
+
+    def _create_in_store(
+        self,
+        hook: BatchApiHook,
+        store: SubmissionStateStore,
+        identity: RunIdentity,
+        shard: ShardInput,
+        key: str,
+        fingerprint: str,
+        replaced: list[str],
+        defaults: Mapping[str, Any],
+    ) -> SubmitState:
+        """Create a job that reads its input from object storage (``submission_mode`` "object_store").
+
+        The encoded shard is written beside the canonical one, under ``vendor/<key>/`` (atomically:
+        the job never sees half an object), and the job writes its results under
+        ``vendor/<key>/output/``. The same key gives the same names, so a retry overwrites its own
+        earlier input; the intent (with the input's URI) is durable before the create, the id after.
+        """
+        from airflow_batch_provider.hooks.objects import plain_uri
+
+        dialect = hook.dialect
+        folder = shard.path.parent / "vendor" / key
+        target = folder / shard.path.name
+        encoder = ShardEncoder(dialect, where=str(shard.path), model=self.model, defaults=defaults)
+        with atomic_writer(target) as out, open_read(shard.path) as src:
+            for line in encoder.lines(src):
+                out.write(line)
+        input_uri = plain_uri(target)
+        output_uri = plain_uri(folder / "output") + "/"
+        state = SubmitState(
+            key=key,
+            shard=shard.index,
+            fingerprint=fingerprint,
+            dag_id=identity.dag_id,
+            task_id=identity.task_id,
+            run_id=identity.run_id,
+            map_index=identity.map_index,
+            endpoint=shard.endpoint,
+            input_file_id=input_uri,
+            model=encoder.job_model,
+            intent_at=now_utc(),
+            replaced_batch_ids=replaced,
+        )
+        store.write(state)
+        batch = hook.create_batch(
+            input_file_id=input_uri,
+            output_uri=output_uri,
+            endpoint=shard.endpoint,
+            completion_window=self.completion_window,
+            metadata=batch_metadata(
+                identity, shard=shard.index, fingerprint=fingerprint, dialect=dialect, extra=self.metadata
+            ),
+            name=key,
+            model=encoder.job_model,
+            not_these=self._batch_ids,
+        )
+        state.batch_id = batch.id
+        state.created_at = batch.created_at or now_utc()
+        store.write(state)
+        self.log.info("Shard %d: created batch %s reading %s", shard.index, batch.id, input_uri)
         return state
 
     def _find_inline_orphan(self, hook: BatchApiHook, state: SubmitState) -> Batch | None:

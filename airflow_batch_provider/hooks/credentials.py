@@ -1,0 +1,143 @@
+"""Platform credentials for dialects that sign requests with a cloud identity, not a key.
+
+A dialect with a ``credentials_kind`` (``"aws"``: SigV4 with the amazon provider's ``aws``
+connection) gets its credentials here, read through that platform's Airflow hook, and turns them
+into an ``httpx.Auth`` (``Dialect.credentials_auth``) for both clients. Nothing is read when the
+settings are built: the connection is read and credentials are made on the first signed request
+(blocking in the sync client, in a thread in the async one, once per refresh, never per poll),
+so building settings in the triggerer's event loop never blocks it. Credentials live only in
+these objects: never in the settings' repr, logs, XCom or trigger kwargs.
+
+A new platform adds one source to :data:`CREDENTIAL_SOURCES`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from airflow_batch_provider.exceptions import BatchApiAuthError, ConfigurationError
+
+#: Credentials are made again this long before they expire (assumed roles, SSO, instance roles).
+REFRESH_MARGIN = 300.0
+#: The amazon provider's default connection.
+DEFAULT_AWS_CONN_ID = "aws_default"
+
+
+class AwsCredentials:
+    """Frozen AWS credentials (``botocore`` ``ReadOnlyCredentials``) of an ``aws`` connection,
+    read through the amazon provider's ``AwsBaseHook`` (keys, role assumption, profile, web
+    identity...), refreshed before they expire.
+
+    :param aws_conn_id: the ``aws`` connection (None: the boto3 default chain).
+    :param region_name: the region to sign for (None: the connection's).
+    :param clock: epoch seconds (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        aws_conn_id: str | None,
+        region_name: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.aws_conn_id = aws_conn_id
+        self._region = region_name
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._session: Any = None
+        self._frozen: Any = None
+        self._expires: float | None = None
+
+    def __repr__(self) -> str:
+        return f"AwsCredentials(aws_conn_id={self.aws_conn_id!r}, region_name={self._region!r})"
+
+    def _fresh(self) -> Any:
+        if self._frozen is None:
+            return None
+        if self._expires is not None and self._clock() > self._expires - REFRESH_MARGIN:
+            return None
+        return self._frozen
+
+    def get(self) -> Any:
+        """The current credentials (blocking: reads the connection, may call STS)."""
+        with self._lock:
+            fresh = self._fresh()
+            if fresh is not None:
+                return fresh
+            try:
+                if self._session is None:
+                    from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
+
+                    hook = AwsBaseHook(aws_conn_id=self.aws_conn_id, client_type="bedrock")
+                    self._session = hook.get_session(region_name=self._region)
+                    self._region = self._region or self._session.region_name or hook.region_name
+                source = self._session.get_credentials()
+                if source is None:
+                    raise BatchApiAuthError(f"aws connection {self.aws_conn_id!r} gives no AWS credentials")
+                frozen = source.get_frozen_credentials()
+            except BatchApiAuthError:
+                raise
+            except Exception as exc:
+                # Its type and first line only: a botocore message may quote a profile's values.
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                raise BatchApiAuthError(
+                    f"cannot read AWS credentials of connection {self.aws_conn_id!r}: "
+                    f"{type(exc).__name__}: {first}"
+                ) from None
+            expiry = getattr(source, "_expiry_time", None)
+            self._expires = expiry.timestamp() if expiry is not None else None
+            self._frozen = frozen
+            return frozen
+
+    async def aget(self) -> Any:
+        """The current credentials without blocking the event loop (a thread only to refresh)."""
+        fresh = self._fresh()
+        if fresh is not None:
+            return fresh
+        return await asyncio.to_thread(self.get)
+
+    @property
+    def region_name(self) -> str | None:
+        """The region the connection names (known once credentials were read, or given)."""
+        return self._region
+
+    @property
+    def secret_values(self) -> tuple[str, ...]:
+        """The secret parts of the credentials read so far, for redaction."""
+        frozen = self._frozen
+        if frozen is None:
+            return ()
+        return tuple(v for v in (frozen.secret_key, frozen.token) if v)
+
+
+def aws_credentials(extra: Mapping[str, Any], conn_id: str) -> AwsCredentials:
+    """The ``aws`` connection named by extra ``aws_conn_id`` (default ``aws_default``)."""
+    name = extra.get("aws_conn_id", DEFAULT_AWS_CONN_ID)
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise ConfigurationError(f"connection {conn_id!r}: extra 'aws_conn_id' must name an aws connection")
+    region = extra.get("region_name")
+    return AwsCredentials(name.strip() if isinstance(name, str) else None, str(region) if region else None)
+
+
+#: Per ``Dialect.credentials_kind``: reads the connection extra, returns the credentials object
+#: the dialect's ``credentials_auth`` signs with (made lazily, see the module docstring).
+CREDENTIAL_SOURCES: dict[str, Callable[[Mapping[str, Any], str], Any]] = {"aws": aws_credentials}
+
+
+def platform_credentials(kind: str, extra: Mapping[str, Any], conn_id: str) -> Any:
+    """The credentials of ``kind`` for a connection (nothing is read yet).
+
+    :param kind: the dialect's ``credentials_kind``.
+    :param extra: the connection extra.
+    :param conn_id: the connection id, for error messages.
+    """
+    try:
+        source = CREDENTIAL_SOURCES[kind]
+    except KeyError:
+        raise ConfigurationError(
+            f"connection {conn_id!r}: no credentials source {kind!r}; known: {', '.join(CREDENTIAL_SOURCES)}"
+        ) from None
+    return source(extra, conn_id)
