@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
@@ -38,6 +38,7 @@ import orjson
 from airflow_batch_provider.dialects.base import (
     LIST_WHAT,
     Dialect,
+    ResultsMode,
     batch_object,
     bind_models,
     page_items,
@@ -169,7 +170,7 @@ class GeminiDialect(Dialect):
     supports_metadata = False
     upload_purpose = None
     upload_protocol = "resumable"
-    results_modes = ("files",)
+    results_modes: ClassVar[tuple[ResultsMode, ...]] = ("files",)
     line_shape = None
     list_keys = frozenset({"operations"})
     listed_id_key = "name"

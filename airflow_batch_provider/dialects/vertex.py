@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from airflow_batch_provider.dialects.base import (
     LIST_WHAT,
+    ResultObjectKind,
+    ResultsMode,
     batch_object,
     bind_models,
     page_items,
@@ -102,10 +104,9 @@ def publisher_model(model: str) -> str:
     return f"publishers/google/models/{model.removeprefix('models/')}"
 
 
-def output_prefix(input_uri: str) -> str:
-    """Where a job writes its output: ``<input's folder>/output/<input's name without .jsonl>``."""
-    folder, _, name = input_uri.rpartition("/")
-    return f"{folder}/output/{name.removesuffix('.jsonl')}"
+# An output object of a job, below its output prefix: ``prediction-<model>-<time>/predictions*.jsonl``
+# (or ``predictions*.jsonl`` below the directory ``outputInfo`` names).
+_PREDICTIONS = re.compile(r"(?:prediction-[^/]+/)?predictions[^/]*\.jsonl")
 
 
 class VertexDialect(GeminiDialect):
@@ -125,6 +126,11 @@ class VertexDialect(GeminiDialect):
     limits = Limits(max_lines=200_000, max_file_bytes=1024 * MB, max_line_bytes=1024 * MB)
     supports_metadata = True
     max_metadata_pairs = MAX_LABELS
+    # The encoded shard is written beside the staged one on Cloud Storage and the job names its
+    # URI; the output is listed under the prefix the job wrote to (hooks/objects.py).
+    submission_mode = "object_store"
+    results_modes: ClassVar[tuple[ResultsMode, ...]] = ("object_store",)
+    object_store_schemes = ("gs", "gcs")
     list_keys = frozenset({JOBS})
     listed_id_key = "name"
     # A cancel of a job that has ended is refused as FAILED_PRECONDITION (HTTP 400).
@@ -140,6 +146,14 @@ class VertexDialect(GeminiDialect):
             "description": "Vertex AI: the region of the jobs, e.g. us-central1 (or global).",
             "schema": {"type": ["string", "null"]},
         },
+        "storage_conn_id": {
+            "label": "Cloud Storage connection (vertex)",
+            "description": (
+                "Vertex AI: the Airflow connection that reads the jobs' output on gs:// (the "
+                "staging's, gs://<conn_id>@bucket/...); empty: Application Default Credentials."
+            ),
+            "schema": {"type": ["string", "null"]},
+        },
         "key_path": {
             "label": "Service-account key file (vertex)",
             "description": (
@@ -150,7 +164,9 @@ class VertexDialect(GeminiDialect):
         },
     }
 
-    def __init__(self, *, project: str = "", location: str = "us-central1") -> None:
+    def __init__(
+        self, *, project: str = "", location: str = "us-central1", storage_conn_id: str | None = None
+    ) -> None:
         super().__init__()
         bind_models(
             globals(),
@@ -164,6 +180,7 @@ class VertexDialect(GeminiDialect):
         )
         self.project = project
         self.location = location
+        self.storage_conn_id = storage_conn_id
 
     def __repr__(self) -> str:
         return f"<Dialect vertex {self.project or '?'}/{self.location}>"
@@ -184,7 +201,10 @@ class VertexDialect(GeminiDialect):
             raise ConfigurationError(
                 f"{where}: extra 'project' is {extra.get('project')!r}; give the Google Cloud project id"
             )
-        return VertexDialect(project=project, location=location)
+        storage = extra.get("storage_conn_id")
+        return VertexDialect(
+            project=project, location=location, storage_conn_id=str(storage) if storage else None
+        )
 
     @property
     def default_url(self) -> str:
@@ -246,32 +266,48 @@ class VertexDialect(GeminiDialect):
         return super().unsupported(canonical)
 
     # ---- batches --------------------------------------------------------------------
-    def create_batch_body(
+    def object_create_body(
         self,
         *,
-        input_file_id: str,
+        input_uri: str,
+        output_uri: str,
         endpoint: str,
         completion_window: str,
-        metadata: Mapping[str, str] | None = None,
-        name: str | None = None,
-        model: str | None = None,
+        metadata: Mapping[str, str] | None,
+        name: str | None,
+        model: str | None,
     ) -> dict[str, Any]:
-        """The job: the input file's ``gs://`` URI, the output prefix beside it, the model and labels."""
+        """The job: the encoded shard's ``gs://`` URI, the output prefix, the model and labels."""
         if not model:
             raise ConfigurationError("a Vertex AI batch prediction job names one model: none was given")
         labels = label_pairs(metadata)
         body: dict[str, Any] = {
             "displayName": (metadata or {}).get("airflow_batch_key") or name or "airflow-batch",
             "model": publisher_model(model),
-            "inputConfig": {"instancesFormat": "jsonl", "gcsSource": {"uris": [input_file_id]}},
+            "inputConfig": {"instancesFormat": "jsonl", "gcsSource": {"uris": [input_uri]}},
             "outputConfig": {
                 "predictionsFormat": "jsonl",
-                "gcsDestination": {"outputUriPrefix": output_prefix(input_file_id)},
+                "gcsDestination": {"outputUriPrefix": output_uri.rstrip("/")},
             },
         }
         if labels:
             body["labels"] = labels
         return body
+
+    def results_prefix_of(self, batch: Batch) -> str | None:
+        """The directory the job wrote (``outputInfo``), else, once it ended, its output prefix
+        (a job that ended early may have written completed rows there)."""
+        found = self.output_directory(batch.raw)
+        if found or not batch.state.is_terminal:
+            return found
+        config = batch.raw.get("outputConfig")
+        gcs = config.get("gcsDestination") if isinstance(config, Mapping) else None
+        prefix = gcs.get("outputUriPrefix") if isinstance(gcs, Mapping) else None
+        return prefix if isinstance(prefix, str) and prefix else None
+
+    def result_object_kind(self, relative: str) -> ResultObjectKind | None:
+        """``predictions*.jsonl`` (below a ``prediction-*`` folder) holds the result lines."""
+        return "output" if _PREDICTIONS.fullmatch(relative) else None
 
     def create_name(self, body: Mapping[str, Any]) -> str | None:
         name = body.get("displayName")

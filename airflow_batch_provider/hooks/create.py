@@ -205,7 +205,7 @@ class BatchCreate:
                 model=model,
             )
             self.identity = create_identity(dialect, body, metadata, name)
-            self.call = calls.create_batch(dialect, body, input_file_id, model)
+            self.call = calls.create_batch(dialect, body, input_file_id, model, endpoint)
         else:
             assert input_file_id is not None
             body = dialect.create_batch_body(

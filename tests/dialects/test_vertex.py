@@ -163,11 +163,13 @@ def test_the_create_body_is_the_one_the_sdk_sends_plus_labels() -> None:
         "airflow_run_id": "manual__2026-12-04T06:00:00+00:00",  # capitals and colons: no label
         "airflow_dag_id": "tickets",
     }
-    body = vertex().create_batch_body(
-        input_file_id="gs://b/run/shard-00000.jsonl",
+    body = vertex().object_create_body(
+        input_uri="gs://b/run/shard-00000.jsonl",
+        output_uri="gs://b/run/output/shard-00000/",
         endpoint="/v1/chat/completions",
         completion_window="24h",
         metadata=metadata,
+        name=KEY,
         model="gemini-2.5-flash",
     )
     assert body.pop("labels") == {"airflow_batch_key": KEY, "airflow_dag_id": "tickets"}
@@ -183,8 +185,14 @@ def test_the_create_body_is_the_one_the_sdk_sends_plus_labels() -> None:
     assert body == sent
     assert vertex().create_name(body) == KEY
     with pytest.raises(ConfigurationError, match="names one model"):
-        vertex().create_batch_body(
-            input_file_id="gs://b/x.jsonl", endpoint="/v1/chat/completions", completion_window="24h"
+        vertex().object_create_body(
+            input_uri="gs://b/x.jsonl",
+            output_uri="gs://b/o/",
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata=None,
+            name=None,
+            model=None,
         )
 
 
