@@ -9,6 +9,7 @@ from airflow_batch_provider.dialects.doubleword import DoublewordDialect
 from airflow_batch_provider.dialects.gemini import GeminiDialect
 from airflow_batch_provider.dialects.mistral import MistralDialect
 from airflow_batch_provider.dialects.openai import OpenAIDialect
+from airflow_batch_provider.dialects.vertex import VertexDialect
 from airflow_batch_provider.dialects.xai import XAIDialect
 from airflow_batch_provider.dialects.zerogpu import ZeroGPUDialect
 from airflow_batch_provider.exceptions import UnknownDialectError
@@ -25,6 +26,7 @@ DIALECTS: dict[str, type[Dialect]] = {
         AnthropicDialect,
         AzureOpenAIDialect,
         GeminiDialect,
+        VertexDialect,
     )
 }
 
@@ -63,6 +65,7 @@ __all__ = [
     "OpenAIDialect",
     "ResultsPage",
     "ValidationRules",
+    "VertexDialect",
     "XAIDialect",
     "ZeroGPUDialect",
     "dialect_class",

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import quote
 
+import httpx
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,6 +27,17 @@ from airflow_batch_provider.server.faults import Faults
 from airflow_batch_provider.server.hosts import HostCheckMiddleware, allowed_hosts
 from airflow_batch_provider.server.results import DoublewordResults, xai_page
 from airflow_batch_provider.server.store import Store, now
+from airflow_batch_provider.server.vertex import (
+    VertexWire,
+    decode_token,
+    download,
+    encode_token,
+    job_labels_match,
+    new_job_id,
+    not_ready,
+    output_dir,
+    upload,
+)
 from airflow_batch_provider.server.wire import AnthropicWire, ApiError, Wire, get_wire
 
 log = logging.getLogger(__name__)
@@ -155,6 +167,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         _files_routes(api)
         _batch_routes(api)
         _message_batch_routes(api)
+        _prediction_job_routes(api)
         _inference_routes(api)
         app.include_router(api)
     upload_prefix = get_wire(config.dialect).upload_prefix
@@ -752,6 +765,117 @@ def _batch_routes(r: APIRouter) -> None:
         if _drops(request, st):
             return _dropped_page(data, "application/x-ndjson", headers)
         return Response(data, media_type="application/x-ndjson", headers=headers)
+
+
+def _prediction_job_routes(r: APIRouter) -> None:
+    """Vertex AI's batch prediction jobs: the input read from Cloud Storage at create, the
+    predictions written there once the job has ended (see ``server/vertex.py``)."""
+    jobs = "/projects/{project}/locations/{location}/batchPredictionJobs"
+
+    def own(request: Request) -> tuple[ServerState, VertexWire]:
+        st = _own(request, "batchPredictionJobs")
+        assert isinstance(st.wire, VertexWire)
+        return st, st.wire
+
+    async def exported(st: ServerState, rec: dict[str, Any]) -> dict[str, Any]:
+        # An ended job's predictions are written to its output prefix once, when first read.
+        job = rec["vertex"]
+        if rec["status"] in TERMINAL and not job.get("output_dir") and rec.get("output_file_id"):
+            endpoint = st.config.gcs_endpoint_url
+            if endpoint is None:
+                raise not_ready(st.wire)  # type: ignore[arg-type]
+            folder = output_dir(rec)
+            source = st.store.file_path(rec["output_file_id"])
+            await asyncio.to_thread(upload, endpoint, f"{folder}/predictions.jsonl", source)
+            job["output_dir"] = folder
+            st.engine.save(rec)
+        return rec
+
+    @r.post(jobs)
+    async def create(project: str, location: str, request: Request) -> dict[str, Any]:
+        st, wire = own(request)
+        try:
+            body = orjson.loads(await _read_body(st, request, _MAX_FORM_FIELD))
+        except orjson.JSONDecodeError:
+            raise wire.error(400, "Invalid JSON payload received.") from None
+        created = wire.parse_job(body)
+        job = created.pop("vertex")
+        job.update(project=project, location=location)
+        endpoint = st.config.gcs_endpoint_url
+        if endpoint is None:
+            raise not_ready(wire)
+        _storage_room(st)
+        file_id = st.store.new_id("file-")
+        path = st.store.file_path(file_id)
+        try:
+            await asyncio.to_thread(download, endpoint, job["input"], path)
+        except FileNotFoundError:
+            raise wire.error(400, f"No object was found at {job['input']}.") from None
+        except httpx.HTTPError as exc:
+            raise wire.error(400, f"Cannot read {job['input']}: {type(exc).__name__}.") from None
+        st.store.add_file(
+            {
+                "id": file_id,
+                "bytes": path.stat().st_size,
+                "created_at": now(),
+                "filename": "input.jsonl",
+                "purpose": "batch",
+            }
+        )
+        created["input_file_id"] = file_id
+        forced = request.state.fault
+        cfg = st.faults.config
+        flags = {
+            "fail": forced == "fail_validation" or cfg.fail_validation,
+            "expire": forced == "expire" or cfg.expire_batches,
+            "stall": forced == "stall" or cfg.stall_batches,
+        }
+        for name, on in flags.items():
+            if on:
+                st.faults.count(f"batch_{name}")
+        rec = new_batch_record(
+            new_job_id(), created, wire.window_seconds(created["completion_window"]), st.config, flags
+        )
+        rec["vertex"] = job
+        st.engine.submit(rec)
+        st.faults.count("batches_created")
+        return wire.render_batch(rec)
+
+    @r.get(jobs)
+    async def list_jobs(project: str, location: str, request: Request) -> dict[str, Any]:
+        st, wire = own(request)
+        query = request.query_params
+        wanted = wire.parse_filter(query.get("filter"))
+        after, size = decode_token(wire, query.get("pageToken")), wire.list_page_args(query)[1]
+        items, _ = await asyncio.to_thread(st.store.list_batches, after=None, limit=1 << 30)
+        items = [st.engine.active.get(i["id"], i) for i in items if job_labels_match(i, wanted)]
+        if after is not None:
+            ids = [i["id"] for i in items]
+            items = items[ids.index(after) + 1 :] if after in ids else []
+        page = [await exported(st, i) for i in items[:size]]
+        token = encode_token(page[-1]["id"]) if len(items) > size and page else None
+        return wire.render_job_page(page, token)
+
+    @r.get(jobs + "/{job_id}")
+    async def get_job(project: str, location: str, job_id: str, request: Request) -> dict[str, Any]:
+        st, wire = own(request)
+        return wire.render_batch(await exported(st, _batch(st, job_id)))
+
+    @r.post(jobs + "/{job_action}")
+    async def cancel_job(project: str, location: str, job_action: str, request: Request) -> dict[str, Any]:
+        st, wire = own(request)
+        job_id, _, action = job_action.rpartition(":")
+        if action != "cancel" or not job_id:
+            raise wire.error(404, f"Unknown path {request.url.path}.")
+        rec = _batch(st, job_id)
+        if rec["status"] in TERMINAL:
+            raise wire.error(
+                400,
+                f"The job is in state {wire.status_of(rec)} and cannot be cancelled.",
+                code="invalid_state",
+            )
+        st.engine.cancel(rec)
+        return {}
 
 
 def _drops(request: Request, st: ServerState) -> bool:

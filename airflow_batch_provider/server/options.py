@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(dialect azure: stands in for a Microsoft Entra ID token)",
     )
     parser.add_argument(
+        "--gcs-endpoint-url",
+        metavar="URL",
+        help="Cloud Storage JSON API the jobs read input from and write predictions to (dialect "
+        "vertex; e.g. a gcp-storage-emulator at http://127.0.0.1:9023)",
+    )
+    parser.add_argument(
         "--upstream", metavar="URL", help="OpenAI-compatible base URL (with /v1) for --backend upstream"
     )
     parser.add_argument(
@@ -108,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         data_dir=Path(args.data_dir),
         backend=args.backend,
         dialect=args.dialect,
+        gcs_endpoint_url=getattr(args, "gcs_endpoint_url", None),
         api_key=api_key,
         bearer_token=bearer_token,
         time_scale=args.time_scale,

@@ -1212,10 +1212,10 @@ class GeminiWire(Wire):
     upload_requires_purpose = False
     # Failed requests are lines of the one responses file, beside the answers.
     one_results_file = True
-    upload_prefix = "/upload/v1beta"
+    upload_prefix: str | None = "/upload/v1beta"
     colon_download = True
     model_batches = True
-    model_methods = {
+    model_methods: ClassVar[Mapping[str, str]] = {
         "batchGenerateContent": "/v1/chat/completions",
         "asyncBatchEmbedContent": "/v1/embeddings",
     }
@@ -1653,4 +1653,9 @@ WIRES: dict[str, type[Wire]] = {
 
 def get_wire(dialect_name: str) -> Wire:
     dialect = get_dialect(dialect_name)
+    if dialect.name == "vertex":
+        # Its own module (it builds on GeminiWire, defined here).
+        from airflow_batch_provider.server.vertex import VertexWire
+
+        return VertexWire(dialect)
     return WIRES[dialect.name](dialect)

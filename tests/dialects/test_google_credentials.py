@@ -5,22 +5,14 @@ sync client and the async client's own grant, with the token refreshed before it
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs
 
 import httpx
 import orjson
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 
 from airflow_batch_provider.dialects.google_credentials import (
     CLOUD_SCOPE,
-    DEFAULT_TOKEN_URI,
     JWT_GRANT,
     google_bearer_auth,
     key_info,
@@ -30,90 +22,8 @@ from airflow_batch_provider.exceptions import BatchApiAuthError, ConfigurationEr
 API = "/v1/projects/p/locations/us-central1/batchPredictionJobs"
 
 
-@dataclass
-class TokenServer:
-    """A token endpoint and an API route on one local HTTP server."""
-
-    url: str
-    public_pem: str
-    expires_in: int = 3600
-    refuse: bool = False
-    grants: list[dict[str, Any]] = field(default_factory=list)
-    issued: list[str] = field(default_factory=list)
-    seen: list[str | None] = field(default_factory=list)
-
-
-def _handler(state: TokenServer) -> type[BaseHTTPRequestHandler]:
-    from google.auth import jwt
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def _answer(self, status: int, body: dict[str, Any]) -> None:
-            data = orjson.dumps(body)
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_POST(self) -> None:
-            form = {
-                k: v[0]
-                for k, v in parse_qs(self.rfile.read(int(self.headers["Content-Length"])).decode()).items()
-            }
-            if self.path != "/token" or state.refuse:
-                self._answer(400, {"error": "invalid_grant", "error_description": "Invalid JWT Signature."})
-                return
-            # The assertion must be signed by the key and name the scope and this endpoint.
-            claims = jwt.decode(form["assertion"], certs=state.public_pem, audience=DEFAULT_TOKEN_URI)
-            state.grants.append({"grant_type": form["grant_type"], **claims})
-            token = f"ya29.test-{len(state.issued)}"
-            state.issued.append(token)
-            self._answer(200, {"access_token": token, "expires_in": state.expires_in, "token_type": "Bearer"})
-
-        def do_GET(self) -> None:
-            state.seen.append(self.headers.get("Authorization"))
-            self._answer(200, {"batchPredictionJobs": []})
-
-    return Handler
-
-
-@pytest.fixture
-def token_server() -> Iterator[tuple[TokenServer, dict[str, Any]]]:
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    private_pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    ).decode()
-    public_pem = (
-        key.public_key()
-        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-        .decode()
-    )
-    state = TokenServer(url="", public_pem=public_pem)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
-    state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    info = {
-        "type": "service_account",
-        "project_id": "p",
-        "private_key_id": "k1",
-        "private_key": private_pem,
-        "client_email": "batch@p.iam.gserviceaccount.com",
-        "client_id": "1",
-        "token_uri": f"{state.url}/token",
-    }
-    try:
-        yield state, info
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def test_sync_client_trades_the_key_for_a_token_and_reuses_it(token_server: Any) -> None:
-    state, info = token_server
+def test_sync_client_trades_the_key_for_a_token_and_reuses_it(google_token: Any) -> None:
+    state, info = google_token
     auth = google_bearer_auth(orjson.dumps(info).decode(), {}, state.url + "/v1", "vx")
     with httpx.Client(base_url=state.url, auth=auth) as client:
         for _ in range(3):
@@ -127,8 +37,8 @@ def test_sync_client_trades_the_key_for_a_token_and_reuses_it(token_server: Any)
     assert grant["scope"] == CLOUD_SCOPE
 
 
-def test_async_client_gets_its_token_without_google_auth_blocking(token_server: Any) -> None:
-    state, info = token_server
+def test_async_client_gets_its_token_without_google_auth_blocking(google_token: Any) -> None:
+    state, info = google_token
 
     async def run() -> None:
         auth = google_bearer_auth(None, {"keyfile_dict": info}, state.url + "/v1", "vx")
@@ -142,8 +52,8 @@ def test_async_client_gets_its_token_without_google_auth_blocking(token_server: 
     assert state.grants[0]["iss"] == info["client_email"]
 
 
-def test_a_token_near_its_expiry_is_refreshed_before_use(token_server: Any, tmp_path: Any) -> None:
-    state, info = token_server
+def test_a_token_near_its_expiry_is_refreshed_before_use(google_token: Any, tmp_path: Any) -> None:
+    state, info = google_token
     # 100 s left is inside the refresh margin (300 s): every call fetches a new token.
     state.expires_in = 100
     path = tmp_path / "key.json"
@@ -162,8 +72,8 @@ def test_a_token_near_its_expiry_is_refreshed_before_use(token_server: Any, tmp_
     assert state.seen[-1] == "Bearer ya29.test-2"
 
 
-def test_a_token_goes_only_to_the_api_origin(token_server: Any) -> None:
-    state, info = token_server
+def test_a_token_goes_only_to_the_api_origin(google_token: Any) -> None:
+    state, info = google_token
     auth = google_bearer_auth(
         orjson.dumps(info).decode(), {}, "https://us-central1-aiplatform.googleapis.com", "vx"
     )
@@ -174,8 +84,8 @@ def test_a_token_goes_only_to_the_api_origin(token_server: Any) -> None:
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_a_refused_key_is_an_auth_error_without_the_key(token_server: Any, asynchronous: bool) -> None:
-    state, info = token_server
+def test_a_refused_key_is_an_auth_error_without_the_key(google_token: Any, asynchronous: bool) -> None:
+    state, info = google_token
     state.refuse = True
     auth = google_bearer_auth(orjson.dumps(info).decode(), {}, state.url, "vx")
     with pytest.raises(BatchApiAuthError) as caught:
