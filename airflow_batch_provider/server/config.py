@@ -98,6 +98,8 @@ class ServerConfig(BaseModel):
     :param upstream_timeout: timeout of one upstream call in seconds.
     :param upstream_max_backoff: cap on one retry wait in real seconds.
     :param faults: faults injected from the start.
+    :param s3_endpoint_url: the S3 endpoint a mode whose jobs read and write S3 uses (bedrock;
+        None: AWS's own), with boto3's default credentials.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -129,6 +131,7 @@ class ServerConfig(BaseModel):
     upstream_timeout: float = Field(60.0, gt=0)
     upstream_max_backoff: float = Field(5.0, ge=0)
     faults: FaultConfig = Field(default_factory=FaultConfig)
+    s3_endpoint_url: str | None = None
 
     @field_validator("allowed_hosts")
     @classmethod
