@@ -5,6 +5,7 @@ from __future__ import annotations
 from airflow_batch_provider.dialects.anthropic import AnthropicDialect
 from airflow_batch_provider.dialects.azure import AzureOpenAIDialect
 from airflow_batch_provider.dialects.base import Dialect, ListPage, ResultsPage
+from airflow_batch_provider.dialects.bedrock import BedrockDialect
 from airflow_batch_provider.dialects.doubleword import DoublewordDialect
 from airflow_batch_provider.dialects.gemini import GeminiDialect
 from airflow_batch_provider.dialects.mistral import MistralDialect
@@ -27,6 +28,7 @@ DIALECTS: dict[str, type[Dialect]] = {
         AzureOpenAIDialect,
         GeminiDialect,
         VertexDialect,
+        BedrockDialect,
     )
 }
 
@@ -56,6 +58,7 @@ __all__ = [
     "DIALECTS",
     "AnthropicDialect",
     "AzureOpenAIDialect",
+    "BedrockDialect",
     "Dialect",
     "DoublewordDialect",
     "GeminiDialect",

@@ -418,6 +418,15 @@ class Dialect:
             "URI with its connection, e.g. s3://aws_default@bucket/batch-staging"
         )
 
+    def job_problem(self, lines: int | None, size: int | None) -> str | None:
+        """Why one batch of ``lines`` requests and ``size`` bytes cannot be created (a vendor's
+        per-job minimum, say), or None; checked for every shard before any batch is created.
+
+        :param lines: the shard's requests (None: unknown).
+        :param size: the shard's bytes (None: unknown).
+        """
+        return None
+
     def check_connection(self, extra: Mapping[str, Any], conn_id: str) -> None:
         """Refuse a connection that lacks what this vendor requires on every request."""
         missing = [name for name in self.required_extras if not extra.get(name)]

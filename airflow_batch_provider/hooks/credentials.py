@@ -35,6 +35,8 @@ class AwsCredentials:
     :param aws_conn_id: the ``aws`` connection (None: the boto3 default chain).
     :param region_name: the region to sign for (None: the connection's).
     :param clock: epoch seconds (tests pass their own).
+    :param keys: an access key id and secret given on the batch connection itself (its login and
+        password), used instead of the aws connection's.
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class AwsCredentials:
         aws_conn_id: str | None,
         region_name: str | None = None,
         clock: Callable[[], float] = time.time,
+        keys: tuple[str, str] | None = None,
     ) -> None:
         self.aws_conn_id = aws_conn_id
         self._region = region_name
@@ -50,6 +53,11 @@ class AwsCredentials:
         self._session: Any = None
         self._frozen: Any = None
         self._expires: float | None = None
+        if keys is not None:
+            from botocore.credentials import ReadOnlyCredentials
+
+            # Keys of the connection itself: nothing to read or refresh.
+            self._frozen = ReadOnlyCredentials(keys[0], keys[1], None)
 
     def __repr__(self) -> str:
         return f"AwsCredentials(aws_conn_id={self.aws_conn_id!r}, region_name={self._region!r})"
@@ -113,26 +121,38 @@ class AwsCredentials:
         return tuple(v for v in (frozen.secret_key, frozen.token) if v)
 
 
-def aws_credentials(extra: Mapping[str, Any], conn_id: str) -> AwsCredentials:
-    """The ``aws`` connection named by extra ``aws_conn_id`` (default ``aws_default``)."""
+def aws_credentials(
+    extra: Mapping[str, Any], conn_id: str, login: str | None, password: str | None
+) -> AwsCredentials:
+    """The batch connection's own keys (login: access key id, password: secret access key) when
+    it has both, else the ``aws`` connection named by extra ``aws_conn_id`` (default
+    ``aws_default``), read through the amazon provider's hook."""
+    region = extra.get("region_name")
+    if login and password:
+        return AwsCredentials(None, str(region) if region else None, keys=(login, password))
     name = extra.get("aws_conn_id", DEFAULT_AWS_CONN_ID)
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise ConfigurationError(f"connection {conn_id!r}: extra 'aws_conn_id' must name an aws connection")
-    region = extra.get("region_name")
     return AwsCredentials(name.strip() if isinstance(name, str) else None, str(region) if region else None)
 
 
 #: Per ``Dialect.credentials_kind``: reads the connection extra, returns the credentials object
 #: the dialect's ``credentials_auth`` signs with (made lazily, see the module docstring).
-CREDENTIAL_SOURCES: dict[str, Callable[[Mapping[str, Any], str], Any]] = {"aws": aws_credentials}
+CREDENTIAL_SOURCES: dict[str, Callable[[Mapping[str, Any], str, str | None, str | None], Any]] = {
+    "aws": aws_credentials
+}
 
 
-def platform_credentials(kind: str, extra: Mapping[str, Any], conn_id: str) -> Any:
+def platform_credentials(
+    kind: str, extra: Mapping[str, Any], conn_id: str, login: str | None = None, password: str | None = None
+) -> Any:
     """The credentials of ``kind`` for a connection (nothing is read yet).
 
     :param kind: the dialect's ``credentials_kind``.
     :param extra: the connection extra.
     :param conn_id: the connection id, for error messages.
+    :param login: the connection's login (a key id, for a source that takes keys).
+    :param password: the connection's password (a secret).
     """
     try:
         source = CREDENTIAL_SOURCES[kind]
@@ -140,4 +160,4 @@ def platform_credentials(kind: str, extra: Mapping[str, Any], conn_id: str) -> A
         raise ConfigurationError(
             f"connection {conn_id!r}: no credentials source {kind!r}; known: {', '.join(CREDENTIAL_SOURCES)}"
         ) from None
-    return source(extra, conn_id)
+    return source(extra, conn_id, login, password)

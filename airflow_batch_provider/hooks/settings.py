@@ -54,7 +54,9 @@ def normalize_base_url(
         netloc = f"{netloc}:{port}"
     path = parts.path.rstrip("/")
     if not path:
-        path = "/" + (schema.strip("/") if schema and schema.strip("/") else api_path.strip("/"))
+        chosen = schema.strip("/") if schema and schema.strip("/") else api_path.strip("/")
+        # An API at the host's root (Bedrock) keeps no path: "/" would double its paths' slash.
+        path = f"/{chosen}" if chosen else ""
     return urlunsplit((parts.scheme, netloc, path, parts.query, ""))
 
 
@@ -235,19 +237,24 @@ def settings_from_connection(
         retry=retry,
         max_download_bytes=_positive_int(extra, "max_download_bytes", DEFAULT_MAX_DOWNLOAD_BYTES, conn_id),
         allow_private_redirects=_flag(extra, "allow_private_redirects", conn_id),
-        auth=_auth(dialect, api_key, extra, base_url, conn_id),
+        auth=_auth(dialect, api_key, extra, base_url, conn_id, getattr(conn, "login", None)),
     )
 
 
 def _auth(
-    dialect: Dialect, api_key: str | None, extra: Mapping[str, Any], base_url: str, conn_id: str
+    dialect: Dialect,
+    api_key: str | None,
+    extra: Mapping[str, Any],
+    base_url: str,
+    conn_id: str,
+    login: str | None,
 ) -> httpx.Auth | None:
     """What signs each request: platform credentials (``credentials_kind``), read lazily, else
     the dialect's own ``request_auth`` (a token), else nothing (the key's header says it all)."""
     if dialect.credentials_kind is not None:
         from airflow_batch_provider.hooks.credentials import platform_credentials
 
-        credentials = platform_credentials(dialect.credentials_kind, extra, conn_id)
+        credentials = platform_credentials(dialect.credentials_kind, extra, conn_id, login, api_key)
         return dialect.credentials_auth(credentials, base_url, conn_id)
     return dialect.request_auth(api_key, extra, base_url, conn_id)
 

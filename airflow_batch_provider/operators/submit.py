@@ -263,6 +263,10 @@ class SubmitBatchOperator(BaseOperator):
         for shard in shards:
             # A job that reads object storage reads it beside the shard: refused before any write.
             dialect.check_staging(shard.path)
+            # A vendor's per-job bounds (Bedrock's fewest records): refused before any create.
+            problem = dialect.job_problem(shard.lines, None)
+            if problem is not None:
+                raise ConfigurationError(f"shard {shard.index} ({shard.path}): {problem}")
         estimate = None
         if self.max_estimated_cost is not None or self.max_input_tokens is not None:
             # Before any upload or create: a refused run costs nothing.
@@ -565,7 +569,7 @@ class SubmitBatchOperator(BaseOperator):
     ) -> SubmitState:
         """Create a job that reads its input from object storage (``submission_mode`` "object_store").
 
-        The encoded shard is written beside the canonical one, under ``vendor/<key>/`` (atomically:
+        The encoded shard is written beside the canonical one, under ``vendor/<key>/input/`` (atomically:
         the job never sees half an object), and the job writes its results under
         ``vendor/<key>/output/``. The same key gives the same names, so a retry overwrites its own
         earlier input; the intent (with the input's URI) is durable before the create, the id after.
@@ -574,7 +578,8 @@ class SubmitBatchOperator(BaseOperator):
 
         dialect = hook.dialect
         folder = shard.path.parent / "vendor" / key
-        target = folder / shard.path.name
+        # A folder of its own: a vendor may read every object under the input's folder.
+        target = folder / "input" / shard.path.name
         encoder = ShardEncoder(dialect, where=str(shard.path), model=self.model, defaults=defaults)
         with atomic_writer(target) as out, open_read(shard.path) as src:
             for line in encoder.lines(src):

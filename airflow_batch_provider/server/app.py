@@ -21,6 +21,13 @@ from starlette.exceptions import HTTPException
 
 from airflow_batch_provider.server import ui
 from airflow_batch_provider.server.backends import make_backend
+from airflow_batch_provider.server.bedrock import (
+    BedrockWire,
+    download_input,
+    export_results,
+    new_job_id,
+    s3_client,
+)
 from airflow_batch_provider.server.config import BATCH_FAULTS, REQUEST_FAULTS, ServerConfig
 from airflow_batch_provider.server.engine import TERMINAL, Engine, new_batch_record, validate_file
 from airflow_batch_provider.server.faults import Faults
@@ -92,7 +99,17 @@ async def _guard(request: Request) -> None:
         and request.url.path.startswith(wire.upload_prefix)
         and "upload_id" in request.query_params
     )
-    if not in_session:
+    if in_session:
+        pass
+    elif wire.signed_requests:
+        body = await request.body()  # kept by the request: the handler reads it again
+        # The path as sent (still percent-encoded): the signature covers its encoded form.
+        raw_path = request.scope.get("raw_path") or request.url.path.encode()
+        query = request.scope.get("query_string") or b""
+        url = f"{request.url.scheme}://{request.url.netloc}{raw_path.decode('latin-1')}"
+        url += f"?{query.decode('latin-1')}" if query else ""
+        wire.check_signature(request.method, url, request.headers, body, st.config.api_key)
+    else:
         wire.check_auth(request.headers, st.config.api_key)
     st.wire.check_request(request.url.path, request.query_params)
     forced = request.headers.get(FAULT_HEADER, "").strip().lower()
@@ -168,6 +185,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         _batch_routes(api)
         _message_batch_routes(api)
         _prediction_job_routes(api)
+        _invocation_job_routes(api)
         _inference_routes(api)
         app.include_router(api)
     upload_prefix = get_wire(config.dialect).upload_prefix
@@ -1041,6 +1059,137 @@ def _message_batch_routes(r: APIRouter) -> None:
             media_type="application/binary",
             headers={"Content-Length": str(size)},
         )
+
+
+def _invocation_job_routes(r: APIRouter) -> None:
+    """Bedrock's model invocation jobs: the input read from S3 at create, the results written to
+    S3 once the job has ended (see ``server/bedrock.py``)."""
+
+    def own(request: Request) -> tuple[ServerState, BedrockWire]:
+        st = _own(request, "model-invocation-jobs")
+        assert isinstance(st.wire, BedrockWire)
+        return st, st.wire
+
+    @r.post("/model-invocation-job")
+    async def create(request: Request) -> dict[str, Any]:
+        st, wire = own(request)
+        try:
+            body = orjson.loads(await _read_body(st, request, _MAX_FORM_FIELD))
+        except orjson.JSONDecodeError:
+            raise wire.error(400, "The request body is not valid JSON.") from None
+        created = wire.parse_create(body)
+        job = created.pop("bedrock")
+        if job["token"]:
+            # The same clientRequestToken answers the job it first made (an idempotent retry).
+            earlier = await asyncio.to_thread(_job_by_token, st, job["token"])
+            if earlier is not None:
+                return {"jobArn": wire.job_arn(earlier["id"])}
+        _storage_room(st)
+        file_id = st.store.new_id("file-")
+        path = st.store.file_path(file_id)
+        try:
+            job["input_name"] = await asyncio.to_thread(download_input, _s3(st), job["input"], path)
+        except FileNotFoundError:
+            raise wire.error(400, f"No JSONL input was found at {job['input']}.") from None
+        except Exception as exc:
+            # The job's role cannot read the input: Bedrock refuses the create.
+            raise wire.error(400, f"Cannot read the input at {job['input']}: {type(exc).__name__}.") from None
+        st.store.add_file(
+            {
+                "id": file_id,
+                "bytes": path.stat().st_size,
+                "created_at": now(),
+                "filename": job["input_name"],
+                "purpose": "batch",
+            }
+        )
+        created["input_file_id"] = file_id
+        forced = request.state.fault
+        cfg = st.faults.config
+        flags = {
+            "fail": forced == "fail_validation" or cfg.fail_validation,
+            "expire": forced == "expire" or cfg.expire_batches,
+            "stall": forced == "stall" or cfg.stall_batches,
+        }
+        for name, on in flags.items():
+            if on:
+                st.faults.count(f"batch_{name}")
+        rec = new_batch_record(
+            new_job_id(), created, wire.window_seconds(created["completion_window"]), st.config, flags
+        )
+        rec["bedrock"] = job
+        st.engine.submit(rec)
+        st.faults.count("batches_created")
+        return {"jobArn": wire.job_arn(rec["id"])}
+
+    @r.get("/model-invocation-job/{job_id:path}")
+    async def get(job_id: str, request: Request) -> dict[str, Any]:
+        st, wire = own(request)
+        return await _job_item(st, wire, _batch(st, wire.job_id(job_id)))
+
+    @r.get("/model-invocation-jobs")
+    async def list_jobs(request: Request) -> dict[str, Any]:
+        st, wire = own(request)
+        token, limit = wire.list_page_args(request.query_params)
+        query = request.query_params
+        found = await asyncio.to_thread(_jobs, st, query.get("nameContains"), query.get("statusEquals"))
+        if query.get("sortOrder") == "Ascending":
+            found.reverse()
+        ids = [rec["id"] for rec in found]
+        start = ids.index(token) + 1 if token in ids else 0
+        if token and token not in ids:
+            raise wire.error(400, "The nextToken is not valid.")
+        chosen = found[start : start + limit]
+        page = wire.render_batch_list(chosen, start + limit < len(found))
+        page["invocationJobSummaries"] = [await _job_item(st, wire, rec) for rec in chosen]
+        return page
+
+    @r.post("/model-invocation-job/{job_id:path}/stop")
+    async def stop(job_id: str, request: Request) -> dict[str, Any]:
+        st, wire = own(request)
+        rec = _batch(st, wire.job_id(job_id))
+        if rec["status"] in ("cancelling", "cancelled"):
+            raise wire.error(400, f"The job is already {wire.status_of(rec)}; it cannot be stopped.")
+        return _cancel(st, rec["id"])
+
+
+def _s3(st: ServerState) -> Any:
+    return s3_client(st.config.s3_endpoint_url)
+
+
+def _job_by_token(st: ServerState, token: str) -> dict[str, Any] | None:
+    items, _ = st.store.list_batches(after=None, limit=1 << 30)
+    for rec in items:
+        if (rec.get("bedrock") or {}).get("token") == token:
+            return st.engine.active.get(rec["id"], rec)
+    return None
+
+
+def _jobs(st: ServerState, name: str | None, status: str | None) -> list[dict[str, Any]]:
+    """Jobs, newest first, whose name contains ``name`` and whose status is ``status`` (if given)."""
+    items, _ = st.store.list_batches(after=None, limit=1 << 30)
+    items = [st.engine.active.get(i["id"], i) for i in items]
+    return [
+        rec
+        for rec in items
+        if "bedrock" in rec
+        and (not name or name in str(rec.get("name")))
+        and (not status or st.wire.status_of(rec) == status)
+    ]
+
+
+async def _job_item(st: ServerState, wire: BedrockWire, rec: dict[str, Any]) -> dict[str, Any]:
+    """A job as Bedrock shows it; an ended one's results are first written to S3 (once)."""
+    item = wire.render_batch(rec)
+    job = rec.get("bedrock") or {}
+    if rec["status"] in ("completed", "expired", "cancelled") and not job.get("exported"):
+        output = st.store.file_path(rec["output_file_id"]) if rec.get("output_file_id") else None
+        if output is not None and not output.exists():
+            output = None
+        await asyncio.to_thread(export_results, _s3(st), rec, output, item)
+        job["exported"] = True
+        st.store.save_batch(rec)
+    return item
 
 
 def _write_requests(path: Any, requests: list[Any]) -> int:

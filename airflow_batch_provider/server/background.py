@@ -11,7 +11,6 @@ from typing import Any
 
 import uvicorn
 
-from airflow_batch_provider.dialects import get_dialect
 from airflow_batch_provider.server.app import create_app
 from airflow_batch_provider.server.config import ServerConfig
 
@@ -34,9 +33,9 @@ class BackgroundServer:
     @property
     def base_url(self) -> str:
         """The API root in the mode's first path style (``/v1``; Azure: ``/openai/v1``)."""
-        from airflow_batch_provider.server.wire import WIRES
+        from airflow_batch_provider.server.wire import wire_class
 
-        prefix = WIRES[get_dialect(self.config.dialect).name].path_prefixes[0]
+        prefix = wire_class(self.config.dialect).path_prefixes[0]
         return f"http://{self.config.host}:{self.port}{prefix}"
 
     @property

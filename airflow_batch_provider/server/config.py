@@ -100,6 +100,8 @@ class ServerConfig(BaseModel):
     :param faults: faults injected from the start.
     :param gcs_endpoint_url: the Cloud Storage JSON API a mode whose jobs read and write gs://
         uses (vertex: the test suite's emulator), without credentials.
+    :param s3_endpoint_url: the S3 endpoint a mode whose jobs read and write S3 uses (bedrock;
+        None: AWS's own), with boto3's default credentials.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -132,6 +134,7 @@ class ServerConfig(BaseModel):
     upstream_max_backoff: float = Field(5.0, ge=0)
     faults: FaultConfig = Field(default_factory=FaultConfig)
     gcs_endpoint_url: str | None = None
+    s3_endpoint_url: str | None = None
 
     @field_validator("allowed_hosts")
     @classmethod

@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "vertex; e.g. a gcp-storage-emulator at http://127.0.0.1:9023)",
     )
     parser.add_argument(
+        "--s3-endpoint-url",
+        metavar="URL",
+        help="S3 endpoint the jobs read input from and write results to (dialect bedrock; default: "
+        "AWS's own; credentials from boto3's default chain)",
+    )
+    parser.add_argument(
         "--upstream", metavar="URL", help="OpenAI-compatible base URL (with /v1) for --backend upstream"
     )
     parser.add_argument(
@@ -117,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         gcs_endpoint_url=getattr(args, "gcs_endpoint_url", None),
         api_key=api_key,
         bearer_token=bearer_token,
+        s3_endpoint_url=getattr(args, "s3_endpoint_url", None),
         time_scale=args.time_scale,
         validate_seconds=args.validate_seconds,
         finalize_seconds=args.finalize_seconds,

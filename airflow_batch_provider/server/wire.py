@@ -84,6 +84,9 @@ class Wire:
     model_batches = False
     # Those custom methods, each with the endpoint its batches' lines target.
     model_methods: ClassVar[Mapping[str, str]] = {}
+    # Whether every request carries a signature over its method, URL, headers and body (AWS
+    # SigV4), checked by ``check_signature`` instead of a key header (``check_auth``).
+    signed_requests = False
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
@@ -132,6 +135,12 @@ class Wire:
     def check_auth(self, headers: Mapping[str, str], api_key: str | None) -> None:
         """What the vendor requires on every API request (the key, and a vendor's own extras)."""
         self.check_key(headers, api_key)
+
+    def check_signature(
+        self, method: str, url: str, headers: Mapping[str, str], body: bytes, api_key: str | None
+    ) -> None:
+        """A signed request's signature, for a mode whose ``signed_requests`` is set."""
+        raise NotImplementedError(f"{self.name} authenticates by key, not by signature")
 
     def check_key(self, headers: Mapping[str, str], api_key: str | None) -> None:
         """The API key alone (also what guards the server's own /admin endpoints)."""
@@ -1651,11 +1660,16 @@ WIRES: dict[str, type[Wire]] = {
 }
 
 
-def get_wire(dialect_name: str) -> Wire:
-    dialect = get_dialect(dialect_name)
-    if dialect.name == "vertex":
-        # Its own module (it builds on GeminiWire, defined here).
-        from airflow_batch_provider.server.vertex import VertexWire
+def wire_class(dialect_name: str) -> type[Wire]:
+    """The server mode of a dialect. Modes in modules of their own (they import this one) are
+    registered on first use."""
+    from airflow_batch_provider.server.bedrock import BedrockWire
+    from airflow_batch_provider.server.vertex import VertexWire
 
-        return VertexWire(dialect)
-    return WIRES[dialect.name](dialect)
+    WIRES.setdefault(BedrockWire.name, BedrockWire)
+    WIRES.setdefault(VertexWire.name, VertexWire)
+    return WIRES[get_dialect(dialect_name).name]
+
+
+def get_wire(dialect_name: str) -> Wire:
+    return wire_class(dialect_name)(get_dialect(dialect_name))

@@ -106,12 +106,32 @@ def gemini_item(batch_id: Any, **fields: Any) -> dict[str, Any]:
     }
 
 
+def bedrock_item(batch_id: Any, **fields: Any) -> dict[str, Any]:
+    arn = f"arn:aws:bedrock:us-east-1:123456789012:model-invocation-job/{batch_id}"
+    return {
+        "jobArn": arn if isinstance(batch_id, str) else batch_id,
+        "jobName": "k",
+        "modelId": "anthropic.claude-3-haiku-20240307-v1:0",
+        "roleArn": "arn:aws:iam::123456789012:role/r",
+        "status": "InProgress",
+        "submitTime": "2026-01-04T12:00:00Z",
+        "inputDataConfig": {"s3InputDataConfig": {"s3Uri": "s3://b/in/"}},
+        "outputDataConfig": {"s3OutputDataConfig": {"s3Uri": "s3://b/out/"}},
+        "totalRecordCount": 2,
+        "processedRecordCount": 1,
+        "successRecordCount": 1,
+        "errorRecordCount": 0,
+        **fields,
+    }
+
+
 ITEMS: dict[str, Callable[..., dict[str, Any]]] = {
     **dict.fromkeys(OPENAI_SHAPED, openai_item),
     "xai": xai_item,
     "mistral": mistral_item,
     "anthropic": anthropic_item,
     "gemini": gemini_item,
+    "bedrock": bedrock_item,
 }
 
 
@@ -126,6 +146,8 @@ def page_of(dialect: str, items: list[Any], **envelope: Any) -> dict[str, Any]:
         return {"object": "list", "data": items, "total": len(items), **envelope}
     if dialect == "gemini":
         return {"operations": items, **envelope}
+    if dialect == "bedrock":
+        return {"invocationJobSummaries": items, **envelope}
     return {"object": "list", "data": items, "has_more": False, **envelope}
 
 
@@ -188,14 +210,29 @@ GEMINI_FIELDS: dict[str, dict[str, Any]] = {
     "output-file-path": {"output": {"responsesFile": "files/../admin"}},
     "input-file-number": {"inputConfig": {"fileName": 5}},
 }
+BEDROCK_FIELDS: dict[str, dict[str, Any]] = {
+    "submitted-garbage": {"submitTime": "yesterday-ish"},
+    "submitted-object": {"submitTime": {"seconds": 1}},
+    "ended-bool": {"endTime": True},
+    "count-text": {"totalRecordCount": "two"},
+    "count-negative": {"errorRecordCount": -1},
+    "count-object": {"successRecordCount": {"n": 1}},
+    "name-number": {"jobName": 5},
+}
 FIELDS = {
+    "bedrock": BEDROCK_FIELDS,
     "xai": XAI_FIELDS,
     "mistral": MISTRAL_FIELDS,
     "anthropic": ANTHROPIC_FIELDS,
     "gemini": GEMINI_FIELDS,
 }
 # The status each dialect reports for a batch in progress, and one it does not know.
-UNKNOWN_STATUS = {"mistral": "PAUSED", "anthropic": "paused", "gemini": "BATCH_STATE_PAUSED"}
+UNKNOWN_STATUS = {
+    "bedrock": "Paused",
+    "mistral": "PAUSED",
+    "anthropic": "paused",
+    "gemini": "BATCH_STATE_PAUSED",
+}
 
 
 def bad_fields(dialect: str) -> list[dict[str, Any]]:
@@ -231,7 +268,7 @@ def test_a_batch_that_is_not_an_object_or_has_no_string_id_is_a_response_error(d
             d.parse_batch({**item_of(dialect)("b1"), key: bad_id})
 
 
-@pytest.mark.parametrize("dialect", [*OPENAI_SHAPED, "mistral", "anthropic", "gemini"])
+@pytest.mark.parametrize("dialect", [*OPENAI_SHAPED, "mistral", "anthropic", "gemini", "bedrock"])
 def test_an_unknown_status_is_a_read_error_of_its_batch(dialect: str) -> None:
     d = get_dialect(dialect)
     for status in (UNKNOWN_STATUS.get(dialect, "queued"), 5, ["completed"]):
@@ -260,8 +297,8 @@ def test_a_listed_item_that_does_not_parse_fails_only_itself(dialect: str) -> No
 
 
 def make_id(item: dict[str, Any], key: str) -> str:
-    # Gemini names a batch "batches/<id>"; its id is the part after the collection.
-    return str(item[key]).removeprefix("batches/")
+    # Gemini names a batch "batches/<id>", Bedrock by its ARN: the id is the part after the last "/".
+    return str(item[key]).rpartition("/")[2]
 
 
 @pytest.mark.parametrize("dialect", OPENAI_SHAPED)

@@ -44,6 +44,7 @@ def test_registry() -> None:
     assert sorted(DIALECTS) == [
         "anthropic",
         "azure",
+        "bedrock",
         "doubleword",
         "gemini",
         "mistral",
@@ -56,7 +57,8 @@ def test_registry() -> None:
     assert get_dialect(D) is D
     with pytest.raises(
         UnknownDialectError,
-        match="unknown dialect 'vertex'.*anthropic, azure, doubleword, gemini, mistral, openai, xai, zerogpu",
+        match="unknown dialect 'vertex'.*anthropic, azure, bedrock, doubleword, gemini, mistral, "
+        "openai, xai, zerogpu",
     ):
         get_dialect("vertex")
 

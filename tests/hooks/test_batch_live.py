@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from airflow_batch_provider.hooks.retry import RetryPolicy
 from airflow_batch_provider.hooks.transport import FileBody
 from airflow_batch_provider.models import Batch, BatchState
 from airflow_batch_provider.upload_lines import ShardEncoder, write_inline_body
+from tests.fixtures.s3 import cut_object_reads
 
 # Every registered dialect: lines go up as each vendor takes them (encoded, with the model on
 # the job, or inline in the create), through the same seams the submit operator uses.
@@ -54,7 +56,7 @@ def write_input(path: Path, n: int = 5, prefix: str = "row") -> list[str]:
 DEFAULTS = {"max_tokens": 64}
 
 
-def prepared(hook: BatchApiHook, source: Path) -> tuple[dict[str, Any], Path | FileBody]:
+def prepared(hook: BatchApiHook, source: Path) -> tuple[dict[str, Any], Path | FileBody | None]:
     """The create's arguments besides metadata, and what to upload (a path) or the inline body.
 
     Canonical lines are encoded as ``hook.dialect`` takes them, with the job's model for a
@@ -70,6 +72,23 @@ def prepared(hook: BatchApiHook, source: Path) -> tuple[dict[str, Any], Path | F
         with source.open("rb") as src, body.open("wb") as out:
             size, count = write_inline_body(encoder, src, out, fields)
         return {"endpoint": ENDPOINT}, FileBody(body, filename=body.name, size=size, requests=count)
+    if dialect.submission_mode == "object_store":
+        # The job reads the encoded lines from the object store (the server's S3) and writes
+        # its results under an output prefix; each create gets a folder (and job name) of its own.
+        from airflow_batch_provider.hooks.objects import plain_uri
+
+        name = f"live-{uuid.uuid4().hex[:12]}"
+        folder = hook.object_root / name  # type: ignore[attr-defined]
+        with source.open("rb") as src, (folder / "input" / source.name).open("wb") as out:
+            for line in encoder.lines(src):
+                out.write(line)
+        return {
+            "endpoint": ENDPOINT,
+            "model": encoder.job_model,
+            "input_file_id": plain_uri(folder / "input" / source.name),
+            "output_uri": plain_uri(folder / "output") + "/",
+            "name": name,
+        }, None
     upload = source.with_suffix(".upload.jsonl")
     with source.open("rb") as src, upload.open("wb") as out:
         for line in encoder.lines(src):
@@ -78,10 +97,12 @@ def prepared(hook: BatchApiHook, source: Path) -> tuple[dict[str, Any], Path | F
 
 
 def create(hook: BatchApiHook, source: Path, **kwargs: Any) -> Batch:
-    """Upload (or inline) ``source`` and create a batch of it."""
+    """Upload (or inline, or write to the object store) ``source`` and create a batch of it."""
     args, payload = prepared(hook, source)
     if isinstance(payload, FileBody):
         return hook.create_batch(inline=payload, **args, **kwargs)
+    if payload is None:
+        return hook.create_batch(**args, **kwargs)
     return hook.create_batch(input_file_id=hook.upload_file(payload), **args, **kwargs)
 
 
@@ -89,6 +110,8 @@ async def acreate(hook: BatchApiHook, source: Path, **kwargs: Any) -> Batch:
     args, payload = prepared(hook, source)
     if isinstance(payload, FileBody):
         return await hook.acreate_batch(inline=payload, **args, **kwargs)
+    if payload is None:
+        return await hook.acreate_batch(**args, **kwargs)
     return await hook.acreate_batch(input_file_id=await hook.aupload_file(payload), **args, **kwargs)
 
 
@@ -117,7 +140,10 @@ def live(batch_server, monkeypatch: pytest.MonkeyPatch):
     def start(dialect: str, **config: Any):
         server = batch_server(dialect=dialect, api_key=KEY, **config)
         monkeypatch.setenv("AIRFLOW_CONN_BATCH_LIVE", server.connection_json())
-        return server, BatchApiHook("batch_live", retry_policy=FAST)
+        hook = BatchApiHook("batch_live", retry_policy=FAST)
+        if server.s3 is not None:
+            hook.object_root = server.s3.path("live")  # type: ignore[attr-defined]
+        return server, hook
 
     return start
 
@@ -249,12 +275,20 @@ def test_429_forever_exhausts_retries(live) -> None:
 
 
 @pytest.mark.parametrize("dialect", ALL_DIALECTS)
-def test_download_survives_dropped_connections(live, tmp_path: Path, dialect: str) -> None:
+def test_download_survives_dropped_connections(
+    live, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dialect: str
+) -> None:
     # Each vendor's results stream (output file, results endpoint pages or results URL) is read
     # whole through connections dropped mid-body.
     server, hook = live(dialect)
     ids = write_input(tmp_path / "in.jsonl", n=200)
     batch = wait_terminal(hook, create(hook, tmp_path / "in.jsonl").id)
+    if REGISTRY[dialect].submission_mode == "object_store":
+        # Results are read from the object store, not this server: its reads are cut instead.
+        cuts = cut_object_reads(monkeypatch)  # the offsets each read of an object starts at
+        assert sorted(r.custom_id for r in hook.iter_results(batch)) == sorted(ids)
+        assert cuts and all(offset > 0 for offset in cuts[1:])
+        return
     server.set_faults(drop_rate=0.5)
     if "files" in REGISTRY[dialect].results_modes:
         assert batch.output_file_id
@@ -397,8 +431,9 @@ async def test_quota_exhaustion_fails_at_once(live, monkeypatch: pytest.MonkeyPa
     hook = BatchApiHook("batch_quota", retry_policy=FAST)
     with pytest.raises(BatchApiQuotaError, match="out of quota") as caught:
         list(hook.list_batches())
-    # 429 insufficient_quota (OpenAI's shape), 402 billing_error (Anthropic's).
-    assert caught.value.status_code in (402, 429)
+    # 429 insufficient_quota (OpenAI's shape), 402 billing_error (Anthropic's), 400
+    # ServiceQuotaExceededException (Bedrock's).
+    assert caught.value.status_code in (400, 402, 429)
     with pytest.raises(BatchApiQuotaError):
         await hook.aget_batch("batch_x")
     assert server.stats()["counters"]["quota"] == 2  # one request each, never retried

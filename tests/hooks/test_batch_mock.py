@@ -1130,6 +1130,7 @@ def test_connection_form_matches_airflow_schemas() -> None:
     assert CONN_FIELDS["dialect"]["schema"]["enum"] == [
         "anthropic",
         "azure",
+        "bedrock",
         "doubleword",
         "gemini",
         "mistral",

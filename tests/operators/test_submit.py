@@ -27,7 +27,7 @@ from airflow_batch_provider.exceptions import (
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.models import Manifest, Shard
 from airflow_batch_provider.operators.submit import SubmitBatchOperator
-from airflow_batch_provider.staging import write_manifest
+from airflow_batch_provider.staging import resolve_path, write_manifest
 from airflow_batch_provider.submission import KEY_NAME, RunIdentity, StateStore, SubmitState, batch_metadata
 from tests.fixtures.airflow import write_batch_jsonl
 
@@ -52,6 +52,16 @@ def server_for(batch_server: Any, monkeypatch: pytest.MonkeyPatch) -> Callable[.
         return server
 
     return start
+
+
+def staged(server: Any, source: Path) -> str:
+    """Where a test's hand-made JSONL is submitted from: the local file, or a copy on the server's
+    object store when the dialect's jobs read object storage (``submission_mode``)."""
+    if server.s3 is None:
+        return str(source)
+    target = server.s3.path("runs", source.parent.name, source.name)
+    target.write_bytes(source.read_bytes())
+    return str(target)
 
 
 async def run_trigger(deferred: TaskDeferred) -> dict[str, Any]:
@@ -79,10 +89,10 @@ async def submit_and_wait(op: SubmitBatchOperator, context: dict[str, Any], befo
 async def test_success_every_dialect(
     server_for: Any, task_context: Any, tmp_path: Path, dialect: str
 ) -> None:
-    server_for(dialect)
+    server = server_for(dialect)
     source = write_batch_jsonl(tmp_path / "in.jsonl", 6)
     op = SubmitBatchOperator(
-        task_id="submit", source=str(source), wait_for_completion=True, deferrable=True, **FAST
+        task_id="submit", source=staged(server, source), wait_for_completion=True, deferrable=True, **FAST
     )
     ctx = task_context()
     event, finish = await submit_and_wait(op, ctx)
@@ -101,7 +111,7 @@ async def test_partial_every_dialect(
     server.set_faults(line_failure_rate=0.5)
     source = write_batch_jsonl(tmp_path / "in.jsonl", 20)
     op = SubmitBatchOperator(
-        task_id="submit", source=str(source), wait_for_completion=True, deferrable=True, **FAST
+        task_id="submit", source=staged(server, source), wait_for_completion=True, deferrable=True, **FAST
     )
     ctx = task_context()
     event, finish = await submit_and_wait(op, ctx)
@@ -110,7 +120,7 @@ async def test_partial_every_dialect(
     counts = result["outcome"]["counts"]
     assert counts["total"] == 20 and counts["failed"] > 0 and counts["completed"] + counts["failed"] == 20
     # The same event under on_partial_failure="fail" fails the task, with the counts still in XCom.
-    strict = SubmitBatchOperator(task_id="submit", source=str(source), on_partial_failure="fail")
+    strict = SubmitBatchOperator(task_id="submit", source=staged(server, source), on_partial_failure="fail")
     ctx2 = task_context()
     with pytest.raises(PartialFailureError, match="line\\(s\\) failed"):
         strict.execute_complete(ctx2, event)
@@ -123,7 +133,7 @@ async def test_failed_every_dialect(server_for: Any, task_context: Any, tmp_path
     server.set_faults(fail_validation=True)
     source = write_batch_jsonl(tmp_path / "in.jsonl", 3)
     op = SubmitBatchOperator(
-        task_id="submit", source=str(source), wait_for_completion=True, deferrable=True, **FAST
+        task_id="submit", source=staged(server, source), wait_for_completion=True, deferrable=True, **FAST
     )
     ctx = task_context()
     try:
@@ -149,7 +159,7 @@ async def test_expired_every_dialect(
     server.set_faults(expire_batches=True)
     source = write_batch_jsonl(tmp_path / "in.jsonl", 3)
     op = SubmitBatchOperator(
-        task_id="submit", source=str(source), wait_for_completion=True, deferrable=True, **FAST
+        task_id="submit", source=staged(server, source), wait_for_completion=True, deferrable=True, **FAST
     )
     event, finish = await submit_and_wait(op, task_context())
     if dialect in ("doubleword", "xai"):
@@ -172,7 +182,7 @@ async def test_cancelled_every_dialect(
     server.set_faults(stall_batches=True)
     source = write_batch_jsonl(tmp_path / "in.jsonl", 3)
     op = SubmitBatchOperator(
-        task_id="submit", source=str(source), wait_for_completion=True, deferrable=True, **FAST
+        task_id="submit", source=staged(server, source), wait_for_completion=True, deferrable=True, **FAST
     )
 
     def cancel(ids: list[str]) -> None:
@@ -193,7 +203,7 @@ async def test_timeout_every_dialect_cancels(
     source = write_batch_jsonl(tmp_path / "in.jsonl", 3)
     op = SubmitBatchOperator(
         task_id="submit",
-        source=str(source),
+        source=staged(server, source),
         wait_for_completion=True,
         deferrable=True,
         timeout=0.3,
@@ -213,7 +223,9 @@ class CrashAfterCreate(Exception):
     """Stands in for the worker dying between the batch create and recording its id."""
 
 
-def submit_crashing_after_create(source: Path, task_context: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+def submit_crashing_after_create(
+    source: Path | str, task_context: Any, monkeypatch: pytest.MonkeyPatch
+) -> str:
     """Run a submit whose worker "dies" right after the create, before recording the batch id;
     returns the id of the batch it created (the state store works normally again afterwards)."""
     real_write = StateStore.write
@@ -234,15 +246,15 @@ def submit_crashing_after_create(source: Path, task_context: Any, monkeypatch: p
 def test_retry_after_crash_between_create_and_record_makes_one_batch(
     server_for: Any, task_context: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dialect: str
 ) -> None:
-    server_for(dialect)
-    source = write_batch_jsonl(tmp_path / "in.jsonl", 4)
+    server = server_for(dialect)
+    source = staged(server, write_batch_jsonl(tmp_path / "in.jsonl", 4))
     created = submit_crashing_after_create(source, task_context, monkeypatch)
-    state_files = list((tmp_path / "submit-state").glob("*.json"))
+    state_files = list((resolve_path(source).parent / "submit-state").glob("*.json"))
     assert len(state_files) == 1
     assert orjson.loads(state_files[0].read_bytes())["batch_id"] is None  # intent only
 
     # The retry (same dag/task/run/map index) finds the orphan instead of creating another batch.
-    result = SubmitBatchOperator(task_id="submit", source=str(source)).execute(task_context())
+    result = SubmitBatchOperator(task_id="submit", source=source).execute(task_context())
     assert result["batch_ids"] == [created]
     assert orjson.loads(state_files[0].read_bytes())["batch_id"] == created
     assert [b.id for b in BatchApiHook().list_batches()] == [created]
@@ -598,7 +610,7 @@ async def test_a_hand_made_line_without_a_model_fails_before_any_upload_unless_s
     second = orjson.loads(lines[1])
     del second["body"]["model"]
     source.write_bytes(b"\n".join([lines[0], orjson.dumps(second), lines[2]]) + b"\n")
-    op = SubmitBatchOperator(task_id="submit", source=str(source), wait_for_completion=False)
+    op = SubmitBatchOperator(task_id="submit", source=staged(server, source), wait_for_completion=False)
     with pytest.raises(
         JsonlValidationError, match=rf"line 2: body.model.* is missing; dialect '{name}'"
     ) as caught:
@@ -606,7 +618,9 @@ async def test_a_hand_made_line_without_a_model_fails_before_any_upload_unless_s
     if REGISTERED[name].needs_line_model("/v1/chat/completions"):
         assert "model= on the build or the submit" in str(caught.value)
     assert server.stats()["counters"].get("files_uploaded", 0) == 0
-    op = SubmitBatchOperator(task_id="submit", source=str(source), wait_for_completion=False, model="echo-1")
+    op = SubmitBatchOperator(
+        task_id="submit", source=staged(server, source), wait_for_completion=False, model="echo-1"
+    )
     assert op.execute(task_context())["batch_ids"]
 
 

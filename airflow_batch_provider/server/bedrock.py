@@ -1,0 +1,511 @@
+"""``serve --dialect bedrock``: Amazon Bedrock's model invocation jobs, reading and writing S3.
+
+Written from Bedrock's API reference (REST paths and JSON shapes of ``CreateModelInvocationJob``,
+``GetModelInvocationJob``, ``ListModelInvocationJobs``, ``StopModelInvocationJob``), not from the
+provider's dialect. Every request must carry an AWS Signature Version 4 for the service
+``bedrock``: with a server key ``<access key id>:<secret access key>`` the signature is
+recomputed (botocore's canonical request over the signed headers and the body) and compared, so
+an unsigned, re-signed or altered request is refused as AWS refuses it (403
+``UnrecognizedClientException`` / ``InvalidSignatureException``). Errors are AWS's REST JSON
+errors: ``x-amzn-ErrorType`` and ``{"message"}`` (with ``__type``).
+
+A create downloads the input object (``s3InputDataConfig.s3Uri``, a file or every ``.jsonl``
+under a folder) from the S3 endpoint the server is given (``s3_endpoint_url``: the test suite's
+moto server; boto3's default credentials), runs its ``{recordId, modelInput}`` lines through the
+server's engine, and once the job has ended writes ``<name>.out`` for each input file and
+``manifest.json.out`` under ``<output s3Uri>/<job id>/``, as Bedrock does. Records a stop or an
+expiry left unrun get no line (Bedrock writes none). ``clientRequestToken`` makes a create
+idempotent: the same token answers the job it first made.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import secrets
+import string
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import PurePosixPath
+from typing import Any
+
+import orjson
+
+from airflow_batch_provider.server.wire import SYSTEM_MESSAGES, ApiError, Wire
+
+ACCOUNT = "123456789012"
+_JOB_NAME = re.compile(r"[a-zA-Z0-9]{1,63}(-*[a-zA-Z0-9\+\-\.]){0,63}")
+_TOKEN = re.compile(r"[a-zA-Z0-9]{1,256}(-*[a-zA-Z0-9]){0,256}")
+_ROLE = re.compile(r"arn:aws(-[^:]+)?:iam::([0-9]{12})?:role/.+")
+_S3_URI = re.compile(r"s3://([a-z0-9][-.a-z0-9]{1,61}[a-z0-9])(/.*)?")
+_CREDENTIAL = re.compile(
+    r"AWS4-HMAC-SHA256 Credential=([^/,\s]+)/(\d{8})/([a-z0-9-]+)/([a-z0-9-]+)/aws4_request,\s*"
+    r"SignedHeaders=([a-z0-9;\-]+),\s*Signature=([0-9a-f]{64})"
+)
+_ID_CHARS = string.ascii_lowercase + string.digits
+
+
+def _iso(value: float | None) -> str | None:
+    if value is None:
+        return None
+    return datetime.fromtimestamp(value, tz=timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def new_job_id() -> str:
+    """A 12-character job id (lower-case letters and digits), as Bedrock issues."""
+    return "".join(secrets.choice(_ID_CHARS) for _ in range(12))
+
+
+class BedrockWire(Wire):
+    """Amazon Bedrock's control plane for batch inference (model invocation jobs)."""
+
+    name = "bedrock"
+    vendor_lines = True
+    upload_requires_purpose = False
+    # Failed records are lines of the one ``.out`` file, beside the answers.
+    one_results_file = True
+    signed_requests = True
+    path_prefixes = ("",)
+    batches_route = "model-invocation-jobs"
+    # Stopping an ended job: a ValidationException.
+    cancel_final_status = 400
+    region = "us-east-1"
+    MAX_RESULTS = 1000
+    _TYPES = {
+        400: "ValidationException",
+        401: "UnrecognizedClientException",
+        403: "AccessDeniedException",
+        404: "ResourceNotFoundException",
+        405: "ValidationException",
+        409: "ConflictException",
+        413: "ValidationException",
+        429: "ThrottlingException",
+        500: "InternalServerException",
+        503: "ServiceUnavailableException",
+    }
+
+    # ---- errors and auth ----------------------------------------------------------
+    def error(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> ApiError:
+        kind = self._TYPES.get(status, "InternalServerException" if status >= 500 else "ValidationException")
+        if code in ("ServiceQuotaExceededException", "ConflictException", "InvalidSignatureException"):
+            kind = code
+        return ApiError(
+            status, {"__type": kind, "message": message}, {"x-amzn-ErrorType": kind, **(headers or {})}
+        )
+
+    def quota_exceeded(self) -> ApiError:
+        return self.error(
+            400,
+            "The number of jobs in progress exceeds the account's quota.",
+            code="ServiceQuotaExceededException",
+        )
+
+    def rate_limited(self, retry_after: float) -> ApiError:
+        return self.error(429, "Too many requests, please wait before trying again.")
+
+    def server_error(self, status: int, retry_after: float) -> ApiError:
+        return self.error(status, "The service is unavailable; try again.")
+
+    def not_found(self, what: str, ident: str) -> ApiError:
+        return self.error(404, f"The model invocation job {ident} could not be found.")
+
+    def presented_key(self, headers: Mapping[str, str]) -> str | None:
+        found = _CREDENTIAL.match(headers.get("authorization") or "")
+        return found.group(1) if found else None
+
+    def check_key(self, headers: Mapping[str, str], api_key: str | None) -> None:
+        """The admin endpoints' guard: a bearer of the whole key (``<id>:<secret>``)."""
+        if api_key is None:
+            return
+        auth = headers.get("authorization") or ""
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise self.error(403, "The security token included in the request is invalid.")
+
+    def check_signature(
+        self, method: str, url: str, headers: Mapping[str, str], body: bytes, api_key: str | None
+    ) -> None:
+        """Refuse a request without a valid SigV4 signature for ``bedrock`` by the server's key."""
+        found = _CREDENTIAL.match(headers.get("authorization") or "")
+        if found is None:
+            raise self.error(
+                403, "Missing Authentication Token: requests must be signed with AWS Signature Version 4."
+            )
+        key_id, day, region, service, signed, signature = found.groups()
+        if service != "bedrock":
+            raise self.error(
+                403, f"Credential should be scoped to correct service: 'bedrock', not {service!r}."
+            )
+        amz_date = headers.get("x-amz-date") or ""
+        if not amz_date.startswith(day):
+            raise self.error(403, "The credential date does not match X-Amz-Date.")
+        if api_key is None:
+            return
+        expected_id, _, secret = api_key.partition(":")
+        if not hmac.compare_digest(key_id.encode(), expected_id.encode()):
+            raise self.error(403, "The security token included in the request is invalid.")
+        from botocore.auth import SigV4Auth
+        from botocore.awsrequest import AWSRequest
+        from botocore.credentials import Credentials
+
+        names = signed.split(";")
+        chosen = {name: headers.get(name, "") for name in names}
+        request = AWSRequest(method=method, url=url, data=body, headers=chosen)
+        request.context["timestamp"] = amz_date
+        signer = SigV4Auth(Credentials(key_id, secret), "bedrock", region)
+        canonical = signer.canonical_request(request)
+        computed = signer.signature(signer.string_to_sign(request, canonical), request)
+        if not hmac.compare_digest(computed, signature):
+            raise self.error(
+                403,
+                "The request signature we calculated does not match the signature you provided.",
+                code="InvalidSignatureException",
+            )
+
+    # ---- create ---------------------------------------------------------------------
+    def parse_create(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise self.error(400, "The request body must be a JSON object.")
+        name = body.get("jobName")
+        if not isinstance(name, str) or not _JOB_NAME.fullmatch(name):
+            raise self.error(
+                400, "1 validation error detected: Value at 'jobName' failed to satisfy constraint."
+            )
+        token = body.get("clientRequestToken")
+        if token is not None and not (isinstance(token, str) and _TOKEN.fullmatch(token)):
+            raise self.error(400, "Value at 'clientRequestToken' failed to satisfy constraint.")
+        role = body.get("roleArn")
+        if not isinstance(role, str) or not _ROLE.fullmatch(role):
+            raise self.error(400, "Value at 'roleArn' failed to satisfy constraint.")
+        model = body.get("modelId")
+        if not isinstance(model, str) or not model:
+            raise self.error(400, "Value at 'modelId' failed to satisfy constraint.")
+        source = _uri(body, "inputDataConfig", "s3InputDataConfig")
+        target = _uri(body, "outputDataConfig", "s3OutputDataConfig")
+        if source is None or target is None:
+            raise self.error(
+                400,
+                "inputDataConfig.s3InputDataConfig.s3Uri and "
+                "outputDataConfig.s3OutputDataConfig.s3Uri are required.",
+            )
+        hours = body.get("timeoutDurationInHours", 24)
+        if not isinstance(hours, int) or isinstance(hours, bool) or not 24 <= hours <= 168:
+            raise self.error(
+                400, "Value at 'timeoutDurationInHours' failed to satisfy constraint: 24 to 168."
+            )
+        kind = body.get("modelInvocationType", "InvokeModel")
+        if kind not in ("InvokeModel", "Converse"):
+            raise self.error(400, "Value at 'modelInvocationType' must be InvokeModel or Converse.")
+        tags = body.get("tags") or []
+        if not isinstance(tags, list) or len(tags) > 200:
+            raise self.error(400, "tags must be a list of at most 200 {key, value}.")
+        return {
+            "input_file_id": None,
+            # InvokeModel bodies of an embedding model are embeddings requests; the others chat.
+            "endpoint": "/v1/chat/completions"
+            if kind == "Converse" or "embed" not in model
+            else "/v1/embeddings",
+            "completion_window": f"{hours}h",
+            "metadata": None,
+            "name": name,
+            "model": model,
+            "bedrock": {
+                "token": token,
+                "roleArn": role,
+                "input": source,
+                "output": target,
+                "tags": tags,
+                "type": kind,
+                "hours": hours,
+            },
+        }
+
+    def canonical_line(self, obj: Any, rec: Mapping[str, Any]) -> Any:
+        """``{recordId, modelInput}`` as the canonical line the backend answers."""
+        if not isinstance(obj, dict):
+            return obj
+        extra = sorted(set(obj) - {"recordId", "modelInput"})
+        if extra:
+            raise ValueError(f"unexpected field(s) {', '.join(extra)}: a record is {{recordId, modelInput}}")
+        record = obj.get("recordId")
+        model_input = obj.get("modelInput")
+        if not isinstance(model_input, dict):
+            raise ValueError("a record needs a modelInput object")
+        model = str(rec.get("model") or "")
+        if rec["endpoint"] == "/v1/embeddings":
+            text = model_input.get("inputText")
+            if not isinstance(text, str):
+                raise ValueError("modelInput.inputText must be a text")
+            body: dict[str, Any] = {"model": model, "input": text}
+            if model_input.get("dimensions") is not None:
+                body["dimensions"] = model_input["dimensions"]
+        else:
+            body = {"model": model, "messages": _chat_messages(model_input)}
+            config = model_input.get("inferenceConfig") or {}
+            if not isinstance(config, dict):
+                raise ValueError("modelInput.inferenceConfig must be an object")
+            for source, target in (
+                ("maxTokens", "max_tokens"),
+                ("temperature", "temperature"),
+                ("topP", "top_p"),
+            ):
+                if config.get(source) is not None:
+                    body[target] = config[source]
+            if config.get("stopSequences"):
+                body["stop"] = list(config["stopSequences"])
+        return {"custom_id": record, "method": "POST", "url": rec["endpoint"], "body": body}
+
+    # ---- jobs ---------------------------------------------------------------------------
+    def job_id(self, identifier: str) -> str:
+        """The job id a ``jobIdentifier`` names (the id, or the job's ARN). An identifier that is
+        no job's is a 404 here (Bedrock answers a malformed one with a 400 ValidationException)."""
+        found = re.fullmatch(
+            r"(?:arn:aws[a-z-]*:bedrock:[a-z0-9-]+:\d{12}:model-invocation-job/)?([\w-]{1,256})", identifier
+        )
+        if found is None:
+            raise self.not_found("job", identifier[:100])
+        return found.group(1)
+
+    def job_arn(self, job_id: str) -> str:
+        return f"arn:aws:bedrock:{self.region}:{ACCOUNT}:model-invocation-job/{job_id}"
+
+    def status_of(self, rec: Mapping[str, Any]) -> str:
+        status = str(rec["status"])
+        if status == "completed":
+            return "PartiallyCompleted" if self._errors(rec) else "Completed"
+        return {
+            "validating": "Validating" if rec.get("in_progress_at") is None else "InProgress",
+            "in_progress": "InProgress",
+            "finalizing": "InProgress",
+            "failed": "Failed",
+            "expired": "Expired",
+            "cancelling": "Stopping",
+            "cancelled": "Stopped",
+        }[status]
+
+    @staticmethod
+    def _errors(rec: Mapping[str, Any]) -> int:
+        """Records answered with an error (those a stop or expiry left unrun are not processed)."""
+        progress = rec.get("progress") or {}
+        unrun = int(progress.get("cancelled") or 0) + int(progress.get("expired") or 0)
+        return max(int(rec["request_counts"]["failed"]) - unrun, 0)
+
+    def render_batch(self, rec: Mapping[str, Any]) -> dict[str, Any]:
+        job = rec.get("bedrock") or {}
+        counts = rec["request_counts"]
+        errors = self._errors(rec)
+        ended = (
+            rec.get("completed_at")
+            or rec.get("failed_at")
+            or rec.get("expired_at")
+            or rec.get("cancelled_at")
+        )
+        item: dict[str, Any] = {
+            "jobArn": self.job_arn(rec["id"]),
+            "jobName": rec.get("name"),
+            "modelId": rec.get("model"),
+            "roleArn": job.get("roleArn"),
+            "status": self.status_of(rec),
+            "submitTime": _iso(rec["created_at"]),
+            "lastModifiedTime": _iso(ended or rec.get("in_progress_at") or rec["created_at"]),
+            "inputDataConfig": {"s3InputDataConfig": {"s3Uri": job.get("input"), "s3InputFormat": "JSONL"}},
+            "outputDataConfig": {"s3OutputDataConfig": {"s3Uri": job.get("output")}},
+            "timeoutDurationInHours": job.get("hours"),
+            "jobExpirationTime": _iso(rec.get("expires_at")),
+            "modelInvocationType": job.get("type"),
+            "totalRecordCount": int(counts["total"]),
+            "processedRecordCount": int(counts["completed"]) + errors,
+            "successRecordCount": int(counts["completed"]),
+            "errorRecordCount": errors,
+        }
+        if job.get("token"):
+            item["clientRequestToken"] = job["token"]
+        if ended:
+            item["endTime"] = _iso(ended)
+        if rec["status"] == "failed":
+            failures = rec.get("errors") or [{}]
+            item["message"] = str(failures[0].get("message") or failures[0].get("code") or "The job failed.")
+        return item
+
+    def render_cancelled(self, rec: Mapping[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def list_page_args(self, params: Mapping[str, str]) -> tuple[str | None, int]:
+        raw = params.get("maxResults") or "100"
+        if not raw.isdigit() or not 1 <= int(raw) <= self.MAX_RESULTS:
+            raise self.error(400, f"maxResults must be 1..{self.MAX_RESULTS}.")
+        return params.get("nextToken") or None, int(raw)
+
+    def render_batch_list(self, items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+        page: dict[str, Any] = {"invocationJobSummaries": [self.render_batch(r) for r in items]}
+        if has_more and items:
+            page["nextToken"] = items[-1]["id"]
+        return page
+
+    def is_cancel_path(self, tail: str) -> bool:
+        return tail == "stop"
+
+    # ---- result lines -------------------------------------------------------------------
+    def response_line(
+        self, line_id: str, custom_id: str, status: int, body: Any, request_id: str
+    ) -> tuple[bool, dict[str, Any]]:
+        # ``modelInput`` is echoed back by Bedrock; the server keeps lines small and omits it.
+        if 200 <= status < 300 and isinstance(body, Mapping):
+            return True, {"recordId": custom_id, "modelOutput": _model_output(body)}
+        inner = body.get("error") if isinstance(body, Mapping) else None
+        message = inner.get("message") if isinstance(inner, Mapping) else None
+        return False, {
+            "recordId": custom_id,
+            "error": {
+                "errorCode": status,
+                "errorMessage": str(message or f"request failed with HTTP {status}"),
+            },
+        }
+
+    def system_line(
+        self, line_id: str, custom_id: str, code: str, message: str | None = None, param: Any = None
+    ) -> dict[str, Any]:
+        # Kept in the server's own error file only: Bedrock writes no line for an unrun record.
+        return {
+            "recordId": custom_id,
+            "error": {"errorCode": code, "errorMessage": message or SYSTEM_MESSAGES.get(code, code)},
+        }
+
+
+def _uri(body: Mapping[str, Any], outer: str, inner: str) -> str | None:
+    config = body.get(outer)
+    s3 = config.get(inner) if isinstance(config, dict) else None
+    uri = s3.get("s3Uri") if isinstance(s3, dict) else None
+    return uri if isinstance(uri, str) and _S3_URI.fullmatch(uri) else None
+
+
+def _chat_messages(model_input: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A Converse request's ``system`` and ``messages`` as chat messages (text and tool blocks)."""
+    messages: list[dict[str, Any]] = []
+    system = model_input.get("system") or []
+    if not isinstance(system, list):
+        raise ValueError("modelInput.system must be a list of blocks")
+    if system:
+        messages.append({"role": "system", "content": "".join(str(b.get("text") or "") for b in system)})
+    turns = model_input.get("messages")
+    if not isinstance(turns, list) or not turns:
+        raise ValueError("modelInput.messages must be a non-empty list")
+    for turn in turns:
+        if not isinstance(turn, dict) or turn.get("role") not in ("user", "assistant"):
+            raise ValueError("modelInput.messages holds an item that is not a user or assistant turn")
+        blocks = turn.get("content")
+        if not isinstance(blocks, list) or not blocks:
+            raise ValueError("a message's content must be a non-empty list of blocks")
+        text = []
+        for block in blocks:
+            if not isinstance(block, dict):
+                raise ValueError("a content block is not an object")
+            if "text" in block:
+                text.append(str(block["text"]))
+            elif "toolResult" in block:
+                parts = block["toolResult"].get("content") or []
+                text.append("".join(str(p.get("text") or "") for p in parts if isinstance(p, dict)))
+            elif "toolUse" in block:
+                text.append(orjson.dumps(block["toolUse"].get("input") or {}).decode())
+            else:
+                raise ValueError(f"content block {sorted(block)} is not supported by this server")
+        messages.append({"role": turn["role"], "content": "".join(text)})
+    return messages
+
+
+_STOP = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "content_filter": "content_filtered",
+}
+
+
+def _model_output(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat-completion (or embeddings) answer as Bedrock's ``modelOutput``."""
+    usage = body.get("usage") or {}
+    if body.get("object") == "list":
+        data = (body.get("data") or [{}])[0]
+        return {
+            "embedding": data.get("embedding"),
+            "inputTextTokenCount": int(usage.get("prompt_tokens") or 0),
+        }
+    choice = (body.get("choices") or [{}])[0]
+    reply = choice.get("message") or {}
+    prompt = int(usage.get("prompt_tokens") or 0)
+    answer = int(usage.get("completion_tokens") or 0)
+    return {
+        "output": {"message": {"role": "assistant", "content": [{"text": str(reply.get("content") or "")}]}},
+        "stopReason": _STOP.get(choice.get("finish_reason"), "end_turn"),
+        "usage": {"inputTokens": prompt, "outputTokens": answer, "totalTokens": prompt + answer},
+        "metrics": {"latencyMs": 1},
+    }
+
+
+# ---- S3 ---------------------------------------------------------------------------------
+def s3_client(endpoint_url: str | None) -> Any:
+    """A boto3 S3 client for the server's S3 endpoint (boto3's default credentials)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint_url, region_name="us-east-1")
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    return bucket, key
+
+
+def input_keys(client: Any, uri: str) -> list[tuple[str, str]]:
+    """``(bucket, key)`` of each input object: the object itself, or every ``.jsonl`` under a folder."""
+    bucket, key = split_uri(uri)
+    if key and not key.endswith("/"):
+        try:
+            client.head_object(Bucket=bucket, Key=key)
+            return [(bucket, key)]
+        except Exception:  # noqa: S110 (not an object: read it as a folder)
+            pass
+        key += "/"
+    found: list[tuple[str, str]] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key):
+        found.extend((bucket, o["Key"]) for o in page.get("Contents", []) if o["Key"].endswith(".jsonl"))
+    return sorted(found)
+
+
+def download_input(client: Any, uri: str, dest: Any) -> str:
+    """Copy the input object(s) into ``dest`` (one JSONL); the first input's file name."""
+    keys = input_keys(client, uri)
+    if not keys:
+        raise FileNotFoundError(uri)
+    with open(dest, "wb") as out:
+        for bucket, key in keys:
+            body = client.get_object(Bucket=bucket, Key=key)["Body"]
+            while chunk := body.read(1 << 20):
+                out.write(chunk)
+    return PurePosixPath(keys[0][1]).name
+
+
+def export_results(client: Any, rec: Mapping[str, Any], output: Any, item: Mapping[str, Any]) -> None:
+    """Write ``<input name>.out`` and ``manifest.json.out`` under ``<output s3Uri>/<job id>/``."""
+    job = rec["bedrock"]
+    bucket, prefix = split_uri(str(job["output"]))
+    folder = f"{prefix.rstrip('/')}/{rec['id']}/".lstrip("/")
+    if output is not None:
+        with open(output, "rb") as body:
+            client.put_object(Bucket=bucket, Key=f"{folder}{job['input_name']}.out", Body=body.read())
+    manifest = {
+        "totalRecordCount": item["totalRecordCount"],
+        "processedRecordCount": item["processedRecordCount"],
+        "successRecordCount": item["successRecordCount"],
+        "errorRecordCount": item["errorRecordCount"],
+    }
+    client.put_object(Bucket=bucket, Key=f"{folder}manifest.json.out", Body=orjson.dumps(manifest))

@@ -1,0 +1,273 @@
+"""The Bedrock dialect apart from I/O: Converse and Titan encodings, what is refused by name, job
+statuses and counts, result lines, the create body, per-job limits and the connection's extras."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from airflow_batch_provider.dialects import get_dialect
+from airflow_batch_provider.dialects.bedrock import BedrockDialect
+from airflow_batch_provider.exceptions import ConfigurationError
+from airflow_batch_provider.models import BatchState
+
+ARN = "arn:aws:bedrock:us-east-1:123456789012:model-invocation-job/abcdef123456"
+ROLE = "arn:aws:iam::123456789012:role/bedrock-batch"
+
+
+def dialect(**extra: Any) -> BedrockDialect:
+    configured = get_dialect("bedrock").configure({"role_arn": ROLE, **extra}, "c")
+    assert isinstance(configured, BedrockDialect)
+    return configured
+
+
+def chat(**body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": "row-1",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "anthropic.claude-3-haiku-20240307-v1:0", **body},
+    }
+
+
+def test_a_chat_line_is_one_converse_request() -> None:
+    line = chat(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "t1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "t1", "content": "4"},
+            {"role": "user", "content": "Thanks"},
+        ],
+        max_completion_tokens=50,
+        temperature=0.2,
+        top_p=0.9,
+        stop="END",
+        tools=[{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
+        tool_choice={"type": "function", "function": {"name": "add"}},
+    )
+    d = dialect()
+    assert d.unsupported(line) is None
+    encoded = d.encode_line(line)
+    assert encoded["recordId"] == "row-1"
+    request = encoded["modelInput"]
+    assert request["system"] == [{"text": "Be brief."}]
+    # The tool result and the next user turn are one user message: Converse alternates roles.
+    assert [m["role"] for m in request["messages"]] == ["user", "assistant", "user"]
+    assert request["messages"][0]["content"] == [{"text": "What is 2+2?"}]
+    assert request["messages"][1]["content"] == [
+        {"toolUse": {"toolUseId": "t1", "name": "add", "input": {"a": 2}}}
+    ]
+    assert request["messages"][2]["content"] == [
+        {"toolResult": {"toolUseId": "t1", "content": [{"text": "4"}]}},
+        {"text": "Thanks"},
+    ]
+    assert request["inferenceConfig"] == {
+        "maxTokens": 50,
+        "temperature": 0.2,
+        "topP": 0.9,
+        "stopSequences": ["END"],
+    }
+    assert request["toolConfig"]["toolChoice"] == {"tool": {"name": "add"}}
+    assert request["toolConfig"]["tools"][0]["toolSpec"]["inputSchema"] == {"json": {"type": "object"}}
+    assert "model" not in orjson.dumps(request).decode()
+
+
+def test_a_titan_embedding_line_is_its_native_body() -> None:
+    line = {
+        "custom_id": "e1",
+        "method": "POST",
+        "url": "/v1/embeddings",
+        "body": {"model": "amazon.titan-embed-text-v2:0", "input": "hello", "dimensions": 256},
+    }
+    assert dialect().unsupported(line) is None
+    assert dialect().encode_line(line) == {
+        "recordId": "e1",
+        "modelInput": {"inputText": "hello", "dimensions": 256},
+    }
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        (
+            chat(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"}),
+            "response_format",
+        ),
+        (chat(messages=[{"role": "user", "content": "x"}], n=2), "n=2"),
+        (chat(messages=[{"role": "user", "content": "x"}], logprobs=True), "logprobs"),
+        (
+            chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+            "image_url",
+        ),
+        (chat(messages=[]), "non-empty"),
+        (
+            {
+                "custom_id": "e",
+                "url": "/v1/embeddings",
+                "body": {"model": "cohere.embed-english-v3", "input": "x"},
+            },
+            "cohere.embed-english-v3",
+        ),
+        (
+            {
+                "custom_id": "e",
+                "url": "/v1/embeddings",
+                "body": {"model": "amazon.titan-embed-text-v2:0", "input": ["a", "b"]},
+            },
+            "one text",
+        ),
+    ],
+)
+def test_what_bedrock_cannot_express_is_refused_by_name(line: dict[str, Any], reason: str) -> None:
+    problem = dialect().unsupported(line)
+    assert problem is not None and reason in problem
+
+
+@pytest.mark.parametrize(
+    ("status", "state"),
+    [
+        ("Submitted", BatchState.VALIDATING),
+        ("Validating", BatchState.VALIDATING),
+        ("Scheduled", BatchState.VALIDATING),
+        ("InProgress", BatchState.IN_PROGRESS),
+        ("Completed", BatchState.COMPLETED),
+        ("PartiallyCompleted", BatchState.COMPLETED),
+        ("Failed", BatchState.FAILED),
+        ("Stopping", BatchState.CANCELLING),
+        ("Stopped", BatchState.CANCELLED),
+        ("Expired", BatchState.EXPIRED),
+    ],
+)
+def test_every_job_status_maps_with_its_counts(status: str, state: BatchState) -> None:
+    batch = dialect().parse_batch(
+        {
+            "jobArn": ARN,
+            "jobName": "abp-key-s00000",
+            "status": status,
+            "message": "the role cannot read the input",
+            "submitTime": "2026-01-04T12:00:00Z",
+            "endTime": "2026-01-04T13:00:00Z",
+            "totalRecordCount": 10,
+            "processedRecordCount": 8,
+            "successRecordCount": 7,
+            "errorRecordCount": 1,
+            "outputDataConfig": {"s3OutputDataConfig": {"s3Uri": "s3://b/run/vendor/k/output/"}},
+        }
+    )
+    assert batch.id == "abcdef123456" and batch.state is state
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+        10,
+        7,
+        1,
+    )
+    assert batch.metadata == {"airflow_batch_key": "abp-key-s00000", "name": "abp-key-s00000"}
+    assert bool(batch.errors) == (status == "Failed")
+    assert dialect().results_prefix_of(batch) == "s3://b/run/vendor/k/output/abcdef123456/"
+
+
+def test_a_create_answer_is_a_submitted_job() -> None:
+    batch = dialect().parse_batch({"jobArn": ARN})
+    assert batch.id == "abcdef123456" and batch.state is BatchState.VALIDATING
+
+
+def test_the_create_body_carries_the_key_as_name_and_token() -> None:
+    body = dialect().object_create_body(
+        input_uri="s3://b/run/vendor/k/input/shard-00000.jsonl",
+        output_uri="s3://b/run/vendor/k/output/",
+        endpoint="/v1/chat/completions",
+        completion_window="48h",
+        metadata={"airflow_batch_key": "abp-0123-s00000", "airflow_fingerprint": "f" * 64},
+        name="abp-0123-s00000",
+        model="meta.llama3-8b-instruct-v1:0",
+    )
+    assert body["jobName"] == body["clientRequestToken"] == "abp-0123-s00000"
+    assert body["roleArn"] == ROLE and body["modelId"] == "meta.llama3-8b-instruct-v1:0"
+    assert body["timeoutDurationInHours"] == 48 and body["modelInvocationType"] == "Converse"
+    assert body["inputDataConfig"]["s3InputDataConfig"]["s3Uri"].endswith("shard-00000.jsonl")
+    assert {"key": "airflow_batch_key", "value": "abp-0123-s00000"} in body["tags"]
+    with pytest.raises(ConfigurationError, match="role_arn"):
+        get_dialect("bedrock").object_create_body(
+            input_uri="s3://b/i", output_uri="s3://b/o/", endpoint="/v1/chat/completions",
+            completion_window="24h", metadata=None, name="n", model="m",
+        )  # fmt: skip
+
+
+def test_result_lines_become_the_merge_columns() -> None:
+    d = dialect()
+    ok = d.parse_result_line(
+        {
+            "recordId": "r1",
+            "modelInput": {},
+            "modelOutput": {
+                "output": {"message": {"role": "assistant", "content": [{"text": "four"}]}},
+                "stopReason": "max_tokens",
+                "usage": {"inputTokens": 10, "outputTokens": 3, "cacheReadInputTokens": 4, "totalTokens": 17},
+            },
+        },
+        "output",
+    )
+    assert ok.ok and ok.custom_id == "r1"
+    assert ok.body is not None
+    choice = ok.body["choices"][0]
+    assert choice["message"]["content"] == "four" and choice["finish_reason"] == "length"
+    assert ok.body["usage"] == {
+        "prompt_tokens": 14,
+        "completion_tokens": 3,
+        "total_tokens": 17,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+    failed = d.parse_result_line(
+        {"recordId": "r2", "error": {"errorCode": 400, "errorMessage": "bad"}}, "output"
+    )
+    assert (
+        not failed.ok
+        and failed.error is not None
+        and (failed.error.code, failed.error.message) == ("http_400", "bad")
+    )
+    embedded = d.parse_result_line(
+        {"recordId": "r3", "modelOutput": {"embedding": [0.5], "inputTextTokenCount": 2}}, "output"
+    )
+    assert embedded.body is not None and embedded.body["data"][0]["embedding"] == [0.5]
+    assert embedded.body["usage"]["prompt_tokens"] == 2
+
+
+def test_outputs_are_found_by_name_and_the_manifest_is_checked() -> None:
+    d = dialect()
+    assert d.result_object_kind("shard-00000.jsonl.out") == "output"
+    assert d.result_object_kind("manifest.json.out") == "summary"
+    assert d.result_object_kind("shard-00000.jsonl") is None
+    batch = d.parse_batch({"jobArn": ARN, "status": "Completed"})
+    assert d.check_summary(batch, {"processedRecordCount": 3}, {"output": 3, "error": 0}) is None
+    assert "3 processed record(s) but 2" in str(
+        d.check_summary(batch, {"processedRecordCount": 3}, {"output": 2})
+    )
+
+
+def test_job_limits_come_from_the_connection() -> None:
+    default = dialect()
+    assert "at least 100" in str(default.job_problem(99, None))
+    assert default.job_problem(100, None) is None
+    tight = dialect(min_records_per_job="1", max_records_per_job=10, max_bytes_per_file=1000)
+    assert tight.job_problem(1, None) is None
+    assert "at most 10" in str(tight.job_problem(11, None))
+    assert tight.limits.max_lines == 10 and tight.limits.max_file_bytes == 1000
+    assert tight.validation_rules(tight.limits).limits.max_lines == 10
+    with pytest.raises(ConfigurationError, match="min_records_per_job 5 is above max_records_per_job 2"):
+        dialect(min_records_per_job=5, max_records_per_job=2)
+    with pytest.raises(ConfigurationError, match="role_arn"):
+        dialect(role_arn="not-an-arn")
+    with pytest.raises(ConfigurationError, match="region_name"):
+        dialect(region_name="Mars")
+    assert dialect(region_name="eu-west-3").default_base_url == "https://bedrock.eu-west-3.amazonaws.com"

@@ -1,0 +1,217 @@
+"""Amazon Bedrock batch inference through the whole pipeline (build -> submit -> deferred wait ->
+merge), on PostgreSQL and DuckDB, with the run staged on S3 (moto).
+
+The batch server speaks Bedrock's control plane (``serve --dialect bedrock``: SigV4-signed calls,
+jobs reading their input from S3 and writing ``*.jsonl.out`` and ``manifest.json.out`` back);
+the connection's dialect is ``bedrock``. Every terminal status lands every row with its status.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+import pytest
+
+from airflow_batch_provider.exceptions import BatchFailedError, ConfigurationError
+from airflow_batch_provider.hooks.batch import BatchApiHook
+from airflow_batch_provider.submission import StateStore, SubmitState
+from tests.fixtures.reliability import MESSAGES, Pipeline, rows_of, seed_texts
+from tests.fixtures.s3 import S3Staging
+
+ROWS = 30
+BUILD = {"table": "tickets", "key_columns": "id", "messages": MESSAGES, "dialect": "bedrock"}
+
+
+@pytest.fixture
+def s3_pipeline(wh_pipeline: Pipeline, s3_staging: S3Staging) -> Pipeline:
+    """The warehouse pipeline with its runs staged in the test's bucket."""
+    wh_pipeline.staging_root = s3_staging.path("staging")
+    return wh_pipeline
+
+
+def serve(batch_server: Any, monkeypatch: pytest.MonkeyPatch, **config: Any) -> Any:
+    server = batch_server(dialect="bedrock", **config)
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
+    return server
+
+
+def job_objects(s3: S3Staging, batch_id: str) -> list[str]:
+    return [k for k in s3.keys(prefix="") if f"/output/{batch_id}/" in k]
+
+
+async def test_partially_completed_lands_every_row(
+    batch_server: Any, s3_pipeline: Pipeline, s3_staging: S3Staging, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = serve(batch_server, monkeypatch, faults={"line_failure_rate": 0.3})
+    seed_texts(s3_pipeline.warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+    record = await s3_pipeline.run("mixed", "answers", build=BUILD, submit={"on_partial_failure": "succeed"})
+    failures = server.stats()["counters"]["line_failures"]
+    assert 0 < failures < ROWS
+    assert record.event is not None and record.event["status"] == "partial", record.event
+    (batch_id,) = record.event["batch_ids"]
+    job = BatchApiHook().get_batch(batch_id)
+    assert job.raw["status"] == "PartiallyCompleted" and job.raw["errorRecordCount"] == failures
+    assert job.raw["modelId"] == "echo-1" and job.raw["modelInvocationType"] == "Converse"
+    # The job read {recordId, modelInput} lines from the run's staging; staging keeps the canonical one.
+    (uploaded,) = [k for k in s3_staging.keys(prefix="") if "/vendor/" in k and "/input/" in k]
+    lines = [orjson.loads(x) for x in s3_staging.read(uploaded).splitlines()]
+    assert len(lines) == ROWS and all(set(x) == {"recordId", "modelInput"} for x in lines)
+    assert lines[0]["modelInput"]["messages"][0]["content"] == [{"text": "question 0"}]
+    assert sorted(k.rsplit("/", 1)[1] for k in job_objects(s3_staging, batch_id)) == [
+        "manifest.json.out",
+        "shard-00000.jsonl.out",
+    ]
+    rows = rows_of(s3_pipeline)
+    statuses = [s for s, _, _ in rows.values()]
+    assert len(rows) == ROWS and statuses.count("failed") == failures
+    assert statuses.count("succeeded") == ROWS - failures
+    assert all(
+        content == f"echo: question {k - 1}" for k, (s, _, content) in rows.items() if s == "succeeded"
+    )
+    assert {code for s, code, _ in rows.values() if s == "failed"} == {"http_500"}
+    usage = s3_pipeline.warehouse.rows(
+        "SELECT MIN(prompt_tokens), MIN(completion_tokens) FROM answers WHERE status = 'succeeded'"
+    )
+    assert usage[0][0] > 0 and usage[0][1] > 0
+
+
+async def test_completed_and_failed_jobs(
+    batch_server: Any, s3_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = serve(batch_server, monkeypatch)
+    seed_texts(s3_pipeline.warehouse, "tickets", [f"q{i}" for i in range(ROWS)])
+    record = await s3_pipeline.run("completed", "answers", build=BUILD)
+    assert record.event is not None and record.event["status"] == "success", record.event
+    (batch_id,) = record.event["batch_ids"]
+    assert BatchApiHook().get_batch(batch_id).raw["status"] == "Completed"
+    assert {s for s, _, _ in rows_of(s3_pipeline).values()} == {"succeeded"}
+
+    server.set_faults(fail_validation=True)
+    record = await s3_pipeline.run("failed", "failed_answers", build=BUILD)
+    assert isinstance(record.submit_error, BatchFailedError), record.submit_error
+    assert record.event is not None and record.event["status"] == "failed"
+    (batch_id,) = record.event["batch_ids"]
+    assert BatchApiHook().get_batch(batch_id).raw["status"] == "Failed"
+    statuses = s3_pipeline.warehouse.rows("SELECT DISTINCT status FROM failed_answers")
+    assert statuses == [("failed",)]
+
+
+def _partly_done(batch_id: str, at_least: int = 5) -> None:
+    hook = BatchApiHook()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done = hook.get_batch(batch_id).request_counts.completed
+        if done >= at_least:
+            assert done < ROWS, f"job {batch_id} finished before it could be interrupted"
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"job {batch_id} made no progress")
+
+
+@pytest.mark.parametrize(
+    ("how", "status", "vendor"), [("expire", "expired", "Expired"), ("stop", "cancelled", "Stopped")]
+)
+async def test_expired_and_stopped_keep_what_was_answered(
+    batch_server: Any,
+    s3_pipeline: Pipeline,
+    s3_staging: S3Staging,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+    status: str,
+    vendor: str,
+) -> None:
+    server = serve(batch_server, monkeypatch, line_seconds=50, chunk_size=5)
+    seed_texts(s3_pipeline.warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+
+    def interrupt(submission: dict[str, Any]) -> None:
+        (batch_id,) = submission["batch_ids"]
+        _partly_done(batch_id)
+        if how == "expire":
+            server.force(batch_id, "expire")
+        else:
+            BatchApiHook().cancel_batch(batch_id)  # StopModelInvocationJob
+
+    record = await s3_pipeline.run(f"stop-{how}", "answers", build=BUILD, before_wait=interrupt)
+    assert record.event is not None and record.event["status"] == status, record.event
+    assert isinstance(record.submit_error, BatchFailedError)
+    (batch_id,) = record.event["batch_ids"]
+    job = BatchApiHook().get_batch(batch_id)
+    assert job.raw["status"] == vendor
+    rows = rows_of(s3_pipeline)
+    succeeded = [k for k, (s, _, _) in rows.items() if s == "succeeded"]
+    stopped = [k for k, (s, _, _) in rows.items() if s == status]
+    # The .out file holds the records that ran; Bedrock writes none for the others, which take
+    # the job's end as their status.
+    assert len(rows) == ROWS and len(succeeded) + len(stopped) == ROWS and succeeded and stopped
+    assert len(succeeded) == job.raw["processedRecordCount"]
+
+
+async def test_crash_between_create_and_record_adopts_the_job_found_by_name(
+    batch_server: Any, s3_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serve(batch_server, monkeypatch)
+    seed_texts(s3_pipeline.warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+    manifest = s3_pipeline.build("crash", **BUILD)
+    real_write = StateStore.write
+
+    class Crash(Exception):
+        pass
+
+    keys: list[str] = []
+
+    def crash_when_recording_id(self: StateStore, state: SubmitState) -> None:
+        if state.batch_id:
+            keys.append(state.key)
+            raise Crash(state.batch_id)
+        real_write(self, state)
+
+    monkeypatch.setattr(StateStore, "write", crash_when_recording_id)
+    with pytest.raises(Crash) as crashed:
+        s3_pipeline.submit_op(manifest, wait_for_completion=False).execute(
+            s3_pipeline.context("submit", "crash")
+        )
+    monkeypatch.setattr(StateStore, "write", real_write)
+    created = str(crashed.value)
+    hook = BatchApiHook()
+    # The job's name and its clientRequestToken are the shard's idempotency key.
+    job = hook.get_batch(created)
+    assert job.raw["jobName"] == job.raw["clientRequestToken"] == keys[0]
+    result = s3_pipeline.submit_op(manifest, wait_for_completion=False).execute(
+        s3_pipeline.context("submit", "crash")
+    )
+    assert result["batch_ids"] == [created]
+    assert [b.id for b in hook.list_batches()] == [created]
+
+
+def test_a_local_staging_is_refused_before_anything_is_written(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = serve(batch_server, monkeypatch)
+    seed_texts(wh_pipeline.warehouse, "tickets", [f"question {i}" for i in range(3)])
+    manifest = wh_pipeline.build("local", **BUILD)
+    with pytest.raises(ConfigurationError, match=r"s3://.*staging_root") as refused:
+        wh_pipeline.submit_op(manifest, wait_for_completion=False).execute(
+            wh_pipeline.context("submit", "local")
+        )
+    assert "file://" in str(refused.value)
+    assert server.stats()["counters"].get("batches_created", 0) == 0
+
+
+def test_a_shard_under_the_jobs_minimum_is_refused_before_any_job(
+    batch_server: Any, s3_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = batch_server(dialect="bedrock")
+    conn = orjson.loads(server.connection_json())
+    conn["extra"]["min_records_per_job"] = 5
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", orjson.dumps(conn).decode())
+    seed_texts(s3_pipeline.warehouse, "tickets", [f"question {i}" for i in range(7)])
+    manifest = s3_pipeline.build("small", **{**BUILD, "max_lines": 5})
+    with pytest.raises(
+        ConfigurationError, match=r"shard 1 .*2 record\(s\) but Bedrock runs a batch job of at least 5"
+    ):
+        s3_pipeline.submit_op(manifest, wait_for_completion=False).execute(
+            s3_pipeline.context("submit", "small")
+        )
+    assert server.stats()["counters"].get("batches_created", 0) == 0

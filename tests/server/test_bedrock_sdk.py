@@ -1,0 +1,158 @@
+"""boto3's own ``bedrock`` client drives ``serve --dialect bedrock``: create, get, list, stop, with
+the input and the results on a real S3 server (moto).
+
+botocore builds every request from Bedrock's service model (REST paths, JSON shapes, ISO
+timestamps, ``x-amzn-ErrorType`` errors) and signs it with SigV4, so these tests hold the server
+mode to Amazon's shapes and to a checked signature, not to the provider's dialect.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import boto3
+import orjson
+import pytest
+from botocore.exceptions import ClientError
+
+from tests.fixtures.s3 import S3Staging
+
+KEY_ID, SECRET = "abp-test-key", "abp-test-secret"  # the moto connection's keys (moto takes any)
+ROLE = "arn:aws:iam::123456789012:role/bedrock-batch"
+MODEL = "anthropic.claude-3-haiku-20240307-v1:0"
+DONE = {"Completed", "PartiallyCompleted", "Failed", "Stopped", "Expired"}
+
+
+@pytest.fixture
+def bedrock(batch_server: Any, s3_staging: S3Staging, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The server in bedrock mode, its S3 the test's moto server (boto3 reads the keys from env)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY_ID)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    return batch_server(dialect="bedrock", api_key=f"{KEY_ID}:{SECRET}", s3_endpoint_url=s3_staging.endpoint)
+
+
+def client(server: Any, secret: str = SECRET) -> Any:
+    return boto3.client(
+        "bedrock",
+        endpoint_url=server.root_url,
+        region_name="us-east-1",
+        aws_access_key_id=KEY_ID,
+        aws_secret_access_key=secret,
+    )
+
+
+def records(count: int) -> bytes:
+    return b"".join(
+        orjson.dumps(
+            {
+                "recordId": f"rec{i:04d}",
+                "modelInput": {
+                    "messages": [{"role": "user", "content": [{"text": f"hello number {i}"}]}],
+                    "system": [{"text": "Be brief."}],
+                    "inferenceConfig": {"maxTokens": 20, "temperature": 0},
+                },
+            }
+        )
+        + b"\n"
+        for i in range(count)
+    )
+
+
+def create(sdk: Any, s3: S3Staging, name: str, token: str | None = None) -> str:
+    kwargs: dict[str, Any] = {"clientRequestToken": token} if token else {}
+    answer = sdk.create_model_invocation_job(
+        jobName=name,
+        roleArn=ROLE,
+        modelId=MODEL,
+        inputDataConfig={"s3InputDataConfig": {"s3Uri": f"s3://{s3.bucket}/in/{name}/input.jsonl"}},
+        outputDataConfig={"s3OutputDataConfig": {"s3Uri": f"s3://{s3.bucket}/out/{name}/"}},
+        timeoutDurationInHours=24,
+        modelInvocationType="Converse",
+        tags=[{"key": "airflow_batch_key", "value": name}],
+        **kwargs,
+    )
+    arn: str = answer["jobArn"]
+    return arn
+
+
+def wait_until(sdk: Any, arn: str, states: set[str]) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    job: dict[str, Any] = sdk.get_model_invocation_job(jobIdentifier=arn)
+    while job["status"] not in states:
+        assert time.monotonic() < deadline, f"job stuck in {job['status']}"
+        time.sleep(0.05)
+        job = sdk.get_model_invocation_job(jobIdentifier=arn)
+    return job
+
+
+def test_a_job_runs_from_s3_to_s3(bedrock: Any, s3_staging: S3Staging) -> None:
+    (s3_staging.path("in", "job-a", "input.jsonl")).write_bytes(records(5))
+    sdk = client(bedrock)
+    arn = create(sdk, s3_staging, "job-a", token="tok-a")
+    assert arn.startswith("arn:aws:bedrock:us-east-1:123456789012:model-invocation-job/")
+    # The same token is the same job (an idempotent retry), not a second one.
+    assert create(sdk, s3_staging, "job-a", token="tok-a") == arn
+    job = wait_until(sdk, arn, DONE)
+    assert job["status"] == "Completed"
+    assert (job["totalRecordCount"], job["successRecordCount"], job["errorRecordCount"]) == (5, 5, 0)
+    assert job["jobName"] == "job-a" and job["modelInvocationType"] == "Converse"
+    assert job["submitTime"].tzinfo is not None and job["endTime"] >= job["submitTime"]
+    job_id = arn.rsplit("/", 1)[1]
+    assert sdk.get_model_invocation_job(jobIdentifier=job_id)["jobArn"] == arn
+    keys = s3_staging.keys(f"out/job-a/{job_id}")
+    assert keys == [f"out/job-a/{job_id}/input.jsonl.out", f"out/job-a/{job_id}/manifest.json.out"]
+    lines = [orjson.loads(x) for x in s3_staging.read(keys[0]).splitlines()]
+    assert sorted(x["recordId"] for x in lines) == [f"rec{i:04d}" for i in range(5)]
+    first = lines[0]["modelOutput"]
+    assert first["output"]["message"]["role"] == "assistant" and first["stopReason"] == "end_turn"
+    assert first["usage"]["inputTokens"] > 0
+    manifest = orjson.loads(s3_staging.read(keys[1]))
+    assert manifest["processedRecordCount"] == 5 and manifest["successRecordCount"] == 5
+
+
+def test_list_filters_by_name_and_pages(bedrock: Any, s3_staging: S3Staging) -> None:
+    sdk = client(bedrock)
+    arns = []
+    for name in ("keep-1", "keep-2", "other-1"):
+        s3_staging.path("in", name, "input.jsonl").write_bytes(records(1))
+        arns.append(create(sdk, s3_staging, name))
+    page = sdk.list_model_invocation_jobs(nameContains="keep", maxResults=1, sortOrder="Descending")
+    assert [j["jobArn"] for j in page["invocationJobSummaries"]] == [arns[1]]
+    page = sdk.list_model_invocation_jobs(nameContains="keep", maxResults=1, nextToken=page["nextToken"])
+    assert [j["jobArn"] for j in page["invocationJobSummaries"]] == [arns[0]]
+    assert "nextToken" not in page
+    everything = sdk.get_paginator("list_model_invocation_jobs").paginate(PaginationConfig={"PageSize": 2})
+    assert {j["jobName"] for p in everything for j in p["invocationJobSummaries"]} == {
+        "keep-1",
+        "keep-2",
+        "other-1",
+    }
+
+
+def test_stop_ends_a_running_job_and_a_second_stop_is_refused(bedrock: Any, s3_staging: S3Staging) -> None:
+    bedrock.set_faults(stall_batches=True)
+    s3_staging.path("in", "job-s", "input.jsonl").write_bytes(records(3))
+    sdk = client(bedrock)
+    arn = create(sdk, s3_staging, "job-s")
+    sdk.stop_model_invocation_job(jobIdentifier=arn)
+    job = wait_until(sdk, arn, DONE)
+    assert job["status"] == "Stopped"
+    with pytest.raises(ClientError) as refused:
+        sdk.stop_model_invocation_job(jobIdentifier=arn)
+    assert refused.value.response["Error"]["Code"] == "ValidationException"
+
+
+def test_a_bad_signature_and_a_missing_job_are_refused_as_aws_does(
+    bedrock: Any, s3_staging: S3Staging
+) -> None:
+    with pytest.raises(ClientError) as refused:
+        client(bedrock, secret="not-the-secret").list_model_invocation_jobs()
+    assert refused.value.response["Error"]["Code"] == "InvalidSignatureException"
+    assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 403
+    with pytest.raises(ClientError) as missing:
+        client(bedrock).get_model_invocation_job(jobIdentifier="abcdefabcdef")
+    assert missing.value.response["Error"]["Code"] == "ResourceNotFoundException"
+    with pytest.raises(ClientError) as no_input:
+        create(client(bedrock), s3_staging, "no-input")
+    assert no_input.value.response["Error"]["Code"] == "ValidationException"
