@@ -355,7 +355,7 @@ class BedrockDialect(Dialect):
     def cancel_path(self, batch_id: str) -> str:
         return f"model-invocation-job/{path_segment(batch_id, 'batch_id')}/stop"
 
-    def create_path(self, model: str | None) -> str:
+    def create_path(self, model: str | None, endpoint: str | None = None) -> str:
         return "model-invocation-job"
 
     # ---- request lines ----------------------------------------------------------------

@@ -331,8 +331,13 @@ class VertexDialect(GeminiDialect):
         """The job as a ``Batch``; anything unreadable is a ``BatchApiResponseError``."""
         raw = batch_object(raw)
         name = raw.get("name")
-        if not isinstance(name, str) or not name:
+        if not name:
             raise BatchApiResponseError("batch prediction job has no name", body=dict(raw))
+        if not isinstance(name, str):
+            raise BatchApiResponseError(
+                f"batch prediction job has a name that is not a string ({type(name).__name__})",
+                body=dict(raw),
+            )
         batch_id = _job_id(name)
         state = raw.get("state")
         mapped = STATES.get(state) if isinstance(state, str) else None

@@ -40,10 +40,10 @@ from airflow_batch_provider.server.vertex import (
     download,
     encode_token,
     job_labels_match,
-    new_job_id,
     not_ready,
     output_dir,
     upload,
+    vertex_job_id,
 )
 from airflow_batch_provider.server.wire import AnthropicWire, ApiError, Wire, get_wire
 
@@ -852,7 +852,7 @@ def _prediction_job_routes(r: APIRouter) -> None:
             if on:
                 st.faults.count(f"batch_{name}")
         rec = new_batch_record(
-            new_job_id(), created, wire.window_seconds(created["completion_window"]), st.config, flags
+            vertex_job_id(), created, wire.window_seconds(created["completion_window"]), st.config, flags
         )
         rec["vertex"] = job
         st.engine.submit(rec)

@@ -50,7 +50,7 @@ def _iso(value: float | None) -> str | None:
     return datetime.fromtimestamp(value, tz=timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def new_job_id() -> str:
+def vertex_job_id() -> str:
     """A job id: 19 digits, as Vertex AI issues."""
     return str(secrets.randbelow(9 * 10**18) + 10**18)
 

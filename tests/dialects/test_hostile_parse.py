@@ -125,6 +125,24 @@ def bedrock_item(batch_id: Any, **fields: Any) -> dict[str, Any]:
     }
 
 
+def vertex_item(batch_id: Any, **fields: Any) -> dict[str, Any]:
+    if "status" in fields:
+        fields["state"] = fields.pop("status")
+    name = f"projects/p/locations/us-central1/batchPredictionJobs/{batch_id}"
+    return {
+        "name": name if isinstance(batch_id, str) else batch_id,
+        "displayName": "k",
+        "model": "publishers/google/models/gemini-2.5-flash",
+        "state": "JOB_STATE_RUNNING",
+        "createTime": "2026-01-04T12:00:00.123456Z",
+        "inputConfig": {"instancesFormat": "jsonl", "gcsSource": {"uris": ["gs://b/in.jsonl"]}},
+        "outputConfig": {"predictionsFormat": "jsonl", "gcsDestination": {"outputUriPrefix": "gs://b/out"}},
+        "labels": {"airflow_batch_key": "k"},
+        "completionStats": {"successfulCount": "1", "failedCount": "0", "incompleteCount": "1"},
+        **fields,
+    }
+
+
 ITEMS: dict[str, Callable[..., dict[str, Any]]] = {
     **dict.fromkeys(OPENAI_SHAPED, openai_item),
     "xai": xai_item,
@@ -132,6 +150,7 @@ ITEMS: dict[str, Callable[..., dict[str, Any]]] = {
     "anthropic": anthropic_item,
     "gemini": gemini_item,
     "bedrock": bedrock_item,
+    "vertex": vertex_item,
 }
 
 
@@ -148,6 +167,8 @@ def page_of(dialect: str, items: list[Any], **envelope: Any) -> dict[str, Any]:
         return {"operations": items, **envelope}
     if dialect == "bedrock":
         return {"invocationJobSummaries": items, **envelope}
+    if dialect == "vertex":
+        return {"batchPredictionJobs": items, **envelope}
     return {"object": "list", "data": items, "has_more": False, **envelope}
 
 
@@ -219,8 +240,21 @@ BEDROCK_FIELDS: dict[str, dict[str, Any]] = {
     "count-object": {"successRecordCount": {"n": 1}},
     "name-number": {"jobName": 5},
 }
+VERTEX_FIELDS: dict[str, dict[str, Any]] = {
+    "created-garbage": {"createTime": "yesterday-ish"},
+    "created-object": {"createTime": {"seconds": 1}},
+    "ended-bool": {"endTime": True},
+    "stats-text": {"completionStats": "two"},
+    "count-text": {"completionStats": {"successfulCount": "two"}},
+    "count-negative": {"completionStats": {"failedCount": -1}},
+    "count-object": {"completionStats": {"incompleteCount": {"n": 1}}},
+    "labels-number": {"labels": 5},
+    "label-value-number": {"labels": {"k": 5}},
+    "output-directory-number": {"outputInfo": {"gcsOutputDirectory": 5}},
+}
 FIELDS = {
     "bedrock": BEDROCK_FIELDS,
+    "vertex": VERTEX_FIELDS,
     "xai": XAI_FIELDS,
     "mistral": MISTRAL_FIELDS,
     "anthropic": ANTHROPIC_FIELDS,
@@ -232,6 +266,7 @@ UNKNOWN_STATUS = {
     "mistral": "PAUSED",
     "anthropic": "paused",
     "gemini": "BATCH_STATE_PAUSED",
+    "vertex": "JOB_STATE_UNSPECIFIED",
 }
 
 
@@ -268,7 +303,7 @@ def test_a_batch_that_is_not_an_object_or_has_no_string_id_is_a_response_error(d
             d.parse_batch({**item_of(dialect)("b1"), key: bad_id})
 
 
-@pytest.mark.parametrize("dialect", [*OPENAI_SHAPED, "mistral", "anthropic", "gemini", "bedrock"])
+@pytest.mark.parametrize("dialect", [*OPENAI_SHAPED, "mistral", "anthropic", "gemini", "bedrock", "vertex"])
 def test_an_unknown_status_is_a_read_error_of_its_batch(dialect: str) -> None:
     d = get_dialect(dialect)
     for status in (UNKNOWN_STATUS.get(dialect, "queued"), 5, ["completed"]):

@@ -49,6 +49,7 @@ def test_registry() -> None:
         "gemini",
         "mistral",
         "openai",
+        "vertex",
         "xai",
         "zerogpu",
     ]
@@ -57,10 +58,10 @@ def test_registry() -> None:
     assert get_dialect(D) is D
     with pytest.raises(
         UnknownDialectError,
-        match="unknown dialect 'vertex'.*anthropic, azure, bedrock, doubleword, gemini, mistral, "
-        "openai, xai, zerogpu",
+        match="unknown dialect 'palm'.*anthropic, azure, bedrock, doubleword, gemini, mistral, "
+        "openai, vertex, xai, zerogpu",
     ):
-        get_dialect("vertex")
+        get_dialect("palm")
 
 
 def test_auth_headers() -> None:

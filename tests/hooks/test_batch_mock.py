@@ -1135,6 +1135,7 @@ def test_connection_form_matches_airflow_schemas() -> None:
         "gemini",
         "mistral",
         "openai",
+        "vertex",
         "xai",
         "zerogpu",
     ]
