@@ -487,6 +487,11 @@ class GeminiDialect(Dialect):
             )
         if "embedding" in response:
             return self.embedding_line(key, response, source)
+        return self.answer_line(key, response, source)
+
+    def answer_line(self, key: str, response: Mapping[str, Any], source: ResultSource) -> ResultLine:
+        """A ``GenerateContentResponse`` as the chat completion the merge reads (a response
+        without candidates, a blocked prompt, as a failed line)."""
         blocked = self.blocked_line(key, response)
         if blocked is not None:
             return blocked

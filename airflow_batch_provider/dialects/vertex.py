@@ -41,7 +41,7 @@ from airflow_batch_provider.dialects.base import (
     page_object,
     str_or_none,
 )
-from airflow_batch_provider.dialects.gemini import CHAT, GeminiDialect, chat_completion, int64_count
+from airflow_batch_provider.dialects.gemini import CHAT, GeminiDialect, int64_count
 from airflow_batch_provider.exceptions import (
     BatchApiResponseError,
     ConfigurationError,
@@ -432,17 +432,7 @@ class VertexDialect(GeminiDialect):
                 error=LineError(code="request_failed", message=message),
                 source="error",
             )
-        blocked = self.blocked_line(key, response)
-        if blocked is not None:
-            return blocked
-        return ResultLine(
-            custom_id=key,
-            ok=True,
-            status_code=200,
-            body=chat_completion(response),
-            line_id=str_or_none(response.get("responseId")),
-            source=source,
-        )
+        return self.answer_line(key, response, source)
 
 
 def _job_id(name: str) -> str:

@@ -831,32 +831,7 @@ def _prediction_job_routes(r: APIRouter) -> None:
             raise wire.error(400, f"No object was found at {job['input']}.") from None
         except httpx.HTTPError as exc:
             raise wire.error(400, f"Cannot read {job['input']}: {type(exc).__name__}.") from None
-        st.store.add_file(
-            {
-                "id": file_id,
-                "bytes": path.stat().st_size,
-                "created_at": now(),
-                "filename": "input.jsonl",
-                "purpose": "batch",
-            }
-        )
-        created["input_file_id"] = file_id
-        forced = request.state.fault
-        cfg = st.faults.config
-        flags = {
-            "fail": forced == "fail_validation" or cfg.fail_validation,
-            "expire": forced == "expire" or cfg.expire_batches,
-            "stall": forced == "stall" or cfg.stall_batches,
-        }
-        for name, on in flags.items():
-            if on:
-                st.faults.count(f"batch_{name}")
-        rec = new_batch_record(
-            vertex_job_id(), created, wire.window_seconds(created["completion_window"]), st.config, flags
-        )
-        rec["vertex"] = job
-        st.engine.submit(rec)
-        st.faults.count("batches_created")
+        rec = _start_job(st, request, created, vertex_job_id(), path, "input.jsonl", vertex=job)
         return wire.render_batch(rec)
 
     @r.get(jobs)
@@ -894,6 +869,46 @@ def _prediction_job_routes(r: APIRouter) -> None:
             )
         st.engine.cancel(rec)
         return {}
+
+
+def _start_job(
+    st: ServerState,
+    request: Request,
+    created: dict[str, Any],
+    job_id: str,
+    path: Path,
+    filename: str,
+    **vendor: Any,
+) -> dict[str, Any]:
+    """Run a job whose input an object-store mode downloaded to ``path`` (a file of the store):
+    its batch record (with the forced faults) and the vendor's own fields under its name."""
+    st.store.add_file(
+        {
+            "id": path.name,
+            "bytes": path.stat().st_size,
+            "created_at": now(),
+            "filename": filename,
+            "purpose": "batch",
+        }
+    )
+    created["input_file_id"] = path.name
+    forced = request.state.fault
+    cfg = st.faults.config
+    flags = {
+        "fail": forced == "fail_validation" or cfg.fail_validation,
+        "expire": forced == "expire" or cfg.expire_batches,
+        "stall": forced == "stall" or cfg.stall_batches,
+    }
+    for name, on in flags.items():
+        if on:
+            st.faults.count(f"batch_{name}")
+    rec = new_batch_record(
+        job_id, created, st.wire.window_seconds(created["completion_window"]), st.config, flags
+    )
+    rec.update(vendor)
+    st.engine.submit(rec)
+    st.faults.count("batches_created")
+    return rec
 
 
 def _drops(request: Request, st: ServerState) -> bool:
@@ -1094,32 +1109,7 @@ def _invocation_job_routes(r: APIRouter) -> None:
         except Exception as exc:
             # The job's role cannot read the input: Bedrock refuses the create.
             raise wire.error(400, f"Cannot read the input at {job['input']}: {type(exc).__name__}.") from None
-        st.store.add_file(
-            {
-                "id": file_id,
-                "bytes": path.stat().st_size,
-                "created_at": now(),
-                "filename": job["input_name"],
-                "purpose": "batch",
-            }
-        )
-        created["input_file_id"] = file_id
-        forced = request.state.fault
-        cfg = st.faults.config
-        flags = {
-            "fail": forced == "fail_validation" or cfg.fail_validation,
-            "expire": forced == "expire" or cfg.expire_batches,
-            "stall": forced == "stall" or cfg.stall_batches,
-        }
-        for name, on in flags.items():
-            if on:
-                st.faults.count(f"batch_{name}")
-        rec = new_batch_record(
-            new_job_id(), created, wire.window_seconds(created["completion_window"]), st.config, flags
-        )
-        rec["bedrock"] = job
-        st.engine.submit(rec)
-        st.faults.count("batches_created")
+        rec = _start_job(st, request, created, new_job_id(), path, job["input_name"], bedrock=job)
         return {"jobArn": wire.job_arn(rec["id"])}
 
     @r.get("/model-invocation-job/{job_id:path}")

@@ -33,7 +33,7 @@ from urllib.parse import quote
 import httpx
 import orjson
 
-from airflow_batch_provider.server.wire import SYSTEM_MESSAGES, ApiError, GeminiWire
+from airflow_batch_provider.server.wire import SYSTEM_MESSAGES, ApiError, GeminiWire, tallies
 
 JOBS = "batchPredictionJobs"
 _GS_URI = re.compile(r"gs://([a-z0-9][-_.a-z0-9]{1,220}[a-z0-9])/(.+)")
@@ -213,19 +213,8 @@ class VertexWire(GeminiWire):
     def render_batch(self, rec: Mapping[str, Any]) -> dict[str, Any]:
         job = rec.get("vertex") or {}
         project, location = job.get("project", "p"), job.get("location", "l")
-        counts = rec["request_counts"]
         status = str(rec["status"])
-        done = status in ("completed", "failed", "expired", "cancelled")
-        progress = rec.get("progress") or {}
-        unrun = int(progress.get("cancelled") or 0) + int(progress.get("expired") or 0)
-        succeeded = int(counts["completed"])
-        failed = max(int(counts["failed"]) - unrun, 0)
-        ended = (
-            rec.get("completed_at")
-            or rec.get("failed_at")
-            or rec.get("expired_at")
-            or rec.get("cancelled_at")
-        )
+        done, total, succeeded, failed, _, ended = tallies(rec)
         raw: dict[str, Any] = {
             "name": f"projects/{project}/locations/{location}/{JOBS}/{rec['id']}",
             "displayName": rec.get("name"),
@@ -242,7 +231,7 @@ class VertexWire(GeminiWire):
             "completionStats": {
                 "successfulCount": str(succeeded),
                 "failedCount": str(failed),
-                "incompleteCount": str(max(int(counts["total"]) - succeeded - failed, 0)),
+                "incompleteCount": str(max(total - succeeded - failed, 0)),
             },
         }
         if rec.get("in_progress_at"):

@@ -1474,19 +1474,7 @@ class GeminiWire(Wire):
     def render_batch(self, rec: Mapping[str, Any]) -> dict[str, Any]:
         name = f"batches/{rec['id']}"
         status = str(rec["status"])
-        done = status in ("completed", "failed", "expired", "cancelled")
-        counts = rec["request_counts"]
-        total = int(counts["total"])
-        progress = rec.get("progress") or {}
-        unrun = int(progress.get("cancelled") or 0) + int(progress.get("expired") or 0)
-        succeeded = int(counts["completed"])
-        failed = max(int(counts["failed"]) - unrun, 0)
-        ended = (
-            rec.get("completed_at")
-            or rec.get("failed_at")
-            or rec.get("expired_at")
-            or rec.get("cancelled_at")
-        )
+        done, total, succeeded, failed, unrun, ended = tallies(rec)
         kind = self._KIND.get(str(rec.get("endpoint")), "GenerateContentBatch")
         meta: dict[str, Any] = {
             "@type": self._TYPES + kind,
@@ -1603,6 +1591,21 @@ class GeminiWire(Wire):
             "modelVersion": body.get("model"),
             "responseId": request_id,
         }
+
+
+def tallies(rec: Mapping[str, Any]) -> tuple[bool, int, int, int, int, float | None]:
+    """A batch record as Google reports it: whether it has ended, its requests, those that
+    succeeded, those that failed (a request a cancel or expiry left unrun did not fail), those
+    left unrun, and when it ended."""
+    done = str(rec["status"]) in ("completed", "failed", "expired", "cancelled")
+    counts = rec["request_counts"]
+    progress = rec.get("progress") or {}
+    unrun = int(progress.get("cancelled") or 0) + int(progress.get("expired") or 0)
+    failed = max(int(counts["failed"]) - unrun, 0)
+    ended = (
+        rec.get("completed_at") or rec.get("failed_at") or rec.get("expired_at") or rec.get("cancelled_at")
+    )
+    return done, int(counts["total"]), int(counts["completed"]), failed, unrun, ended
 
 
 def _either(obj: Mapping[str, Any], *names: str) -> Any:
