@@ -176,7 +176,11 @@ async def _afetch_by_grant(info: Mapping[str, Any], scopes: list[str]) -> Token 
         }
     else:
         return None
-    token_uri = str(info.get("token_uri") or DEFAULT_TOKEN_URI)
+    # A service account's key names its token endpoint; user credentials go to Google's, whatever
+    # their file says (as google-auth sends them).
+    token_uri = (
+        str(info.get("token_uri") or DEFAULT_TOKEN_URI) if kind == "service_account" else DEFAULT_TOKEN_URI
+    )
     async with httpx.AsyncClient(timeout=TOKEN_TIMEOUT) as client:
         response = await client.post(token_uri, data=form)
     return _answer_token(response, f"the token endpoint {token_uri}")
@@ -207,7 +211,6 @@ def _grant_info(credentials: Any) -> dict[str, Any] | None:
             "refresh_token": credentials.refresh_token,
             "client_id": credentials.client_id,
             "client_secret": credentials.client_secret,
-            "token_uri": credentials.token_uri,
         }
     return None
 
