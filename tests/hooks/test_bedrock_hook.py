@@ -1,0 +1,79 @@
+"""The Bedrock connection's credentials: read through the amazon provider's ``aws`` connection
+(``aws_conn_id``), signing both clients' calls with SigV4 that ``serve --dialect bedrock`` checks;
+a wrong secret is an auth error that never shows the secret."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from airflow_batch_provider.exceptions import BatchApiAuthError
+from airflow_batch_provider.hooks.batch import BatchApiHook
+from airflow_batch_provider.hooks.credentials import AwsCredentials
+from airflow_batch_provider.hooks.retry import RetryPolicy
+from tests.fixtures.server import AWS_EXTRA, AWS_KEY_ID
+
+SECRET = "bedrock-hook-secret-123456"
+FAST = RetryPolicy(max_retries=1, backoff_initial=0.001, backoff_max=0.002)
+
+
+def connect(server: Any, monkeypatch: pytest.MonkeyPatch, secret: str) -> BatchApiHook:
+    """A batch connection with no keys of its own, signing with the aws connection ``abp_signer``."""
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_ABP_SIGNER",
+        json.dumps(
+            {
+                "conn_type": "aws",
+                "login": AWS_KEY_ID,
+                "password": secret,
+                "extra": {"region_name": "us-east-1"},
+            }
+        ),
+    )
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_BEDROCK_VIA_AWS",
+        json.dumps(
+            {
+                "conn_type": "batch_api",
+                "host": server.base_url,
+                "extra": {"dialect": "bedrock", "aws_conn_id": "abp_signer", **AWS_EXTRA},
+            }
+        ),
+    )
+    return BatchApiHook("bedrock_via_aws", retry_policy=FAST)
+
+
+def test_the_aws_connection_signs_sync_calls(batch_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = batch_server(dialect="bedrock", api_key=SECRET)
+    hook = connect(server, monkeypatch, SECRET)
+    credentials = hook.get_settings().auth.credentials  # type: ignore[union-attr]
+    assert isinstance(credentials, AwsCredentials) and credentials.aws_conn_id == "abp_signer"
+    assert list(hook.list_batches()) == []
+    ok, message = hook.test_connection()
+    assert ok, message
+    # The secret read from the aws connection is redacted like a key.
+    assert SECRET in hook.get_settings().secrets
+
+
+async def test_the_aws_connection_signs_async_calls(
+    batch_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = batch_server(dialect="bedrock", api_key=SECRET)
+    hook = connect(server, monkeypatch, SECRET)
+    async with hook:
+        assert [b async for b in hook.alist_batches()] == []
+
+
+def test_a_wrong_secret_is_refused_without_showing_it(
+    batch_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = batch_server(dialect="bedrock", api_key=SECRET)
+    wrong = "wrong-secret-987654321"
+    hook = connect(server, monkeypatch, wrong)
+    with pytest.raises(BatchApiAuthError) as refused:
+        list(hook.list_batches())
+    assert refused.value.status_code == 403 and wrong not in str(refused.value)
+    ok, message = hook.test_connection()
+    assert not ok and "authenticated: NO" in message and wrong not in message
