@@ -48,7 +48,12 @@ def _columns(warehouse: Any, table: str) -> list[str]:
 
 
 async def test_the_same_rows_land_the_same_through_every_dialect(
-    batch_server: Any, pg_warehouse: Any, tmp_path: Path, task_context: Any, monkeypatch: pytest.MonkeyPatch
+    batch_server: Any,
+    pg_warehouse: Any,
+    tmp_path: Path,
+    task_context: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    object_store: Any,
 ) -> None:
     seed_texts(pg_warehouse, "tickets", _texts())  # type: ignore[arg-type]
     q = pg_warehouse.quote
@@ -57,7 +62,9 @@ async def test_the_same_rows_land_the_same_through_every_dialect(
     for dialect in sorted(DIALECTS):
         server = batch_server(dialect=dialect)
         monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
-        pipeline = Pipeline(pg_warehouse, tmp_path / dialect, task_context)
+        # A vendor whose jobs read object storage (submission_mode) stages the run there.
+        root = server.s3.path("every", dialect) if server.s3 is not None else tmp_path / dialect
+        pipeline = Pipeline(pg_warehouse, root, task_context)
         table = f"answers_{dialect}"
         # A failed line is a partial success: land what succeeded and report the rest.
         await pipeline.run(f"every-{dialect}", table, build=BUILD, submit={"on_partial_failure": "succeed"})
