@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
+import orjson
 import pytest
 
 from airflow_batch_provider.exceptions import BatchApiAuthError
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.hooks.credentials import AwsCredentials
+from airflow_batch_provider.hooks.objects import plain_uri
 from airflow_batch_provider.hooks.retry import RetryPolicy
 from tests.fixtures.server import AWS_EXTRA, AWS_KEY_ID
 
@@ -77,3 +80,49 @@ def test_a_wrong_secret_is_refused_without_showing_it(
     assert refused.value.status_code == 403 and wrong not in str(refused.value)
     ok, message = hook.test_connection()
     assert not ok and "authenticated: NO" in message and wrong not in message
+
+
+class LoseCreateAnswer(httpx.HTTPTransport):
+    """Sends every request; the first create's answer is lost after Bedrock made the job."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if request.method == "POST" and request.url.path == "/model-invocation-job" and not self.lost:
+            response.read()
+            response.close()
+            self.lost += 1
+            raise httpx.ReadTimeout("the answer was lost", request=request)
+        return response
+
+
+def test_a_create_whose_answer_is_lost_is_found_by_its_name(
+    batch_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = batch_server(dialect="bedrock", api_key=SECRET)
+    monkeypatch.setenv("AIRFLOW_CONN_BEDROCK_LOST", server.connection_json())
+    transport = LoseCreateAnswer()
+    hook = BatchApiHook("bedrock_lost", retry_policy=FAST, transport=transport)
+    source = server.s3.path("lost", "input", "shard-00000.jsonl")
+    source.write_bytes(
+        orjson.dumps(
+            {"recordId": "r1", "modelInput": {"messages": [{"role": "user", "content": [{"text": "hi"}]}]}}
+        )
+        + b"\n"
+    )
+    key = "abp-0123456789abcdef01234567-s00000"
+    job = hook.create_batch(
+        input_file_id=plain_uri(source),
+        output_uri=plain_uri(server.s3.path("lost", "output")) + "/",
+        endpoint="/v1/chat/completions",
+        metadata={"airflow_batch_key": key},
+        name=key,
+        model="echo-1",
+    )
+    assert transport.lost == 1
+    # The lookup by name (nameContains) found the job the lost create made: one job, adopted.
+    assert [b.id for b in hook.list_batches()] == [job.id]
+    assert hook.get_batch(job.id).raw["clientRequestToken"] == key
