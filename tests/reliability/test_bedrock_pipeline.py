@@ -245,3 +245,20 @@ async def test_throttling_5xx_and_dropped_s3_reads_are_survived(
     # Whatever failed ambiguously never paid twice: one job per shard.
     assert len(record.manifest["shards"]) == 3
     assert len(list(BatchApiHook().list_batches())) == 3
+
+
+def test_an_encoded_input_over_the_file_limit_is_refused_before_its_job(
+    batch_server: Any, s3_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = batch_server(dialect="bedrock")
+    conn = orjson.loads(server.connection_json())
+    conn["extra"]["max_bytes_per_file"] = 2000
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", orjson.dumps(conn).decode())
+    seed_texts(s3_pipeline.warehouse, "tickets", [f"question {i} " + "x" * 300 for i in range(8)])
+    # Built for a looser limit (shards of ~2.7 KB), submitted through the connection's 2,000 bytes.
+    manifest = s3_pipeline.build("big", **BUILD)
+    with pytest.raises(ConfigurationError, match=r"bytes but a Bedrock input file takes at most 2,000"):
+        s3_pipeline.submit_op(manifest, wait_for_completion=False).execute(
+            s3_pipeline.context("submit", "big")
+        )
+    assert server.stats()["counters"].get("batches_created", 0) == 0
