@@ -126,3 +126,47 @@ def test_a_create_whose_answer_is_lost_is_found_by_its_name(
     # The lookup by name (nameContains) found the job the lost create made: one job, adopted.
     assert [b.id for b in hook.list_batches()] == [job.id]
     assert hook.get_batch(job.id).raw["clientRequestToken"] == key
+
+
+class ExpiringSource:
+    """A refreshable credentials source (an assumed role) counting its refreshes."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock, self.made = clock, 0
+
+    def get_frozen_credentials(self) -> Any:
+        from botocore.credentials import ReadOnlyCredentials
+
+        self.made += 1
+        return ReadOnlyCredentials(f"ASIA{self.made}", f"secret-{self.made}", f"token-{self.made}")
+
+    @property
+    def _expiry_time(self) -> Any:
+        from datetime import datetime, timezone
+
+        return datetime.fromtimestamp(self.clock[0] + 900, tz=timezone.utc)
+
+
+async def test_assumed_role_credentials_are_refreshed_before_they_expire(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
+
+    clock = [1_000_000.0]
+    source = ExpiringSource(clock)
+
+    class Session:
+        region_name = "eu-west-1"
+
+        def get_credentials(self) -> Any:
+            return source
+
+    monkeypatch.setattr(AwsBaseHook, "get_session", lambda self, region_name=None: Session())
+    credentials = AwsCredentials("abp_role", clock=lambda: clock[0])
+    first = credentials.get()
+    assert (first.access_key, credentials.region_name) == ("ASIA1", "eu-west-1")
+    clock[0] += 500  # 400 s left of 900: still fresh (refreshed 300 s before expiry)
+    assert (await credentials.aget()).access_key == "ASIA1" and source.made == 1
+    clock[0] += 200  # 200 s left: refreshed, in a thread
+    assert (await credentials.aget()).access_key == "ASIA2" and source.made == 2
+    assert set(credentials.secret_values) == {"secret-2", "token-2"}
