@@ -286,3 +286,37 @@ def test_dockerfile_installs_what_the_celery_variant_runs() -> None:
     assert "apache-airflow-providers-celery" in text
     extras = re.search(r'"/opt/provider\[([a-z0-9,]+)\]"', text)
     assert extras and "s3" in extras.group(1).split(",")
+
+
+def test_celery_variant_points_at_bedrock_by_configuration_alone(tmp_path: Path) -> None:
+    """docker/.env alone turns the Celery deployment to Amazon Bedrock: the connection signs with
+    SigV4 (keys from the env file), names the service role and region, and stages on real S3."""
+    from airflow.models.connection import Connection
+
+    from airflow_batch_provider import staging
+    from airflow_batch_provider.hooks.settings import settings_from_connection
+
+    values = {
+        **_env_example(),
+        "BATCH_API_DIALECT": "bedrock",
+        "BATCH_API_BASE_URL": "https://bedrock.eu-west-1.amazonaws.com",
+        "BATCH_API_LOGIN": "AKIAEXAMPLEKEYID",
+        "BATCH_API_KEY": "example-secret-key",
+        "BEDROCK_ROLE_ARN": "arn:aws:iam::123456789012:role/bedrock-batch",
+        "BEDROCK_REGION": "eu-west-1",
+        "BATCH_STAGING_ROOT": "s3://aws_default@my-bucket/batch-staging",
+    }
+    env_file = tmp_path / ".env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+    proc = _compose_config(COMPOSE, CELERY, env_file=env_file)
+    assert proc.returncode == 0, proc.stderr
+    env = yaml.safe_load(proc.stdout)["services"]["airflow-worker-1"]["environment"]
+    conn = Connection.from_json(env["AIRFLOW_CONN_BATCH_API_DEFAULT"], conn_id="batch_api_default")
+    settings = settings_from_connection("batch_api_default", conn, conn.extra_dejson, conn_type="batch_api")
+    dialect = settings.dialect
+    assert dialect.name == "bedrock" and settings.base_url == "https://bedrock.eu-west-1.amazonaws.com"
+    assert (dialect.region, dialect.role_arn) == ("eu-west-1", values["BEDROCK_ROLE_ARN"])  # type: ignore[attr-defined]
+    assert settings.auth is not None and settings.auth.credentials.aws_conn_id is None  # type: ignore[attr-defined]
+    root = staging.resolve_path(env["AIRFLOW__BATCH_PROVIDER__STAGING_ROOT"])
+    assert (root.protocol, root.bucket) == ("s3", "my-bucket")
+    dialect.check_staging(root)

@@ -14,12 +14,10 @@ from typing import Any
 
 import httpx
 
+from airflow_batch_provider.dialects.tokens import url_origin
+
 # Headers signed besides every ``x-amz-*``: the ones no proxy or client rewrites.
 _SIGNED = ("host", "content-type")
-
-
-def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
-    return (url.scheme, url.host, url.port)
 
 
 class SigV4Auth(httpx.Auth):
@@ -35,7 +33,7 @@ class SigV4Auth(httpx.Auth):
     requires_request_body = True
 
     def __init__(self, origin_url: str, credentials: Any, service: str, region: str | None) -> None:
-        self._origin = _origin(httpx.URL(origin_url))
+        self._origin = url_origin(httpx.URL(origin_url))
         self.credentials = credentials
         self.service = service
         self.region = region
@@ -64,11 +62,11 @@ class SigV4Auth(httpx.Auth):
                 request.headers[name] = value
 
     def sync_auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        if _origin(request.url) == self._origin:
+        if url_origin(request.url) == self._origin:
             self.sign(request, self.credentials.get())
         yield request
 
     async def async_auth_flow(self, request: httpx.Request) -> AsyncGenerator[httpx.Request, httpx.Response]:
-        if _origin(request.url) == self._origin:
+        if url_origin(request.url) == self._origin:
             self.sign(request, await self.credentials.aget())
         yield request

@@ -39,7 +39,8 @@ SyncFetch = Callable[[], Token]
 AsyncFetch = Callable[[], Awaitable[Token]]
 
 
-def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
+def url_origin(url: httpx.URL) -> tuple[str, str, int | None]:
+    """``(scheme, host, port)``: what an auth compares to sign only requests to its API's origin."""
     return (url.scheme, url.host, url.port)
 
 
@@ -72,7 +73,7 @@ class RefreshingBearerAuth(httpx.Auth):
         close: Callable[[], None] | None = None,
         aclose: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        self._origin = _origin(httpx.URL(origin_url))
+        self._origin = url_origin(httpx.URL(origin_url))
         self._fetch = fetch
         self._afetch = afetch
         self._what = what
@@ -122,7 +123,7 @@ class RefreshingBearerAuth(httpx.Auth):
         return request
 
     def _wants_token(self, request: httpx.Request) -> bool:
-        return _origin(request.url) == self._origin
+        return url_origin(request.url) == self._origin
 
     def token(self) -> Token:
         """The current token, fetched (blocking) when there is none or it is about to expire."""

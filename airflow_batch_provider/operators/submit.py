@@ -581,9 +581,16 @@ class SubmitBatchOperator(BaseOperator):
         # A folder of its own: a vendor may read every object under the input's folder.
         target = folder / "input" / shard.path.name
         encoder = ShardEncoder(dialect, where=str(shard.path), model=self.model, defaults=defaults)
+        size = 0
         with atomic_writer(target) as out, open_read(shard.path) as src:
             for line in encoder.lines(src):
                 out.write(line)
+                size += len(line)
+        # The encoded copy's bytes are known only now (an encoding may grow a line): checked
+        # against the vendor's per-job bounds before this shard's job is created.
+        problem = dialect.job_problem(None, size)
+        if problem is not None:
+            raise ConfigurationError(f"shard {shard.index} ({target}): {problem}")
         input_uri = plain_uri(target)
         output_uri = plain_uri(folder / "output") + "/"
         state = SubmitState(

@@ -674,15 +674,7 @@ def _batch_routes(r: APIRouter) -> None:
         if forced == "token_limit":
             st.faults.count("token_limit")
             raise wire.token_limit_exceeded()
-        cfg = st.faults.config
-        flags: dict[str, Any] = {
-            "fail": forced in ("fail_validation", "token_limit_failed") or cfg.fail_validation,
-            "expire": forced == "expire" or cfg.expire_batches,
-            "stall": forced == "stall" or cfg.stall_batches,
-        }
-        for name, on in flags.items():
-            if on:
-                st.faults.count(f"batch_{name}")
+        flags = _fault_flags(st, forced, ("fail_validation", "token_limit_failed"))
         if forced == "token_limit_failed":
             flags["fail_code"] = "token_limit_exceeded"
         rec = new_batch_record(
@@ -892,16 +884,7 @@ def _start_job(
         }
     )
     created["input_file_id"] = path.name
-    forced = request.state.fault
-    cfg = st.faults.config
-    flags = {
-        "fail": forced == "fail_validation" or cfg.fail_validation,
-        "expire": forced == "expire" or cfg.expire_batches,
-        "stall": forced == "stall" or cfg.stall_batches,
-    }
-    for name, on in flags.items():
-        if on:
-            st.faults.count(f"batch_{name}")
+    flags = _fault_flags(st, request.state.fault, ("fail_validation",))
     rec = new_batch_record(
         job_id, created, st.wire.window_seconds(created["completion_window"]), st.config, flags
     )
@@ -1141,6 +1124,20 @@ def _invocation_job_routes(r: APIRouter) -> None:
         if rec["status"] in ("cancelling", "cancelled"):
             raise wire.error(400, f"The job is already {wire.status_of(rec)}; it cannot be stopped.")
         return _cancel(st, rec["id"])
+
+
+def _fault_flags(st: ServerState, forced: str | None, fail_on: tuple[str, ...]) -> dict[str, Any]:
+    """The batch faults a create sets (the request's forced fault, or the server's), counted."""
+    cfg = st.faults.config
+    flags: dict[str, Any] = {
+        "fail": forced in fail_on or cfg.fail_validation,
+        "expire": forced == "expire" or cfg.expire_batches,
+        "stall": forced == "stall" or cfg.stall_batches,
+    }
+    for name, on in flags.items():
+        if on:
+            st.faults.count(f"batch_{name}")
+    return flags
 
 
 def _s3(st: ServerState) -> Any:

@@ -18,7 +18,7 @@ from airflow_batch_provider.exceptions import BatchFailedError, ConfigurationErr
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.submission import StateStore, SubmitState
 from tests.fixtures.reliability import MESSAGES, Pipeline, rows_of, seed_texts
-from tests.fixtures.s3 import S3Staging
+from tests.fixtures.s3 import S3Staging, cut_object_reads
 
 ROWS = 30
 BUILD = {"table": "tickets", "key_columns": "id", "messages": MESSAGES, "dialect": "bedrock"}
@@ -213,5 +213,52 @@ def test_a_shard_under_the_jobs_minimum_is_refused_before_any_job(
     ):
         s3_pipeline.submit_op(manifest, wait_for_completion=False).execute(
             s3_pipeline.context("submit", "small")
+        )
+    assert server.stats()["counters"].get("batches_created", 0) == 0
+
+
+async def test_throttling_5xx_and_dropped_s3_reads_are_survived(
+    batch_server: Any,
+    s3_pipeline: Pipeline,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 429s (ThrottlingException), 500s and 503s on every kind of call, the create included (a 5xx
+    # may have made the job, which is then looked for by name before any retry), and the
+    # results' S3 reads cut mid-object (resumed at the byte reached).
+    faults = {"rate_429": 0.12, "rate_500": 0.12, "rate_503": 0.12, "retry_after": 0.05}
+    server = serve(batch_server, monkeypatch, faults=faults, validate_seconds=2000, finalize_seconds=2000)
+    cuts = cut_object_reads(monkeypatch)
+    rows = seed_texts(s3_pipeline.warehouse, "tickets", [f"ticket {i}" for i in range(ROWS)])
+    record = await s3_pipeline.run("faults", "answers", build={**BUILD, "max_lines": 10})
+    counters = server.stats()["counters"]
+    server.set_faults(rate_429=0, rate_500=0, rate_503=0)
+    out = capsys.readouterr().out
+    assert record.submit_error is None, record.submit_error
+    assert record.event is not None and record.event["status"] == "success", record.event
+    assert min(counters.get(f"status_{code}", 0) for code in (429, 500, 503)) > 0, counters
+    assert out.count("create failed ambiguously") >= 1
+    assert any(offset > 0 for offset in cuts), cuts  # a read resumed past the start of its object
+    got = dict(s3_pipeline.warehouse.rows("SELECT id, content FROM answers WHERE status = 'succeeded'"))
+    assert s3_pipeline.warehouse.rows("SELECT COUNT(*), COUNT(DISTINCT id) FROM answers") == [(ROWS, ROWS)]
+    assert got == {i: f"echo: {text}" for i, text in rows}
+    # Whatever failed ambiguously never paid twice: one job per shard.
+    assert len(record.manifest["shards"]) == 3
+    assert len(list(BatchApiHook().list_batches())) == 3
+
+
+def test_an_encoded_input_over_the_file_limit_is_refused_before_its_job(
+    batch_server: Any, s3_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = batch_server(dialect="bedrock")
+    conn = orjson.loads(server.connection_json())
+    conn["extra"]["max_bytes_per_file"] = 2000
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", orjson.dumps(conn).decode())
+    seed_texts(s3_pipeline.warehouse, "tickets", [f"question {i} " + "x" * 300 for i in range(8)])
+    # Built for a looser limit (shards of ~2.7 KB), submitted through the connection's 2,000 bytes.
+    manifest = s3_pipeline.build("big", **BUILD)
+    with pytest.raises(ConfigurationError, match=r"bytes but a Bedrock input file takes at most 2,000"):
+        s3_pipeline.submit_op(manifest, wait_for_completion=False).execute(
+            s3_pipeline.context("submit", "big")
         )
     assert server.stats()["counters"].get("batches_created", 0) == 0

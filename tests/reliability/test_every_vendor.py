@@ -53,7 +53,7 @@ async def test_the_same_rows_land_the_same_through_every_dialect(
     tmp_path: Path,
     task_context: Any,
     monkeypatch: pytest.MonkeyPatch,
-    s3_staging: Any,
+    object_store: Any,
     gcs_staging: Any,
     google_key: Any,
 ) -> None:
@@ -65,7 +65,7 @@ async def test_the_same_rows_land_the_same_through_every_dialect(
     for dialect in sorted(DIALECTS):
         server = batch_server(dialect=dialect)
         monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
-        # A vendor whose jobs read object storage is staged in its server's bucket.
+        # A vendor whose jobs read object storage (submission_mode) stages the run there.
         root = server.s3.path("every", dialect) if server.s3 is not None else tmp_path / dialect
         pipeline = Pipeline(pg_warehouse, root, task_context)
         table = f"answers_{dialect}"
