@@ -1,0 +1,171 @@
+"""Queue-aware submission (#27 section 3) through the real pipeline, on PostgreSQL and DuckDB.
+
+The local server enforces a real enqueued-token limit per model (``max_enqueued_tokens``), in
+both of the vendors' forms: a create refused at once (Azure) or a batch created and then failed
+with ``token_limit_exceeded`` (OpenAI). A submit with the same ``max_enqueued_tokens`` creates
+shards while its ledger has room, defers to ``QueueRoomTrigger`` until earlier batches finish,
+and creates the rest; a batch the server refused or failed for its limit is created again after
+waiting, never landed as failed rows; past ``queue_timeout`` it fails saying why.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import httpx
+import pytest
+
+from airflow_batch_provider.exceptions import ConfigurationError, EnqueuedTokenTimeoutError
+from tests.fixtures.reliability import MESSAGES, Pipeline, first_event, rebuild_trigger, seed_texts
+
+ROWS = 12
+BUILD = {"table": "tickets", "key_columns": "id", "messages": MESSAGES, "max_lines": 3}  # four shards
+
+
+def serve(batch_server: Any, monkeypatch: pytest.MonkeyPatch, **config: Any) -> Any:
+    server = batch_server(**config)
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
+    return server
+
+
+def seed(pipeline: Pipeline) -> None:
+    seed_texts(pipeline.warehouse, "tickets", [f"where is my order number {i}?" for i in range(1, ROWS + 1)])
+
+
+async def drive(pipeline: Pipeline, manifest: Any, run_id: str, **kwargs: Any) -> tuple[Any, list[str]]:
+    """Run the submit as a task runner would: each deferral's trigger rebuilt and run to its
+    event, then the method it names; returns the task's result and the triggers it deferred to."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    op = pipeline.submit_op(manifest, **kwargs)
+    ctx = pipeline.context(op.task_id, run_id)
+    step: Callable[[], Any] = partial(op.execute, ctx)
+    deferred_to: list[str] = []
+    while True:
+        try:
+            return step(), deferred_to
+        except TaskDeferred as deferred:
+            deferred_to.append(type(deferred.trigger).__name__)
+            event = await first_event(rebuild_trigger(deferred.trigger))
+            step = partial(getattr(op, deferred.method_name), ctx, event, **(deferred.kwargs or {}))
+
+
+def shard_tokens(manifest: dict[str, Any]) -> list[int]:
+    return [int(s["input_tokens"]) for s in manifest["shards"]]
+
+
+def foreign_batch(server: Any, lines: int, fault: str | None = None) -> str:
+    """A batch of another user of the same key (no ledger entry): invisible to the submit's ledger."""
+    headers = server.auth_headers() or {"Authorization": "Bearer sk-test"}
+    body = "".join(
+        json.dumps(
+            {
+                "custom_id": f"other-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": "echo-1",
+                    "messages": [{"role": "user", "content": f"where is my order number {i}?"}],
+                },
+            }
+        )
+        + "\n"
+        for i in range(lines)
+    )
+    up = httpx.post(
+        f"{server.base_url}/files",
+        headers=headers,
+        files={"file": ("other.jsonl", body.encode())},
+        data={"purpose": "batch"},
+    )
+    up.raise_for_status()
+    extra = {"X-Batch-Fault": fault} if fault else {}
+    created = httpx.post(
+        f"{server.base_url}/batches",
+        headers={**headers, **extra},
+        json={
+            "input_file_id": up.json()["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+    )
+    created.raise_for_status()
+    return str(created.json()["id"])
+
+
+async def test_shards_over_the_cap_wait_for_earlier_batches_and_never_pass_it(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed(wh_pipeline)
+    manifest = wh_pipeline.build("sizes", **BUILD)
+    sizes = shard_tokens(manifest)
+    assert len(sizes) == 4 and min(sizes) * 3 > max(sizes) * 2
+    cap = 2 * max(sizes)  # two shards fit at once, three never
+    server = serve(batch_server, monkeypatch, max_enqueued_tokens=cap, enqueued_limit_form="refuse")
+    result, deferred_to = await drive(wh_pipeline, manifest, "queued", max_enqueued_tokens=cap)
+    # It waited for room (deferred, no worker slot) before the rest, then for the batches.
+    assert deferred_to.count("QueueRoomTrigger") >= 2
+    assert result["outcome"]["status"] == "success" and len(result["batch_ids"]) == 4
+    counters = server.stats()["counters"]
+    # From the server's own records: never more than the cap enqueued, never refused, four creates.
+    assert 0 < counters["enqueued_tokens_peak"] <= cap
+    assert counters.get("enqueued_limit_refused", 0) == 0 and counters["batches_created"] == 4
+    merged = await _merge(wh_pipeline, result, manifest)
+    assert merged == {"succeeded": ROWS}
+
+
+@pytest.mark.parametrize("form", ["refuse", "fail"])
+async def test_a_create_refused_or_a_batch_failed_for_the_queue_limit_is_created_again(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    seed(wh_pipeline)
+    manifest = wh_pipeline.build("sizes", **BUILD)
+    total = sum(shard_tokens(manifest))
+    server = serve(batch_server, monkeypatch, max_enqueued_tokens=total, enqueued_limit_form=form)
+    # Another user of the key fills the queue; the submit's ledger cannot see that batch.
+    foreign_batch(server, ROWS)
+    result, deferred_to = await drive(wh_pipeline, manifest, f"again-{form}", max_enqueued_tokens=total)
+    counters = server.stats()["counters"]
+    assert counters[f"enqueued_limit_{'refused' if form == 'refuse' else 'failed'}"] >= 1
+    assert "QueueRoomTrigger" in deferred_to
+    assert result["outcome"]["status"] == "success" and len(result["batch_ids"]) == 4
+    assert counters["enqueued_tokens_peak"] <= total
+    # Wait, then create again: no row lands failed for the queue limit.
+    assert await _merge(wh_pipeline, result, manifest) == {"succeeded": ROWS}
+
+
+async def test_no_room_before_the_queue_timeout_fails_saying_why(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed(wh_pipeline)
+    manifest = wh_pipeline.build("sizes", **BUILD)
+    total = sum(shard_tokens(manifest))
+    server = serve(batch_server, monkeypatch, max_enqueued_tokens=total, enqueued_limit_form="refuse")
+    foreign_batch(server, ROWS, fault="stall")  # holds the queue for good
+    with pytest.raises(
+        EnqueuedTokenTimeoutError, match="no room for the next shard under max_enqueued_tokens"
+    ):
+        await drive(wh_pipeline, manifest, "deadline", max_enqueued_tokens=total, queue_timeout=1.0)
+    assert server.stats()["counters"]["enqueued_limit_refused"] >= 1
+
+
+async def test_a_shard_larger_than_the_cap_fails_before_any_upload(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed(wh_pipeline)
+    manifest = wh_pipeline.build("sizes", **BUILD)
+    server = serve(batch_server, monkeypatch)
+    cap = max(shard_tokens(manifest)) - 1
+    with pytest.raises(ConfigurationError, match="more than max_enqueued_tokens"):
+        await drive(wh_pipeline, manifest, "too-big", max_enqueued_tokens=cap)
+    assert server.stats()["counters"].get("files_uploaded", 0) == 0
+
+
+async def _merge(pipeline: Pipeline, result: Any, manifest: Any) -> dict[str, int]:
+    import asyncio
+
+    await asyncio.to_thread(pipeline.merge, result, manifest, "answers")
+    return dict(pipeline.status_counts("answers"))
