@@ -619,8 +619,8 @@ class SubmitBatchOperator(BaseOperator):
                 self._queue_timeout_message(
                     str(payload.get("started")),
                     deadline,
-                    self.model or "",
-                    self.max_enqueued_tokens or 0,
+                    str(payload.get("model") or ""),
+                    int(payload.get("cap") or 0),
                 )
             )
         if status != "ready":

@@ -98,7 +98,17 @@ class QueueRoomTrigger(BaseTrigger):
         )
 
     def _event(self, status: str, **fields: Any) -> TriggerEvent:
-        return TriggerEvent({"status": status, "started": self.started, "deadline": self.deadline, **fields})
+        # The wait's own settings travel back: ``airflow dags test`` resumes with the event alone.
+        return TriggerEvent(
+            {
+                "status": status,
+                "model": self.model,
+                "cap": self.cap,
+                "started": self.started,
+                "deadline": self.deadline,
+                **fields,
+            }
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from airflow_batch_provider.hooks.batch import BatchApiHook

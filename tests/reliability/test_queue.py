@@ -10,16 +10,12 @@ waiting, never landed as failed rows; past ``queue_timeout`` it fails saying why
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
-from functools import partial
 from typing import Any
 
-import httpx
 import pytest
 
 from airflow_batch_provider.exceptions import ConfigurationError, EnqueuedTokenTimeoutError
-from tests.fixtures.reliability import MESSAGES, Pipeline, first_event, rebuild_trigger, seed_texts
+from tests.fixtures.reliability import MESSAGES, Pipeline, drive, foreign_batch, seed_texts
 
 ROWS = 12
 BUILD = {"table": "tickets", "key_columns": "id", "messages": MESSAGES, "max_lines": 3}  # four shards
@@ -35,65 +31,8 @@ def seed(pipeline: Pipeline) -> None:
     seed_texts(pipeline.warehouse, "tickets", [f"where is my order number {i}?" for i in range(1, ROWS + 1)])
 
 
-async def drive(pipeline: Pipeline, manifest: Any, run_id: str, **kwargs: Any) -> tuple[Any, list[str]]:
-    """Run the submit as a task runner would: each deferral's trigger rebuilt and run to its
-    event, then the method it names; returns the task's result and the triggers it deferred to."""
-    from airflow.sdk.exceptions import TaskDeferred
-
-    op = pipeline.submit_op(manifest, **kwargs)
-    ctx = pipeline.context(op.task_id, run_id)
-    step: Callable[[], Any] = partial(op.execute, ctx)
-    deferred_to: list[str] = []
-    while True:
-        try:
-            return step(), deferred_to
-        except TaskDeferred as deferred:
-            deferred_to.append(type(deferred.trigger).__name__)
-            event = await first_event(rebuild_trigger(deferred.trigger))
-            step = partial(getattr(op, deferred.method_name), ctx, event, **(deferred.kwargs or {}))
-
-
 def shard_tokens(manifest: dict[str, Any]) -> list[int]:
     return [int(s["input_tokens"]) for s in manifest["shards"]]
-
-
-def foreign_batch(server: Any, lines: int, fault: str | None = None) -> str:
-    """A batch of another user of the same key (no ledger entry): invisible to the submit's ledger."""
-    headers = server.auth_headers() or {"Authorization": "Bearer sk-test"}
-    body = "".join(
-        json.dumps(
-            {
-                "custom_id": f"other-{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": "echo-1",
-                    "messages": [{"role": "user", "content": f"where is my order number {i}?"}],
-                },
-            }
-        )
-        + "\n"
-        for i in range(lines)
-    )
-    up = httpx.post(
-        f"{server.base_url}/files",
-        headers=headers,
-        files={"file": ("other.jsonl", body.encode())},
-        data={"purpose": "batch"},
-    )
-    up.raise_for_status()
-    extra = {"X-Batch-Fault": fault} if fault else {}
-    created = httpx.post(
-        f"{server.base_url}/batches",
-        headers={**headers, **extra},
-        json={
-            "input_file_id": up.json()["id"],
-            "endpoint": "/v1/chat/completions",
-            "completion_window": "24h",
-        },
-    )
-    created.raise_for_status()
-    return str(created.json()["id"])
 
 
 async def test_shards_over_the_cap_wait_for_earlier_batches_and_never_pass_it(
@@ -126,7 +65,7 @@ async def test_a_create_refused_or_a_batch_failed_for_the_queue_limit_is_created
     total = sum(shard_tokens(manifest))
     server = serve(batch_server, monkeypatch, max_enqueued_tokens=total, enqueued_limit_form=form)
     # Another user of the key fills the queue; the submit's ledger cannot see that batch.
-    foreign_batch(server, ROWS)
+    foreign_batch(server, ROWS, model="echo-1")
     result, deferred_to = await drive(wh_pipeline, manifest, f"again-{form}", max_enqueued_tokens=total)
     counters = server.stats()["counters"]
     assert counters[f"enqueued_limit_{'refused' if form == 'refuse' else 'failed'}"] >= 1
@@ -144,7 +83,7 @@ async def test_no_room_before_the_queue_timeout_fails_saying_why(
     manifest = wh_pipeline.build("sizes", **BUILD)
     total = sum(shard_tokens(manifest))
     server = serve(batch_server, monkeypatch, max_enqueued_tokens=total, enqueued_limit_form="refuse")
-    foreign_batch(server, ROWS, fault="stall")  # holds the queue for good
+    foreign_batch(server, ROWS, model="echo-1", fault="stall")  # holds the queue for good
     with pytest.raises(
         EnqueuedTokenTimeoutError, match="no room for the next shard under max_enqueued_tokens"
     ):
@@ -169,3 +108,29 @@ async def _merge(pipeline: Pipeline, result: Any, manifest: Any) -> dict[str, in
 
     await asyncio.to_thread(pipeline.merge, result, manifest, "answers")
     return dict(pipeline.status_counts("answers"))
+
+
+@pytest.mark.parametrize("deferrable", [True, False])
+async def test_another_runs_batches_are_in_the_ledger(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch, deferrable: bool
+) -> None:
+    seed(wh_pipeline)
+    manifest = wh_pipeline.build("first", **BUILD)
+    total = sum(shard_tokens(manifest))
+    server = serve(batch_server, monkeypatch, max_enqueued_tokens=total, enqueued_limit_form="fail")
+    # Run one fills the queue and returns without waiting (another task, another worker).
+    first, waited = await drive(
+        wh_pipeline, manifest, "first", max_enqueued_tokens=total, wait_for_completion=False
+    )
+    assert len(first["batch_ids"]) == 4 and waited.count("QueueRoomTrigger") == 1  # until validated
+    # Run two reads run one's entries from the vendor's listing and waits for them to finish,
+    # deferred or (deferrable=False) polling on its worker.
+    second_manifest = wh_pipeline.build("second", **BUILD)
+    second, deferred_to = await drive(
+        wh_pipeline, second_manifest, "second", max_enqueued_tokens=total, deferrable=deferrable
+    )
+    assert ("QueueRoomTrigger" in deferred_to) is deferrable
+    assert second["outcome"]["status"] == "success" and len(second["batch_ids"]) == 4
+    counters = server.stats()["counters"]
+    assert counters["enqueued_tokens_peak"] <= total and counters.get("enqueued_limit_failed", 0) == 0
+    assert counters["batches_created"] == 8
