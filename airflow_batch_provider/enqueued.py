@@ -67,12 +67,13 @@ class Ledger:
 
     :param model: the model ("" for lines naming none).
     :param tokens: the sum of the enqueued batches' entries.
-    :param batches: ``{batch id: state}`` of every batch read (enqueued or not), for watching one's own.
+    :param batches: every batch read (enqueued or not) by id: a submit judges its own batches by
+        them without reading each again.
     """
 
     model: str
     tokens: int = 0
-    batches: dict[str, BatchState] = field(default_factory=dict)
+    batches: dict[str, Batch] = field(default_factory=dict)
 
     def fits(self, tokens: int, cap: int) -> bool:
         """Whether a batch of ``tokens`` may be created now under ``cap``."""
@@ -82,13 +83,13 @@ class Ledger:
 def tally(batches: Iterable[Batch], dialect: Dialect, model: str) -> Ledger:
     """The ledger of ``model`` over ``batches`` (already read; those without an entry count 0)."""
     tokens = 0
-    states: dict[str, BatchState] = {}
+    read: dict[str, Batch] = {}
     for batch in batches:
-        states[batch.id] = batch.state
+        read[batch.id] = batch
         entry = parse_queue_tag(dialect.metadata_of(batch).get(QUEUE_TAG))
         if entry is not None and entry[1] == model and batch.state in ENQUEUED_STATES:
             tokens += entry[0]
-    return Ledger(model, tokens, states)
+    return Ledger(model, tokens, read)
 
 
 def check_ledger_dialect(dialect: Dialect) -> None:

@@ -51,7 +51,7 @@ def test_the_tally_sums_enqueued_batches_of_the_model_only() -> None:
     ]
     ledger = tally(batches, get_dialect("openai"), "m")
     assert ledger.tokens == 100
-    assert ledger.batches["a"] is BatchState.VALIDATING and len(ledger.batches) == len(batches)
+    assert ledger.batches["a"].state is BatchState.VALIDATING and len(ledger.batches) == len(batches)
 
 
 def test_fits_up_to_the_cap_inclusive() -> None:

@@ -317,7 +317,7 @@ class SubmitBatchOperator(BaseOperator):
         if cap is None:
             states = [self.submit_shard(hook, dialect, store, identity, shard) for shard in shards]
         else:
-            states = self._submit_queued(hook, dialect, store, identity, shards, manifest_file, cap)
+            states = self._submit_queued(context, hook, dialect, store, identity, shards, manifest_file, cap)
         for shard, state in zip(shards, states, strict=True):
             records.append(
                 {
@@ -471,6 +471,7 @@ class SubmitBatchOperator(BaseOperator):
 
     def _submit_queued(
         self,
+        context: Context,
         hook: BatchApiHook,
         dialect: Dialect,
         store: SubmissionStateStore,
@@ -495,7 +496,9 @@ class SubmitBatchOperator(BaseOperator):
             done = self._queue_pass(hook, dialect, store, identity, shards, sizes, model, cap)
             if isinstance(done, list):
                 return done
-            need, watch = done
+            need, watch, created = done
+            # Before any wait: the links show them, and a killed task can cancel them.
+            push_batch_ids(context, created)
             if deadline is not None and now_utc() >= deadline:
                 raise EnqueuedTokenTimeoutError(self._queue_timeout_message(started, deadline, model, cap))
             if self.deferrable:
@@ -511,6 +514,8 @@ class SubmitBatchOperator(BaseOperator):
                         deadline=deadline.isoformat() if deadline is not None else None,
                         poll_interval=self.poll_interval,
                         max_consecutive_errors=self.max_consecutive_errors,
+                        created_ids=created,
+                        cancel_on_kill=self.cancel_on_kill,
                     ),
                     method_name="resume_queued",
                 )
@@ -526,16 +531,25 @@ class SubmitBatchOperator(BaseOperator):
         sizes: Mapping[int, int],
         model: str,
         cap: int,
-    ) -> list[SubmitState] | tuple[int, list[str]]:
+    ) -> list[SubmitState] | tuple[int, list[str], list[str]]:
         """One pass over the shards in order: every shard's state when all have live batches past
-        ``validating``; else what to wait for: (tokens the next shard needs, batches validating)."""
-        held = read_ledger(hook, model, now_utc()).tokens
+        ``validating``; else what to wait for: (tokens the next shard needs, batches validating,
+        every batch created so far)."""
+        ledger = read_ledger(hook, model, now_utc())
+        held = ledger.tokens
         states: list[SubmitState] = []
         validating: list[str] = []
+
+        def waiting(need: int) -> tuple[int, list[str], list[str]]:
+            return need, validating, [str(s.batch_id) for s in states]
+
         for shard in shards:
             state = store.read(identity.key(shard.index))
             live = self._live_batch(
-                hook, state, effective_fingerprint(shard.fingerprint, self.model, self._line_defaults)
+                hook,
+                state,
+                effective_fingerprint(shard.fingerprint, self.model, self._line_defaults),
+                ledger.batches,
             )
             if live is not None and state is not None:
                 if live.state is BatchState.VALIDATING:
@@ -552,7 +566,7 @@ class SubmitBatchOperator(BaseOperator):
                     cap,
                     model,
                 )
-                return size, validating
+                return waiting(size)
             try:
                 state = self.submit_shard(hook, dialect, store, identity, shard, queue=queue_tag(size, model))
             except BatchApiError as exc:
@@ -561,23 +575,34 @@ class SubmitBatchOperator(BaseOperator):
                 self.log.warning(
                     "Shard %d: the vendor's queue is full; creating it again later: %s", shard.index, exc
                 )
-                return size, validating
+                return waiting(size)
             held += size
             states.append(state)
             validating.append(str(state.batch_id))
         if validating:
             self.log.info("Waiting for %d new batch(es) to leave validating", len(validating))
-            return 0, validating
+            return waiting(0)
         return states
 
-    def _live_batch(self, hook: BatchApiHook, state: SubmitState | None, fingerprint: str) -> Batch | None:
-        """The recorded batch of a shard when it stands (a re-attach, not a new create), else None."""
+    def _live_batch(
+        self,
+        hook: BatchApiHook,
+        state: SubmitState | None,
+        fingerprint: str,
+        listed: Mapping[str, Batch],
+    ) -> Batch | None:
+        """The recorded batch of a shard when it stands (a re-attach, not a new create), else None.
+
+        :param listed: the batches the ledger just listed, read instead of one get per shard.
+        """
         if state is None or not state.batch_id or state.fingerprint != fingerprint:
             return None
-        try:
-            batch = hook.get_batch(state.batch_id)
-        except BatchApiNotFoundError:
-            return None
+        batch = listed.get(state.batch_id)
+        if batch is None:
+            try:
+                batch = hook.get_batch(state.batch_id)
+            except BatchApiNotFoundError:
+                return None
         if _queue_failed(batch) or (batch.state in _BAD_END and self.resubmit_failed):
             return None
         return batch

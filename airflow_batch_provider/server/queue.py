@@ -55,7 +55,7 @@ def count_file(path: Path, dialect_name: str, model: str | None, canonical: Any 
                 obj = orjson.loads(raw)
                 if canonical is not None:
                     obj = canonical(obj)
-            except (orjson.JSONDecodeError, ValueError):
+            except (orjson.JSONDecodeError, ValueError, KeyError, TypeError):
                 continue  # validation reports the line; it holds no tokens of its own here
             body = obj.get("body") if isinstance(obj, dict) else None
             if not isinstance(body, dict):

@@ -23,19 +23,25 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_batch_provider.constants import DEFAULT_CONN_ID
 from airflow_batch_provider.enqueued import Ledger, aread_ledger
+from airflow_batch_provider.ids import check_id
 from airflow_batch_provider.models import BatchState, to_utc
-from airflow_batch_provider.waiting import TRANSIENT_ERRORS, until_deadline
+from airflow_batch_provider.waiting import TRANSIENT_ERRORS, acancel_batches, until_deadline
+
+if TYPE_CHECKING:
+    from airflow_batch_provider.hooks.batch import BatchApiHook
 
 
 def room_ready(ledger: Ledger, need: int, cap: int, watch_ids: Sequence[str]) -> bool:
     """Whether the submit may resume: the next shard fits and none of its batches still validates."""
-    validating = any(ledger.batches.get(b) is BatchState.VALIDATING for b in watch_ids)
+    validating = any(
+        b in ledger.batches and ledger.batches[b].state is BatchState.VALIDATING for b in watch_ids
+    )
     return ledger.fits(need, cap) and not validating
 
 
@@ -52,6 +58,9 @@ class QueueRoomTrigger(BaseTrigger):
     :param deadline: when to give up (ISO-8601), or None.
     :param poll_interval: seconds between reads.
     :param max_consecutive_errors: transient listing errors tolerated in a row.
+    :param created_ids: every batch the submit has created so far, cancelled when a user kills
+        the deferred task and ``cancel_on_kill`` is set (as the batch wait does).
+    :param cancel_on_kill: cancel ``created_ids`` when the task is killed while waiting here.
     """
 
     def __init__(
@@ -67,6 +76,8 @@ class QueueRoomTrigger(BaseTrigger):
         deadline: str | None = None,
         poll_interval: float = 30.0,
         max_consecutive_errors: int = 5,
+        created_ids: Sequence[str] = (),
+        cancel_on_kill: bool = True,
     ) -> None:
         super().__init__()
         self.batch_conn_id = batch_conn_id
@@ -79,6 +90,8 @@ class QueueRoomTrigger(BaseTrigger):
         self.deadline = deadline
         self.poll_interval = max(float(poll_interval), 0.0)
         self.max_consecutive_errors = int(max_consecutive_errors)
+        self.created_ids = [check_id(str(b), "created_ids") for b in created_ids]
+        self.cancel_on_kill = bool(cancel_on_kill)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -94,6 +107,8 @@ class QueueRoomTrigger(BaseTrigger):
                 "deadline": self.deadline,
                 "poll_interval": self.poll_interval,
                 "max_consecutive_errors": self.max_consecutive_errors,
+                "created_ids": list(self.created_ids),
+                "cancel_on_kill": self.cancel_on_kill,
             },
         )
 
@@ -110,11 +125,25 @@ class QueueRoomTrigger(BaseTrigger):
             }
         )
 
-    async def run(self) -> AsyncIterator[TriggerEvent]:
+    def _new_hook(self) -> BatchApiHook:
         from airflow_batch_provider.hooks.batch import BatchApiHook
         from airflow_batch_provider.hooks.transport import shared_transport
 
-        hook = BatchApiHook(self.batch_conn_id, dialect=self.dialect, async_transport=shared_transport())
+        return BatchApiHook(self.batch_conn_id, dialect=self.dialect, async_transport=shared_transport())
+
+    async def on_kill(self) -> None:
+        """A user killed the waiting task: cancel the batches it created (``cancel_on_kill``)."""
+        if not self.cancel_on_kill or not self.created_ids:
+            return
+        hook = self._new_hook()
+        try:
+            await acancel_batches(hook, self.created_ids, log=self.log)
+        finally:
+            with contextlib.suppress(Exception):
+                await hook.aclose()
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        hook = self._new_hook()
         deadline = to_utc(self.deadline)
         errors = 0
         try:

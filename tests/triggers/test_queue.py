@@ -13,7 +13,7 @@ import pytest
 
 from airflow_batch_provider.enqueued import QUEUE_TAG, Ledger, queue_tag
 from airflow_batch_provider.hooks.batch import BatchApiHook
-from airflow_batch_provider.models import BatchState
+from airflow_batch_provider.models import Batch, BatchState
 from airflow_batch_provider.triggers.queue import QueueRoomTrigger, room_ready
 from tests.fixtures.airflow import write_batch_jsonl
 
@@ -65,7 +65,8 @@ def test_serialise_round_trip_keeps_primitives() -> None:
 
 
 def test_room_needs_the_shard_to_fit_and_no_own_batch_validating() -> None:
-    ledger = Ledger("m", 60, {"a": BatchState.VALIDATING, "b": BatchState.IN_PROGRESS})
+    listed = [Batch(id="a", state=BatchState.VALIDATING), Batch(id="b", state=BatchState.IN_PROGRESS)]
+    ledger = Ledger("m", 60, {b.id: b for b in listed})
     assert room_ready(ledger, 40, 100, [])
     assert not room_ready(ledger, 41, 100, [])
     assert not room_ready(ledger, 0, 100, ["a"])
@@ -113,3 +114,14 @@ async def test_error_after_the_tolerated_listing_failures(monkeypatch: pytest.Mo
         event_of(QueueRoomTrigger(cap=10, poll_interval=0.01, max_consecutive_errors=1)), 60
     )
     assert event["status"] == "error" and "cannot read the batches" in event["message"]
+
+
+async def test_a_killed_task_cancels_the_batches_it_created(
+    batch_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    serve(batch_server, monkeypatch)
+    created = tagged_batch(tmp_path, 10)
+    await rebuild(QueueRoomTrigger(cap=10, created_ids=[created], cancel_on_kill=False)).on_kill()
+    assert BatchApiHook().get_batch(created).state is BatchState.VALIDATING
+    await rebuild(QueueRoomTrigger(cap=10, created_ids=[created])).on_kill()
+    assert BatchApiHook().get_batch(created).state in (BatchState.CANCELLING, BatchState.CANCELLED)
