@@ -10,12 +10,24 @@ waiting, never landed as failed rows; past ``queue_timeout`` it fails saying why
 
 from __future__ import annotations
 
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from airflow_batch_provider.exceptions import ConfigurationError, EnqueuedTokenTimeoutError
-from tests.fixtures.reliability import MESSAGES, Pipeline, drive, foreign_batch, seed_texts
+from tests.fixtures.reliability import (
+    DAGS,
+    MESSAGES,
+    Pipeline,
+    drive,
+    foreign_batch,
+    foreign_bodies,
+    seed_texts,
+    task_states,
+)
 
 ROWS = 12
 BUILD = {"table": "tickets", "key_columns": "id", "messages": MESSAGES, "max_lines": 3}  # four shards
@@ -134,3 +146,46 @@ async def test_another_runs_batches_are_in_the_ledger(
     counters = server.stats()["counters"]
     assert counters["enqueued_tokens_peak"] <= total and counters.get("enqueued_limit_failed", 0) == 0
     assert counters["batches_created"] == 8
+
+
+@pytest.mark.slow
+def test_airflow_dags_test_mapped_submits_wait_out_a_full_queue(
+    batch_server: Any,
+    pg_warehouse: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    airflow_dags_test: Any,
+    tmp_path: Path,
+) -> None:
+    """Through real Airflow: the mapped submits defer to QueueRoomTrigger, which ``airflow dags
+    test`` runs from its serialised kwargs and resumes with the event alone."""
+    seed_texts(pg_warehouse, "tickets", [f"where is my order number {i}?" for i in range(1, ROWS + 1)])
+    # Another user fills the whole queue (the cap is its size) until a create was refused for it.
+    held = foreign_bodies(ROWS, model="echo-1")[1]
+    server = serve(batch_server, monkeypatch, max_enqueued_tokens=held, enqueued_limit_form="refuse")
+    foreign, _ = foreign_batch(server, ROWS, model="echo-1", fault="stall")
+
+    def free_the_queue() -> None:
+        deadline = time.monotonic() + 120
+        while server.stats()["counters"].get("enqueued_limit_refused", 0) < 1:
+            assert time.monotonic() < deadline, "no create was refused"
+            time.sleep(0.1)
+        server.force(foreign, "complete")
+
+    freer = threading.Thread(target=free_the_queue, daemon=True)
+    freer.start()
+    result = airflow_dags_test(
+        DAGS / "reliability_pipeline.py",
+        "reliability_pipeline",
+        env={
+            "REL_STAGING": f"file://{tmp_path}/staging",
+            "REL_MAX_LINES": "4",
+            "REL_MAX_ENQUEUED_TOKENS": str(held),
+        },
+    )
+    freer.join(5)
+    assert result.ok, result.tail()
+    states = task_states("reliability_pipeline")
+    assert states.get("merge") == ["success"] and states.get("submit") == ["success"] * 3, states
+    counters = server.stats()["counters"]
+    assert counters["enqueued_limit_refused"] >= 1 and counters["enqueued_tokens_peak"] <= held
+    assert pg_warehouse.rows("SELECT status, COUNT(*) FROM answers GROUP BY status") == [("succeeded", ROWS)]
