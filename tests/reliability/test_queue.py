@@ -78,7 +78,10 @@ async def test_a_create_refused_or_a_batch_failed_for_the_queue_limit_is_created
     server = serve(batch_server, monkeypatch, max_enqueued_tokens=total, enqueued_limit_form=form)
     # Another user of the key fills the queue; the submit's ledger cannot see that batch.
     foreign_batch(server, ROWS, model="echo-1")
-    result, deferred_to = await drive(wh_pipeline, manifest, f"again-{form}", max_enqueued_tokens=total)
+    # A batch failed for the queue limit is created again even where other failures are not.
+    result, deferred_to = await drive(
+        wh_pipeline, manifest, f"again-{form}", max_enqueued_tokens=total, resubmit_failed=False
+    )
     counters = server.stats()["counters"]
     assert counters[f"enqueued_limit_{'refused' if form == 'refuse' else 'failed'}"] >= 1
     assert "QueueRoomTrigger" in deferred_to
