@@ -16,7 +16,8 @@ Limits: a batch without the pair (made by another tool, or by a submit without
 organisation key; the vendor then refuses or fails a batch the ledger thought would fit, and the
 submit waits and creates it again (see :mod:`airflow_batch_provider.operators.submit`). The
 sizes are the build's estimates (exact o200k counts where available), not the vendor's own count.
-A dialect whose batches carry no tags (``orphan_lookup`` "time_and_count") cannot keep a ledger.
+A dialect whose batches carry no metadata (``supports_metadata`` False: xAI and Gemini keep only
+the idempotency key, in the batch name; Anthropic nothing) cannot keep a ledger.
 
 The arithmetic here does no I/O; :func:`read_ledger` and :func:`aread_ledger` list the batches.
 """
@@ -94,7 +95,7 @@ def tally(batches: Iterable[Batch], dialect: Dialect, model: str) -> Ledger:
 
 def check_ledger_dialect(dialect: Dialect) -> None:
     """A queue-aware submit needs batches that carry tags (its ledger entries)."""
-    if dialect.orphan_lookup != "tags":
+    if not dialect.supports_metadata or dialect.orphan_lookup != "tags":
         raise ConfigurationError(
             f"max_enqueued_tokens needs batches that carry metadata; {dialect.label}'s batches "
             "carry none, so the submit cannot keep its enqueued-token ledger"

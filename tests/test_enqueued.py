@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from airflow_batch_provider.dialects import get_dialect
+from airflow_batch_provider.dialects import DIALECTS, get_dialect
 from airflow_batch_provider.enqueued import (
     QUEUE_TAG,
     Ledger,
@@ -66,10 +66,14 @@ def test_a_shard_over_the_cap_alone_is_refused_naming_it() -> None:
         check_shard_fits(3, 101, 100)
 
 
-def test_a_vendor_without_batch_tags_cannot_keep_a_ledger() -> None:
-    check_ledger_dialect(get_dialect("openai"))
+@pytest.mark.parametrize("name", sorted(DIALECTS))
+def test_a_vendor_without_batch_metadata_cannot_keep_a_ledger(name: str) -> None:
+    dialect = get_dialect(name)
+    if dialect.supports_metadata:
+        check_ledger_dialect(dialect)
+        return
     with pytest.raises(ConfigurationError, match="max_enqueued_tokens needs batches that carry metadata"):
-        check_ledger_dialect(get_dialect("anthropic"))
+        check_ledger_dialect(dialect)
 
 
 def test_the_entry_is_kept_in_the_metadata_before_identity_pairs() -> None:
