@@ -48,7 +48,7 @@ def shard_tokens(manifest: dict[str, Any]) -> list[int]:
 
 
 async def test_shards_over_the_cap_wait_for_earlier_batches_and_never_pass_it(
-    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch, figures: Any
 ) -> None:
     seed(wh_pipeline)
     manifest = wh_pipeline.build("sizes", **BUILD)
@@ -64,6 +64,14 @@ async def test_shards_over_the_cap_wait_for_earlier_batches_and_never_pass_it(
     # From the server's own records: never more than the cap enqueued, never refused, four creates.
     assert 0 < counters["enqueued_tokens_peak"] <= cap
     assert counters.get("enqueued_limit_refused", 0) == 0 and counters["batches_created"] == 4
+    figures(
+        "queue-aware submit (4 shards, cap of 2)",
+        cap=cap,
+        shard_tokens=sizes,
+        peak_enqueued=counters["enqueued_tokens_peak"],
+        queue_waits=deferred_to.count("QueueRoomTrigger"),
+        requests=counters["requests"],
+    )
     merged = await _merge(wh_pipeline, result, manifest)
     assert merged == {"succeeded": ROWS}
 
