@@ -128,3 +128,16 @@ def test_cli_flags_set_the_limit_and_its_form(tmp_path: Path) -> None:
     default = options.config_from_args(parser.parse_args(["--data-dir", str(tmp_path), "--dialect", "azure"]))
     assert default.max_enqueued_tokens is None and default.limit_form() == "refuse"
     assert options.config_from_args(parser.parse_args(["--data-dir", str(tmp_path)])).limit_form() == "fail"
+
+
+def test_enqueued_tokens_survive_a_restart(batch_server: Any, tmp_path: Path) -> None:
+    server = batch_server(max_enqueued_tokens=_tokens() * 2 - 1, enqueued_limit_form="refuse")
+    client = openai.OpenAI(base_url=server.base_url, api_key="sk-test", max_retries=0)
+    file_id, _ = _file(client, tmp_path)
+    held = _create(client, file_id, stall=True)
+    server.restart()  # the live batch resumes with the tokens it holds
+    with pytest.raises(openai.BadRequestError, match="Enqueued token limit reached"):
+        _create(client, file_id)
+    server.force(held.id, "complete")
+    _settle(client, held.id)
+    assert _settle(client, _create(client, file_id).id).status == "completed"
