@@ -10,6 +10,7 @@ waiting, never landed as failed rows; past ``queue_timeout`` it fails saying why
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -33,10 +34,19 @@ ROWS = 12
 BUILD = {"table": "tickets", "key_columns": "id", "messages": MESSAGES, "max_lines": 3}  # four shards
 
 
-def serve(batch_server: Any, monkeypatch: pytest.MonkeyPatch, **config: Any) -> Any:
+def serve(
+    batch_server: Any, monkeypatch: pytest.MonkeyPatch, extra: dict[str, Any] | None = None, **config: Any
+) -> Any:
     server = batch_server(**config)
-    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", server.connection_json())
+    connect(server, monkeypatch, extra)
     return server
+
+
+def connect(server: Any, monkeypatch: pytest.MonkeyPatch, extra: dict[str, Any] | None = None) -> None:
+    """Point the default connection at ``server``, with ``extra`` added to its extras."""
+    conn = json.loads(server.connection_json())
+    conn["extra"].update(extra or {})
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", json.dumps(conn))
 
 
 def seed(pipeline: Pipeline) -> None:
@@ -147,11 +157,10 @@ async def test_another_runs_batches_are_in_the_ledger(
     )
     assert len(first["batch_ids"]) == 4 and waited.count("QueueRoomTrigger") == 1  # until validated
     # Run two reads run one's entries from the vendor's listing and waits for them to finish,
-    # deferred or (deferrable=False) polling on its worker.
+    # deferred or (deferrable=False) polling on its worker; its cap is the connection's extra.
     second_manifest = wh_pipeline.build("second", **BUILD)
-    second, deferred_to = await drive(
-        wh_pipeline, second_manifest, "second", max_enqueued_tokens=total, deferrable=deferrable
-    )
+    connect(server, monkeypatch, {"max_enqueued_tokens": str(total)})
+    second, deferred_to = await drive(wh_pipeline, second_manifest, "second", deferrable=deferrable)
     assert ("QueueRoomTrigger" in deferred_to) is deferrable
     assert second["outcome"]["status"] == "success" and len(second["batch_ids"]) == 4
     counters = server.stats()["counters"]
@@ -200,3 +209,14 @@ def test_airflow_dags_test_mapped_submits_wait_out_a_full_queue(
     counters = server.stats()["counters"]
     assert counters["enqueued_limit_refused"] >= 1 and counters["enqueued_tokens_peak"] <= held
     assert pg_warehouse.rows("SELECT status, COUNT(*) FROM answers GROUP BY status") == [("succeeded", ROWS)]
+
+
+async def test_a_connection_extra_cap_that_is_not_a_positive_integer_is_refused(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed(wh_pipeline)
+    manifest = wh_pipeline.build("bad-extra", **BUILD)
+    server = serve(batch_server, monkeypatch, extra={"max_enqueued_tokens": "lots"})
+    with pytest.raises(ConfigurationError, match="extra max_enqueued_tokens must be a positive integer"):
+        await drive(wh_pipeline, manifest, "bad-extra")
+    assert server.stats()["counters"].get("files_uploaded", 0) == 0
