@@ -164,6 +164,10 @@ class BatchQuotaExceededError(BatchFailedError):
     """
 
 
+class EnqueuedTokenTimeoutError(BatchQuotaExceededError):
+    """A queue-aware submit found no room under ``max_enqueued_tokens`` before its ``queue_timeout``."""
+
+
 class PartialFailureError(BatchFailedError):
     """A batch completed but some lines failed and ``on_partial_failure='fail'``."""
 

@@ -47,7 +47,10 @@ def get_provider_info() -> dict[str, Any]:
         "triggers": [
             {
                 "integration-name": "LLM Batch API",
-                "python-modules": ["airflow_batch_provider.triggers.batch"],
+                "python-modules": [
+                    "airflow_batch_provider.triggers.batch",
+                    "airflow_batch_provider.triggers.queue",
+                ],
             },
         ],
         # Listed by name: importing links.py loads the Task SDK, which discovery must not need.

@@ -26,6 +26,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from airflow_batch_provider.constants import SHARD_TAG
+from airflow_batch_provider.enqueued import QUEUE_TAG
 from airflow_batch_provider.exceptions import ConfigurationError
 from airflow_batch_provider.staging import atomic_writer, open_read
 
@@ -102,16 +103,20 @@ def batch_metadata(
     fingerprint: str,
     dialect: Dialect,
     extra: Mapping[str, Any] | None = None,
+    queue: str | None = None,
 ) -> dict[str, str]:
     """The metadata of a shard's batch: idempotency key, fingerprint, run identity, user pairs.
 
     Provider pairs come first in priority order; when the dialect allows fewer pairs, the
-    least important identity pairs are dropped (the key and fingerprint always stay). A
-    user pair that does not fit, or breaks the key/value length limits, is an error.
+    least important identity pairs are dropped (the key and fingerprint always stay, and the
+    ledger entry ``queue`` of a queue-aware submit, see :mod:`airflow_batch_provider.enqueued`).
+    A user pair that does not fit, or breaks the key/value length limits, is an error.
     """
+    needed = [(KEY_NAME, identity.key(shard)), (FINGERPRINT_NAME, fingerprint)]
+    if queue is not None:
+        needed.append((QUEUE_TAG, queue))
     provider = [
-        (KEY_NAME, identity.key(shard)),
-        (FINGERPRINT_NAME, fingerprint),
+        *needed,
         ("airflow_dag_id", identity.dag_id),
         ("airflow_task_id", identity.task_id),
         ("airflow_run_id", identity.run_id),
@@ -132,12 +137,12 @@ def batch_metadata(
             )
         user.append((key_text, value_text))
     room = dialect.max_metadata_pairs
-    if len(user) > room - 2:
+    if len(user) > room - len(needed):
         raise ConfigurationError(
             f"{len(user)} metadata pair(s) given but dialect {dialect.name!r} allows {room} per batch "
-            f"and the provider needs at least 2 ({KEY_NAME}, {FINGERPRINT_NAME})"
+            f"and the provider needs at least {len(needed)} ({', '.join(k for k, _ in needed)})"
         )
-    kept = provider[: max(room - len(user), 2)]
+    kept = provider[: max(room - len(user), len(needed))]
     # Long run ids are cut rather than refused: the key, not these values, identifies the batch.
     return {k: v[:MAX_METADATA_VALUE] for k, v in kept + user}
 

@@ -449,6 +449,15 @@ class Dialect:
             values = (body.get("code"), body.get("type"))
         return any(isinstance(v, str) and v.lower() in self.quota_error_codes for v in values)
 
+    def is_queue_full(self, status_code: int | None, body: Any) -> bool:
+        """Whether a refused create says the enqueued-token queue is full (a code of
+        ``batch_quota_error_codes``): waiting for earlier batches cures it, unlike an empty quota."""
+        if not self.batch_quota_error_codes or not isinstance(body, Mapping):
+            return False
+        error = body.get("error")
+        code = (error if isinstance(error, Mapping) else body).get("code")
+        return isinstance(code, str) and code.lower() in self.batch_quota_error_codes
+
     def is_auth_error(self, status_code: int, body: Any) -> bool:
         """Whether an error answer other than 401/403 means the key was refused (none by default)."""
         return False

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -25,15 +26,24 @@ from airflow.sdk.configuration import conf
 
 from airflow_batch_provider.budget import check_budget, check_caps, estimate_files
 from airflow_batch_provider.constants import DEFAULT_CONN_ID
+from airflow_batch_provider.enqueued import (
+    check_ledger_dialect,
+    check_shard_fits,
+    queue_tag,
+    read_ledger,
+)
 from airflow_batch_provider.estimate import describe_estimate, resolve_counter
 from airflow_batch_provider.exceptions import (
     AmbiguousOrphanError,
+    BatchApiError,
     BatchApiNotFoundError,
+    BatchFailedError,
     ConfigurationError,
+    EnqueuedTokenTimeoutError,
     JsonlValidationError,
     StaleSubmissionStateError,
 )
-from airflow_batch_provider.jsonl import LineValidator, Problem, iter_raw_lines
+from airflow_batch_provider.jsonl import LineValidator, Problem, iter_objects, iter_raw_lines
 from airflow_batch_provider.links import batch_page_links, push_batch_ids
 from airflow_batch_provider.models import Batch, BatchState, Manifest, to_utc
 from airflow_batch_provider.prices import PriceBook, spend_settings
@@ -60,6 +70,7 @@ from airflow_batch_provider.submission import (
     now_utc,
 )
 from airflow_batch_provider.triggers.batch import BatchTrigger
+from airflow_batch_provider.triggers.queue import QueueRoomTrigger
 from airflow_batch_provider.upload_lines import ShardEncoder, needs_pass, write_inline_body
 from airflow_batch_provider.waiting import (
     PartialPolicy,
@@ -83,6 +94,8 @@ STALE_POLICIES = ("cancel_and_resubmit", "fail")
 # re-attaching (cancelling counts: a killed or timed-out task's batch is on its way out).
 _BAD_END = frozenset({BatchState.FAILED, BatchState.EXPIRED, BatchState.CANCELLING, BatchState.CANCELLED})
 _PROBLEMS_SHOWN = 20
+#: How long a queue-aware submit waits for room when neither ``queue_timeout`` nor ``timeout`` is set.
+DEFAULT_QUEUE_TIMEOUT = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,8 @@ class ShardInput:
     fingerprint: str
     endpoint: str
     lines: int | None = None
+    # The build's estimate of the shard's input tokens (the queue-aware submit's ledger entry).
+    input_tokens: int | None = None
 
 
 class SubmitBatchOperator(BaseOperator):
@@ -145,6 +160,21 @@ class SubmitBatchOperator(BaseOperator):
         estimated here with the connection's ``prices`` and ``token_counter``. With an unknown
         price the run is refused unless ``max_input_tokens`` is also given.
     :param max_input_tokens: refuse, before any upload, a run whose estimated input tokens are over this.
+    :param max_enqueued_tokens: queue-aware submission: the most estimated input tokens this
+        connection may have enqueued at the vendor for the run's model at once (OpenAI's and
+        Azure's enqueued-token limit); default: the connection extra ``max_enqueued_tokens``, else
+        no limit. Shards are created in order while the ledger (the connection's enqueued batches
+        tagged ``airflow_enqueued``, see :mod:`airflow_batch_provider.enqueued`) plus the next
+        shard stays under it; then the task waits without a worker slot (deferred to
+        ``QueueRoomTrigger``, or polling on the worker when not deferrable) until earlier
+        batches finish, and goes on where it stopped. It also waits until its new batches have
+        left ``validating``: a batch the vendor failed for its queue limit
+        (``token_limit_exceeded``), or a create it refused for it, is created again after
+        waiting, never reported as failed rows. A shard whose estimate alone passes the cap
+        fails before any upload (it could never fit).
+    :param queue_timeout: seconds, from the first try of the submit, that a queue-aware submit
+        may wait for room before failing with ``EnqueuedTokenTimeoutError``; default ``timeout``,
+        else 24 hours.
 
     **A crash between create and recording the batch id.** The intent (with its time and, for
     a vendor taking requests inline, its request count) is durable before every create, and
@@ -206,12 +236,22 @@ class SubmitBatchOperator(BaseOperator):
         cancel_on_kill: bool = True,
         max_estimated_cost: float | None = None,
         max_input_tokens: int | None = None,
+        max_enqueued_tokens: int | None = None,
+        queue_timeout: float | timedelta | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         check_caps(max_estimated_cost, max_input_tokens)
         self.max_estimated_cost = max_estimated_cost
         self.max_input_tokens = max_input_tokens
+        if max_enqueued_tokens is not None and max_enqueued_tokens < 1:
+            raise ConfigurationError(f"max_enqueued_tokens must be at least 1, got {max_enqueued_tokens}")
+        self.max_enqueued_tokens = max_enqueued_tokens
+        self.queue_timeout = (
+            queue_timeout.total_seconds() if isinstance(queue_timeout, timedelta) else queue_timeout
+        )
+        # When this submit began waiting for queue room (ISO-8601), carried across deferrals.
+        self._queue_started: str | None = None
         if on_stale_state not in STALE_POLICIES:
             raise ConfigurationError(
                 f"on_stale_state must be one of {STALE_POLICIES}, got {on_stale_state!r}"
@@ -281,8 +321,12 @@ class SubmitBatchOperator(BaseOperator):
         self.log.info("Submission state (intent and batch id per shard) is kept in %s", store.where)
         records: list[dict[str, Any]] = []
         submitted: list[datetime] = []
-        for shard in shards:
-            state = self.submit_shard(hook, dialect, store, identity, shard)
+        cap = self._queue_cap(hook)
+        if cap is None:
+            states = [self.submit_shard(hook, dialect, store, identity, shard) for shard in shards]
+        else:
+            states = self._submit_queued(context, hook, dialect, store, identity, shards, manifest_file, cap)
+        for shard, state in zip(shards, states, strict=True):
             records.append(
                 {
                     "shard": shard.index,
@@ -414,6 +458,210 @@ class SubmitBatchOperator(BaseOperator):
             defaults=self._line_defaults,
         )
 
+    # ---- queue-aware submission (max_enqueued_tokens) ------------------------------------
+    def _queue_cap(self, hook: BatchApiHook) -> int | None:
+        """The enqueued-token cap: the operator's, else the connection extra's, else None."""
+        if self.max_enqueued_tokens is not None:
+            return self.max_enqueued_tokens
+        value = hook.get_settings().extra.get("max_enqueued_tokens")
+        if value in (None, ""):
+            return None
+        try:
+            cap = int(value)
+        except (TypeError, ValueError):
+            cap = 0
+        if cap < 1:
+            raise ConfigurationError(
+                f"connection {self.batch_conn_id!r} extra max_enqueued_tokens must be a positive "
+                f"integer, got {value!r}"
+            )
+        return cap
+
+    def _submit_queued(
+        self,
+        context: Context,
+        hook: BatchApiHook,
+        dialect: Dialect,
+        store: SubmissionStateStore,
+        identity: RunIdentity,
+        shards: list[ShardInput],
+        manifest_file: ObjectStoragePath | None,
+        cap: int,
+    ) -> list[SubmitState]:
+        """Create the shards while the ledger has room; wait (deferred) for room, or for the new
+        batches to leave ``validating``, until every shard has a live batch."""
+        check_ledger_dialect(dialect)
+        manifest_model = read_manifest(manifest_file).model if manifest_file is not None else None
+        model = self.model or manifest_model or self._line_defaults.get("model") or ""
+        sizes = {s.index: self._shard_tokens(hook, dialect, s, model) for s in shards}
+        for shard in shards:  # before any upload: a shard over the cap alone can never be created
+            check_shard_fits(shard.index, sizes[shard.index], cap)
+        started = self._queue_started or now_utc().isoformat()
+        self._queue_started = started
+        limit = self.queue_timeout if self.queue_timeout is not None else self.wait_timeout
+        deadline = deadline_from(started, limit if limit is not None else DEFAULT_QUEUE_TIMEOUT)
+        while True:
+            done = self._queue_pass(hook, dialect, store, identity, shards, sizes, model, cap)
+            if isinstance(done, list):
+                return done
+            need, watch, created = done
+            # Before any wait: the links show them, and a killed task can cancel them.
+            push_batch_ids(context, created)
+            if deadline is not None and now_utc() >= deadline:
+                raise EnqueuedTokenTimeoutError(self._queue_timeout_message(started, deadline, model, cap))
+            if self.deferrable:
+                self.defer(
+                    trigger=QueueRoomTrigger(
+                        batch_conn_id=self.batch_conn_id,
+                        dialect=self.dialect,
+                        model=model,
+                        need=need,
+                        cap=cap,
+                        watch_ids=watch,
+                        started=started,
+                        deadline=deadline.isoformat() if deadline is not None else None,
+                        poll_interval=self.poll_interval,
+                        max_consecutive_errors=self.max_consecutive_errors,
+                        created_ids=created,
+                        cancel_on_kill=self.cancel_on_kill,
+                    ),
+                    method_name="resume_queued",
+                )
+            time.sleep(self.poll_interval)
+
+    def _queue_pass(
+        self,
+        hook: BatchApiHook,
+        dialect: Dialect,
+        store: SubmissionStateStore,
+        identity: RunIdentity,
+        shards: list[ShardInput],
+        sizes: Mapping[int, int],
+        model: str,
+        cap: int,
+    ) -> list[SubmitState] | tuple[int, list[str], list[str]]:
+        """One pass over the shards in order: every shard's state when all have live batches past
+        ``validating``; else what to wait for: (tokens the next shard needs, batches validating,
+        every batch created so far)."""
+        ledger = read_ledger(hook, model, now_utc())
+        held = ledger.tokens
+        states: list[SubmitState] = []
+        validating: list[str] = []
+
+        def waiting(need: int) -> tuple[int, list[str], list[str]]:
+            return need, validating, [str(s.batch_id) for s in states]
+
+        for shard in shards:
+            state = store.read(identity.key(shard.index))
+            live = self._live_batch(
+                hook,
+                state,
+                effective_fingerprint(shard.fingerprint, self.model, self._line_defaults),
+                ledger.batches,
+            )
+            if live is not None and state is not None:
+                if live.state is BatchState.VALIDATING:
+                    validating.append(live.id)
+                states.append(state)
+                continue
+            size = sizes[shard.index]
+            if held + size > cap:
+                self.log.info(
+                    "Shard %d (%d estimated token(s)) waits: %d of %d enqueued for %r",
+                    shard.index,
+                    size,
+                    held,
+                    cap,
+                    model,
+                )
+                return waiting(size)
+            try:
+                state = self.submit_shard(hook, dialect, store, identity, shard, queue=queue_tag(size, model))
+            except BatchApiError as exc:
+                if not dialect.is_queue_full(exc.status_code, exc.body):
+                    raise
+                self.log.warning(
+                    "Shard %d: the vendor's queue is full; creating it again later: %s", shard.index, exc
+                )
+                return waiting(size)
+            held += size
+            states.append(state)
+            validating.append(str(state.batch_id))
+        if validating:
+            self.log.info("Waiting for %d new batch(es) to leave validating", len(validating))
+            return waiting(0)
+        return states
+
+    def _live_batch(
+        self,
+        hook: BatchApiHook,
+        state: SubmitState | None,
+        fingerprint: str,
+        listed: Mapping[str, Batch],
+    ) -> Batch | None:
+        """The recorded batch of a shard when it stands (a re-attach, not a new create), else None.
+
+        :param listed: the batches the ledger just listed, read instead of one get per shard.
+        """
+        if state is None or not state.batch_id or state.fingerprint != fingerprint:
+            return None
+        batch = listed.get(state.batch_id)
+        if batch is None:
+            try:
+                batch = hook.get_batch(state.batch_id)
+            except BatchApiNotFoundError:
+                return None
+        if _queue_failed(batch) or (batch.state in _BAD_END and self.resubmit_failed):
+            return None
+        return batch
+
+    def _shard_tokens(self, hook: BatchApiHook, dialect: Dialect, shard: ShardInput, model: str) -> int:
+        """The shard's estimated input tokens: the build's, else counted here as the lines will be sent."""
+        if shard.input_tokens is not None and not self.model and not self.request_defaults:
+            return shard.input_tokens
+        spend = spend_settings(hook.get_settings().extra, f"connection {self.batch_conn_id!r}")
+        counter = resolve_counter(spend.token_counter, dialect, model or None) or resolve_counter(
+            "auto", dialect, model or None
+        )
+        assert counter is not None
+        tokens = 0
+        with open_read(shard.path) as handle:
+            for _, obj in iter_objects(handle):
+                body = obj.get("body") if isinstance(obj, dict) else None
+                if isinstance(body, dict):
+                    body = {**self._line_defaults, **body, **({"model": self.model} if self.model else {})}
+                    tokens += counter(body)
+        return tokens
+
+    @staticmethod
+    def _queue_timeout_message(started: str, deadline: datetime, model: str, cap: int) -> str:
+        return (
+            f"the vendor's queue for model {model!r} had no room for the next shard under "
+            f"max_enqueued_tokens={cap:,} between {started} and {deadline.isoformat()} "
+            "(queue_timeout); the shards created so far keep running. Raise queue_timeout or the "
+            "vendor's limit, or wait for other batches of this organisation to finish, then clear the task"
+        )
+
+    def resume_queued(self, context: Context, event: Any = None) -> dict[str, Any]:
+        """Resume after ``QueueRoomTrigger``: go on submitting where the last pass stopped."""
+        payload = event if isinstance(event, Mapping) else {}
+        status = payload.get("status")
+        if status == "timeout":
+            deadline = to_utc(payload.get("deadline")) or now_utc()
+            raise EnqueuedTokenTimeoutError(
+                self._queue_timeout_message(
+                    str(payload.get("started")),
+                    deadline,
+                    str(payload.get("model") or ""),
+                    int(payload.get("cap") or 0),
+                )
+            )
+        if status != "ready":
+            raise BatchFailedError(f"waiting for queue room ended {status}: {payload.get('message')}")
+        self._queue_started = payload.get("started")
+        # The state store makes this idempotent: created shards re-attach, the rest go on.
+        return self.execute(context)
+
     # ---- one shard ---------------------------------------------------------------------
     def submit_shard(
         self,
@@ -422,8 +670,12 @@ class SubmitBatchOperator(BaseOperator):
         store: SubmissionStateStore,
         identity: RunIdentity,
         shard: ShardInput,
+        queue: str | None = None,
     ) -> SubmitState:
-        """Submit one shard, or re-attach to the batch an earlier try made for it."""
+        """Submit one shard, or re-attach to the batch an earlier try made for it.
+
+        :param queue: the batch's ledger entry (``airflow_enqueued``) in a queue-aware submit.
+        """
         key = identity.key(shard.index)
         defaults = self._defaults(hook)
         fingerprint = effective_fingerprint(shard.fingerprint, self.model, defaults)
@@ -488,7 +740,12 @@ class SubmitBatchOperator(BaseOperator):
             endpoint=shard.endpoint,
             completion_window=self.completion_window,
             metadata=batch_metadata(
-                identity, shard=shard.index, fingerprint=fingerprint, dialect=dialect, extra=self.metadata
+                identity,
+                shard=shard.index,
+                fingerprint=fingerprint,
+                dialect=dialect,
+                extra=self.metadata,
+                queue=queue,
             ),
             model=model,
         )
@@ -672,6 +929,13 @@ class SubmitBatchOperator(BaseOperator):
                 "Shard %d: recorded batch %s no longer exists; submitting again", state.shard, state.batch_id
             )
             return None
+        if _queue_failed(batch):
+            self.log.warning(
+                "Shard %d: recorded batch %s failed for the vendor's queue limit; submitting it again",
+                state.shard,
+                batch.id,
+            )
+            return None
         if batch.state in _BAD_END and self.resubmit_failed:
             self.log.warning(
                 "Shard %d: recorded batch %s is %s; submitting a new one (resubmit_failed=True)",
@@ -836,7 +1100,7 @@ class SubmitBatchOperator(BaseOperator):
                         f"shard {s.index} ({path}) does not match the manifest's fingerprint; "
                         "rebuild the staging"
                     )
-            shards.append(ShardInput(s.index, path, s.fingerprint, endpoint, s.lines))
+            shards.append(ShardInput(s.index, path, s.fingerprint, endpoint, s.lines, s.input_tokens))
         return shards, (state_root or staging) / STATE_DIR, manifest_file
 
     def _one_shard(
@@ -866,7 +1130,15 @@ class SubmitBatchOperator(BaseOperator):
         if manifest_file is not None and not manifest_file.exists():
             manifest_file = None
         state_root = resolve_path(self.state_path) if self.state_path else staging
-        item = ShardInput(index, path, str(shard["fingerprint"]), endpoint, shard.get("lines"))
+        tokens = shard.get("input_tokens")
+        item = ShardInput(
+            index,
+            path,
+            str(shard["fingerprint"]),
+            endpoint,
+            shard.get("lines"),
+            int(tokens) if isinstance(tokens, int) else None,
+        )
         return [item], state_root / STATE_DIR, manifest_file
 
     def _hand_made(self, dialect: Dialect, path: ObjectStoragePath) -> ShardInput:
@@ -942,6 +1214,11 @@ class SubmitBatchOperator(BaseOperator):
             raise ConfigurationError(f"{path}: no endpoint given and the first line has no url")
         dialect.check_endpoint(chosen)
         return ShardInput(0, path, digest.hexdigest(), chosen, validator.lines)
+
+
+def _queue_failed(batch: Batch) -> bool:
+    """Whether the vendor failed the batch for its queue limit (errors its dialect marks ``quota``)."""
+    return batch.state is BatchState.FAILED and any(e.quota for e in batch.errors)
 
 
 class _HashingReader:

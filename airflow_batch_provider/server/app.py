@@ -32,6 +32,7 @@ from airflow_batch_provider.server.config import BATCH_FAULTS, REQUEST_FAULTS, S
 from airflow_batch_provider.server.engine import TERMINAL, Engine, new_batch_record, validate_file
 from airflow_batch_provider.server.faults import Faults
 from airflow_batch_provider.server.hosts import HostCheckMiddleware, allowed_hosts
+from airflow_batch_provider.server.queue import count_file, enqueued, over_limit_message
 from airflow_batch_provider.server.results import DoublewordResults, xai_page
 from airflow_batch_provider.server.store import Store, now
 from airflow_batch_provider.server.vertex import (
@@ -79,6 +80,9 @@ class ServerState:
         # Open resumable upload sessions by id (``Wire.upload_prefix``): in memory, so a restart
         # ends them (the client starts a new one).
         self.uploads: dict[str, dict[str, Any]] = {}
+        # Held from a create's enqueued-token sum until its batch is live, so two creates at
+        # once cannot both fit under ``max_enqueued_tokens`` by each not seeing the other.
+        self.queue_lock = asyncio.Lock()
 
 
 def _state(request: Request) -> ServerState:
@@ -677,18 +681,11 @@ def _batch_routes(r: APIRouter) -> None:
         flags = _fault_flags(st, forced, ("fail_validation", "token_limit_failed"))
         if forced == "token_limit_failed":
             flags["fail_code"] = "token_limit_exceeded"
-        rec = new_batch_record(
-            st.store.new_id("batch_", wire.id_style),
-            created,
-            wire.window_seconds(created["completion_window"]),
-            st.config,
-            flags,
-        )
-        if wire.sync_validation:
-            await _validate_now(st, rec, flags["fail"])
-        st.engine.submit(rec)
-        st.faults.count("batches_created")
-        return wire.render_batch(rec)
+        if st.config.max_enqueued_tokens is None:
+            return await _start_batch(st, created, flags)
+        counted = await asyncio.to_thread(_enqueue_size, st, file_rec["id"], created)
+        async with st.queue_lock:
+            return await _start_batch(st, created, flags, counted)
 
     @r.get("/batches")
     async def list_batches(request: Request) -> dict[str, Any]:
@@ -1251,6 +1248,61 @@ def _cancel(st: ServerState, batch_id: str) -> dict[str, Any]:
     # and says so by answering its real status rather than a "cancelling" it would never honour.
     st.engine.cancel(rec)
     return st.wire.render_cancelled(rec)
+
+
+def _enqueue_size(st: ServerState, file_id: str, created: Mapping[str, Any]) -> tuple[int, str]:
+    """The input tokens of a new batch's file and the model it is enqueued under."""
+    canonical = partial(st.wire.canonical_line, rec=created) if st.wire.vendor_lines else None
+    return count_file(st.store.file_path(file_id), st.config.dialect, created.get("model"), canonical)
+
+
+def _admit(st: ServerState, flags: dict[str, Any], counted: tuple[int, str]) -> dict[str, Any]:
+    """Judge a new batch against ``max_enqueued_tokens``: the record fields it starts with.
+
+    Over the limit it is refused here (form ``refuse``) or flagged to fail in validation with
+    ``token_limit_exceeded`` (form ``fail``), holding no tokens either way; within it, the total
+    admitted for its model is recorded as the peak when it is the highest yet.
+    """
+    limit = st.config.max_enqueued_tokens
+    assert limit is not None
+    tokens, model = counted
+    held = enqueued(st.engine.active.values(), model)
+    if flags["fail"] or held + tokens <= limit:
+        if not flags["fail"]:
+            peak = st.faults.counters["enqueued_tokens_peak"]
+            st.faults.counters["enqueued_tokens_peak"] = max(peak, held + tokens)
+        return {"enqueued_tokens": 0 if flags["fail"] else tokens, "queue_model": model}
+    message = over_limit_message(model, limit, held, tokens)
+    if st.config.limit_form() == "refuse":
+        st.faults.count("enqueued_limit_refused")
+        raise st.wire.enqueued_limit_refused(message)
+    st.faults.count("enqueued_limit_failed")
+    flags.update(fail=True, fail_code="token_limit_exceeded", fail_message=message)
+    return {"enqueued_tokens": 0, "queue_model": model}
+
+
+async def _start_batch(
+    st: ServerState,
+    created: dict[str, Any],
+    flags: dict[str, Any],
+    counted: tuple[int, str] | None = None,
+) -> dict[str, Any]:
+    """Record a new batch (judged against the enqueued-token limit when ``counted``) and run it."""
+    wire = st.wire
+    queue = _admit(st, flags, counted) if counted is not None else {}
+    rec = new_batch_record(
+        st.store.new_id("batch_", wire.id_style),
+        created,
+        wire.window_seconds(created["completion_window"]),
+        st.config,
+        flags,
+    )
+    rec.update(queue)
+    if wire.sync_validation:
+        await _validate_now(st, rec, flags["fail"])
+    st.engine.submit(rec)
+    st.faults.count("batches_created")
+    return wire.render_batch(rec)
 
 
 async def _validate_now(st: ServerState, rec: dict[str, Any], force_fail: bool) -> None:

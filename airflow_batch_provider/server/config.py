@@ -97,6 +97,12 @@ class ServerConfig(BaseModel):
     :param upstream_max_retries: retries of one line on 429/5xx/transport errors.
     :param upstream_timeout: timeout of one upstream call in seconds.
     :param upstream_max_backoff: cap on one retry wait in real seconds.
+    :param max_enqueued_tokens: the enqueued-token limit per model (None: no limit): the input
+        tokens of the live batches (validating, in progress, finalizing) naming one model may not
+        pass it (see :mod:`airflow_batch_provider.server.queue`).
+    :param enqueued_limit_form: how a batch over that limit is answered: ``refuse`` (the create
+        is refused, Azure's form) or ``fail`` (created, then failed with ``token_limit_exceeded``,
+        OpenAI's form); default: the mode's vendor's (``refuse`` for azure, else ``fail``).
     :param faults: faults injected from the start.
     :param gcs_endpoint_url: the Cloud Storage JSON API a mode whose jobs read and write gs://
         uses (vertex: the test suite's emulator), without credentials.
@@ -132,6 +138,8 @@ class ServerConfig(BaseModel):
     upstream_max_retries: int = Field(3, ge=0)
     upstream_timeout: float = Field(60.0, gt=0)
     upstream_max_backoff: float = Field(5.0, ge=0)
+    max_enqueued_tokens: int | None = Field(None, ge=1)
+    enqueued_limit_form: Literal["refuse", "fail"] | None = None
     faults: FaultConfig = Field(default_factory=FaultConfig)
     gcs_endpoint_url: str | None = None
     s3_endpoint_url: str | None = None
@@ -167,6 +175,12 @@ class ServerConfig(BaseModel):
             max_line_bytes=self.max_line_bytes or base.max_line_bytes,
             max_upload_bytes=self.max_upload_bytes or base.max_upload_bytes,
         )
+
+    def limit_form(self) -> Literal["refuse", "fail"]:
+        """How a batch over the enqueued-token limit is answered (the setting, else the vendor's)."""
+        if self.enqueued_limit_form is not None:
+            return self.enqueued_limit_form
+        return "refuse" if self.dialect == "azure" else "fail"
 
     def scaled(self, seconds: float) -> float:
         """Real seconds for ``seconds`` of simulated time."""

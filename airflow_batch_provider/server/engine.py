@@ -345,7 +345,9 @@ class Engine:
             return
         if rec["flags"]["fail"]:
             code = rec["flags"].get("fail_code") or "forced_failure"
-            message = FAIL_MESSAGES.get(code, "validation failed (fault injection)")
+            message = rec["flags"].get("fail_message") or FAIL_MESSAGES.get(
+                code, "validation failed (fault injection)"
+            )
             self._fail(rec, [{"code": code, "line": None, "message": message, "param": None}])
             return
         path = self.store.file_path(rec["input_file_id"])

@@ -83,6 +83,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cap on bytes kept in the data dir (uploads past it get a 507; a batch whose results "
         "would pass it fails with insufficient_storage)",
     )
+    parser.add_argument(
+        "--max-enqueued-tokens",
+        type=int,
+        help="enqueued-token limit per model: the input tokens of live batches (validating, in "
+        "progress, finalizing) of one model may not pass it",
+    )
+    parser.add_argument(
+        "--enqueued-limit-form",
+        choices=("refuse", "fail"),
+        help="a batch over --max-enqueued-tokens is refused at create (refuse) or created and failed "
+        "with token_limit_exceeded (fail); default: the vendor's (azure refuse, else fail)",
+    )
     faults = parser.add_argument_group("fault injection (rates are fractions 0..1)")
     faults.add_argument("--fault-429", type=float, default=0.0, help="fraction of calls answering 429")
     faults.add_argument("--fault-500", type=float, default=0.0, help="fraction of calls answering 500")
@@ -132,6 +144,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_file_bytes=args.max_file_bytes,
         max_line_bytes=args.max_line_bytes,
         max_storage_bytes=args.max_storage_bytes,
+        max_enqueued_tokens=getattr(args, "max_enqueued_tokens", None),
+        enqueued_limit_form=getattr(args, "enqueued_limit_form", None),
         embedding_dim=args.embedding_dim,
         upstream_url=args.upstream,
         upstream_api_key_env=args.upstream_key_env,

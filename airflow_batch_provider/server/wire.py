@@ -109,6 +109,10 @@ class Wire:
             code="unsupported_fault",
         )
 
+    def enqueued_limit_refused(self, message: str) -> ApiError:
+        """A create refused because the model's enqueued-token limit is full (``max_enqueued_tokens``)."""
+        return self.error(400, message, code="token_limit_exceeded")
+
     # ---- errors and auth ----------------------------------------------------------
     def error(
         self,

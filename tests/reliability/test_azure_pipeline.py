@@ -28,7 +28,7 @@ from airflow_batch_provider.exceptions import BatchApiQuotaError, BatchFailedErr
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.staging import resolve_path
 from airflow_batch_provider.submission import StateStore, SubmitState
-from tests.fixtures.reliability import MESSAGES, Pipeline, rows_of, seed_texts
+from tests.fixtures.reliability import MESSAGES, Pipeline, drive, foreign_batch, rows_of, seed_texts
 
 ROWS = 30
 KEY = "azure-pipeline-key"
@@ -207,6 +207,25 @@ async def test_token_limit_exceeded_is_a_quota_error_at_create_and_as_a_failed_b
     assert "token_limit_exceeded" in str(record.submit_error)
     rows = rows_of(failed)
     assert len(rows) == ROWS and {s for s, _, _ in rows.values()} == {"failed"}
+
+
+async def test_a_queue_aware_submit_waits_out_a_create_refused_for_the_deployments_token_limit(
+    batch_server: Any, wh_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed_texts(wh_pipeline.warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+    manifest = wh_pipeline.build("queued", **{**BUILD, "max_lines": 10})
+    total = sum(s["input_tokens"] for s in manifest["shards"])
+    # Azure's form: a create over the deployment's enqueued-token limit is refused at once.
+    server = serve(batch_server, monkeypatch, max_enqueued_tokens=total)
+    # Another user's batch, as large as the limit: the server counts it, the ledger cannot.
+    foreign_batch(server, ROWS, model="echo-1", text="question {}")
+    result, deferred_to = await drive(wh_pipeline, manifest, "queued", max_enqueued_tokens=total)
+    counters = server.stats()["counters"]
+    assert counters["enqueued_limit_refused"] >= 1 and "QueueRoomTrigger" in deferred_to
+    assert result["outcome"]["status"] == "success" and len(result["batch_ids"]) == 3
+    assert counters["enqueued_tokens_peak"] <= total
+    wh_pipeline.merge(result, manifest, "answers")
+    assert {s for s, _, _ in rows_of(wh_pipeline).values()} == {"succeeded"}
 
 
 class AsyncCredential:

@@ -8,6 +8,7 @@ Configured by environment variables so one file serves every test that runs it u
 * ``REL_STAGING``: the staging directory of the run.
 * ``REL_POLL_INTERVAL`` / ``REL_WAIT_TIMEOUT``: the submit's wait (seconds).
 * ``REL_DAG_ID``: the DAG id (so tests sharing a metadata database keep their runs apart).
+* ``REL_MAX_ENQUEUED_TOKENS``: the submits' ``max_enqueued_tokens`` (queue-aware; unset: none).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def reliability_pipeline() -> None:
         poll_interval=float(os.environ.get("REL_POLL_INTERVAL", "0.05")),
         max_poll_interval=float(os.environ.get("REL_POLL_INTERVAL", "0.05")) * 4,
         timeout=float(os.environ["REL_WAIT_TIMEOUT"]) if os.environ.get("REL_WAIT_TIMEOUT") else None,
+        max_enqueued_tokens=(
+            int(os.environ["REL_MAX_ENQUEUED_TOKENS"]) if os.environ.get("REL_MAX_ENQUEUED_TOKENS") else None
+        ),
     ).expand(shard=shard_indexes(build.output))
 
     @task
