@@ -422,7 +422,7 @@ def test_retry_callback_gets_retryable_keys_in_shard_order(warehouse: Any) -> No
     writer.merge(
         with_batch([chat_line("a", "ok"), error_line("c", "server_error")]),
         keys=keys,
-        on_retry=lambda pairs: seen.extend(pairs),
+        on_retry=lambda pairs: seen.extend(r[:3] for r in pairs),
     )
     assert seen == [(0, "b", [2]), (1, "c", [3]), (1, "d", [4])]
 
@@ -594,7 +594,9 @@ def test_postgres_through_psycopg2(pg_warehouse: Any) -> None:
     lines = [chat_line("a", "tab\there\nnew line \\ backslash"), error_line("b", "batch_expired")]
     seen: list[tuple[int, str, list[Any]]] = []
     report = writer.merge(
-        with_batch(lines), keys=keys_for([("a", 1), ("b", 2), ("c", 3)]), on_retry=lambda p: seen.extend(p)
+        with_batch(lines),
+        keys=keys_for([("a", 1), ("b", 2), ("c", 3)]),
+        on_retry=lambda p: seen.extend(r[:3] for r in p),
     )
     assert report.counts["succeeded"] == 1 and report.counts["expired"] == 1 and report.counts["missing"] == 1
     assert pg_warehouse.rows("SELECT content FROM p2 WHERE id = 1") == [("tab\there\nnew line \\ backslash",)]
