@@ -304,8 +304,6 @@ class MergeBatchResultsOperator(BaseOperator):
 
         raw = self._batch_input(context)
         pairs = batches_with_shards(raw)
-        if not pairs:
-            raise ConfigurationError(f"no batch ids found in batches={raw!r}")
         manifest_ref = manifest_reference(self.manifest_path)
         if manifest_ref is None and isinstance(raw, Mapping):
             manifest_ref = raw.get("manifest_path")
@@ -316,6 +314,16 @@ class MergeBatchResultsOperator(BaseOperator):
             manifest_file = staging.manifest_path(manifest_ref)
             manifest = staging.read_manifest(manifest_file)
             staging_dir = staging.staging_dir_of(manifest_file)
+        if not pairs and (manifest is None or manifest.shards):
+            raise ConfigurationError(f"no batch ids found in batches={raw!r}")
+        if not pairs and manifest is not None:
+            # An incremental run where nothing changed: no batch; the rows it left out keep
+            # their results, and its rejects (if any) are still written.
+            self.log.info(
+                "The build sent nothing (%d row(s) unchanged, %d rejected): no batch to read",
+                manifest.rows_unchanged,
+                manifest.rows_rejected,
+            )
         if self.resubmit_failed and manifest is None:
             raise ConfigurationError("resubmit_failed needs the build manifest (manifest_path)")
         if (self.fallback_conn_id or self.fallback_model) and not self.resubmit_failed:

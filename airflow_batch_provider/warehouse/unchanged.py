@@ -19,6 +19,7 @@ Either way the rows leave as the query's rows plus the previous hash (None: noth
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,10 +46,7 @@ def target_has_hashes(hook: Any, table: str, schema: str | None) -> list[str] | 
     try:
         columns = dialect.probe_columns(conn, table, schema)
     finally:
-        try:
-            conn.rollback()
-        finally:
-            conn.close()
+        _close(conn)
     if columns is None or "request_hash" not in columns:
         return None
     return list(columns)
@@ -140,10 +138,14 @@ class HashLookup:
     def close(self) -> None:
         if self._conn is not None:
             conn, self._conn = self._conn, None
-            try:
-                conn.rollback()
-            finally:
-                conn.close()
+            _close(conn)
+
+
+def _close(conn: Any) -> None:
+    """End a read-only connection: roll back what it read (where a transaction is open), close."""
+    with contextlib.suppress(Exception):
+        conn.rollback()
+    conn.close()
 
 
 def _custom_id(values: Sequence[Any]) -> str | None:
