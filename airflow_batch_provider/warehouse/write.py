@@ -965,12 +965,12 @@ class ResultsWriter:
             for status, n in written.items():
                 report.counts[status] = report.counts.get(status, 0) + n
             known_orphans = None
-            if report.shared_answers:
-                pass  # a result line may answer several keys: the anti-join counts the orphans
-            elif matched_lines is not None:
+            # Where a result line answers several keys (shared answers), the rows written say
+            # nothing of the lines matched: the anti-join below counts the orphans.
+            if matched_lines is not None and not report.shared_answers:
                 # Rounds counted only the keys that had a result line.
                 known_orphans = report.result_lines - matched_lines
-            elif sql.all_absent_missing:
+            elif sql.all_absent_missing and not report.shared_answers:
                 # No result line is ever "missing", so the keys with a result are all the others,
                 # and every other staged line matched no key: no anti-join needed to count them.
                 matched = sum(written.values()) - written.get("missing", 0)
