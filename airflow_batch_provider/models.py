@@ -252,6 +252,16 @@ class Manifest(BaseModel):
     rows_read: int = 0
     rows_written: int = 0
     rows_rejected: int = 0
+    rows_unchanged: int = Field(
+        default=0,
+        description="rows left out by skip_unchanged: the target already holds their succeeded answer "
+        "to the same request (request_hash)",
+    )
+    rows_shared: int = Field(
+        default=0,
+        description="rows of a deduplicated build whose request repeats one sent for another row: "
+        "in keys.jsonl, not in a shard; the merge gives them that row's answer",
+    )
     rejects_path: str | None = None
     keys_path: str | None = Field(
         default=None, description="JSONL of {custom_id, key} for every written row, relative to the manifest"

@@ -299,3 +299,16 @@ def _duration(seconds: float) -> str:
     if minutes:
         return f"{minutes}m{secs:02d}s"
     return f"{secs}s"
+
+
+def nothing_sent() -> dict[str, Any]:
+    """The wait's outcome (shaped as every wait's return value) for a run that submitted no
+    batch: an incremental build where nothing changed. Nothing to wait for; it succeeded."""
+    return {
+        "status": "success",
+        "batch_ids": [],
+        "counts": {"total": 0, "completed": 0, "failed": 0},
+        "message": "no batch was submitted (the build left no line to send): nothing to wait for",
+        "termination_reason": None,
+        "batches": [],
+    }

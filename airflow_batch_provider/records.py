@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,21 +19,47 @@ class KeyRecord:
 
     :param custom_id: the line's custom_id.
     :param key: the row's key values, in key-column order (JSON-able).
-    :param shard: index of the shard the line went to.
+    :param shard: index of the shard the line went to (for a row that shares an answer: the
+        shard of the line sent for it).
+    :param request_hash: the hash of the canonical request (:mod:`airflow_batch_provider.request_hash`);
+        None in a keys.jsonl written before it existed.
+    :param shared_answer: for a row of a deduplicated build whose request repeats one already
+        sent: the custom_id of that line, whose answer the merge gives this row too; else None.
     """
 
     custom_id: str
     key: list[Any]
     shard: int
+    request_hash: str | None = None
+    shared_answer: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return KeyRecord.line(self.custom_id, self.key, self.shard)
+        return KeyRecord.line(self.custom_id, self.key, self.shard, self.request_hash, self.shared_answer)
 
     @staticmethod
-    def line(custom_id: str, key: list[Any], shard: int) -> dict[str, Any]:
+    def line(
+        custom_id: str,
+        key: list[Any],
+        shard: int,
+        request_hash: str | None = None,
+        shared_answer: str | None = None,
+    ) -> dict[str, Any]:
         """The JSON object of a keys.jsonl line, built without a record (for a loop writing
-        millions of lines: a record costs about a microsecond more per line)."""
-        return {"custom_id": custom_id, "key": key, "shard": shard}
+        millions of lines: a record costs about a microsecond more per line). ``request_hash``
+        and ``shared_answer`` are written only when set."""
+        obj: dict[str, Any] = {"custom_id": custom_id, "key": key, "shard": shard}
+        if request_hash is not None:
+            obj["request_hash"] = request_hash
+        if shared_answer is not None:
+            obj["shared_answer"] = shared_answer
+        return obj
+
+    @staticmethod
+    def request_fields_of(obj: Mapping[str, Any]) -> tuple[str | None, str | None]:
+        """``(request_hash, shared_answer)`` of a keys.jsonl object as read, None where missing
+        or not text."""
+        found = obj.get("request_hash"), obj.get("shared_answer")
+        return tuple(v if isinstance(v, str) and v else None for v in found)  # type: ignore[return-value]
 
     @staticmethod
     def fields_of(obj: Mapping[str, Any]) -> tuple[str | None, list[Any] | None, int | None]:
@@ -113,3 +139,21 @@ class RejectRecord:
         if not self.column or repr(self.column) in self.reason:
             return self.reason
         return f"{self.reason} (column {self.column})"
+
+
+class RetryKey(NamedTuple):
+    """A key the merge found retryable (failed, expired, cancelled, missing), for resubmission.
+
+    :param shard: the shard its line is in (for a shared answer: the line sent for it).
+    :param custom_id: the key's own custom_id.
+    :param key: its key values (JSON-able).
+    :param request_hash: its request_hash, as keys.jsonl gave it (None in an older one).
+    :param sent_as: the custom_id of the line that answers it: its own, or the one whose answer
+        it shares (a deduplicated build).
+    """
+
+    shard: int
+    custom_id: str
+    key: list[Any]
+    request_hash: str | None = None
+    sent_as: str | None = None

@@ -31,6 +31,7 @@ from airflow_batch_provider.rendering import (
     decode_bytes,
     text_rejection,
 )
+from airflow_batch_provider.request_hash import request_hash
 from airflow_batch_provider.warehouse.read import value_type
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from airflow_batch_provider.limits import Limits, ValidationRules
     from airflow_batch_provider.models import Shard
     from airflow_batch_provider.warehouse.read import RowStream
+    from airflow_batch_provider.warehouse.unchanged import UnchangedRows
 
 ON_NULL_CHOICES = ("reject", "empty", "fail")
 _LOG_EVERY = 100_000
@@ -69,6 +71,11 @@ class BuildSpec:
     :param unsupported: the dialect's check of what its vendor cannot express in a line (a
         reason, or None), run on every row; None when the dialect has nothing to refuse.
     :param tally: counts every written line's tokens (and cost) into its shard; None: no estimate.
+    :param skip_unchanged: each row carries, one place past the stream's columns, the
+        ``request_hash`` of the succeeded answer the target already holds for its key (or
+        None); a row whose request hashes the same is left out (counted, not written).
+    :param deduplicate: a row whose request repeats one already written in this build is not
+        written again: its keys.jsonl record names the custom_id sent (``shared_answer``).
     """
 
     directory: ObjectStoragePath
@@ -81,6 +88,8 @@ class BuildSpec:
     prefix: str = ""
     unsupported: Callable[[Mapping[str, Any]], str | None] | None = None
     tally: EstimateTally | None = None
+    skip_unchanged: bool = False
+    deduplicate: bool = False
 
 
 @dataclasses.dataclass
@@ -90,6 +99,10 @@ class BuildResult:
     rows_read: int = 0
     rows_written: int = 0
     rows_rejected: int = 0
+    #: Rows left out because the target already answered the same request (skip_unchanged).
+    rows_unchanged: int = 0
+    #: Rows that share the line of an identical request written before them (deduplicate).
+    rows_shared: int = 0
     reject_codes: Counter[str] = dataclasses.field(default_factory=Counter)
     #: The reason of the first row rejected with each code (a build that rejects every row
     #: says why, and how to fix it, in its error).
@@ -99,7 +112,7 @@ class BuildResult:
     column_names: list[str] = dataclasses.field(default_factory=list)
 
 
-def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResult:
+def build_lines(spec: BuildSpec, rows: RowStream | UnchangedRows, log: Any = None) -> BuildResult:
     """Turn every row of ``rows`` into a line or a reject record; return the counts.
 
     :param spec: what to build.
@@ -152,7 +165,13 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
     max_line = min(spec.limits.max_line_bytes, spec.limits.max_file_bytes - 1)
     validate_all = not builder.fixed_shape
     types_pending = None in types
-    row_number = written = rejected = 0
+    row_number = written = rejected = unchanged = shared = 0
+    hash_request = request_hash
+    # The target's hash of each row's last answer sits one place past the query's columns.
+    previous = len(columns) if spec.skip_unchanged else -1
+    # Deduplication: request_hash -> (custom_id, shard) of the line sent for it. The one map a
+    # build keeps per distinct request (~200 bytes each with its strings); off by default.
+    sent: dict[str, tuple[str, int]] | None = {} if spec.deduplicate else None
     writer: staging.ShardedJsonlWriter | staging.ModelShardWriter = (
         staging.ModelShardWriter(spec.directory, spec.limits, endpoint=endpoint)
         if per_model
@@ -229,6 +248,19 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                         raise RowRejected(
                             "line_too_large", f"line is {len(line):,} bytes; the limit is {max_line:,}"
                         )
+                    rhash = hash_request(endpoint, line_obj["body"])
+                    if previous >= 0 and row[previous] == rhash:
+                        unchanged += 1
+                        continue
+                    if sent is not None:
+                        first_sent = sent.get(rhash)
+                        if first_sent is not None:
+                            key_record = KeyRecord.line(
+                                cid, stored_key(key_values), first_sent[1], rhash, first_sent[0]
+                            )
+                            write_key(dumps(key_record, option=newline))
+                            shared += 1
+                            continue
                     if add_model_line is not None:
                         body = line_obj["body"]
                         model = body.get("model") if isinstance(body, dict) else None
@@ -239,6 +271,8 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                     else:
                         assert add_line is not None
                         shard = add_line(line)
+                    if sent is not None:
+                        sent[rhash] = (cid, shard)
                 except RowRejected as err:
                     if err.code in _TEXT_SUSPECTS:
                         err = text_rejection(row, columns) or err
@@ -263,7 +297,7 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
                     tally(line, cid, line_obj["body"], shard)
                 elif tally_body is not None:
                     tally_body(line_obj["body"], shard)
-                write_key(dumps(KeyRecord.line(cid, stored_key(key_values), shard), option=newline))
+                write_key(dumps(KeyRecord.line(cid, stored_key(key_values), shard, rhash), option=newline))
                 written += 1
             if log is not None and row_number and row_number % _LOG_EVERY < len(batch):
                 log.info("%d rows read, %d written, %d rejected", row_number, written, rejected)
@@ -273,6 +307,7 @@ def build_lines(spec: BuildSpec, rows: RowStream, log: Any = None) -> BuildResul
         shard_fields = spec.tally.shard_fields
         result.shards = [s.model_copy(update=shard_fields(s.index)) for s in result.shards]
     result.rows_read, result.rows_written, result.rows_rejected = row_number, written, rejected
+    result.rows_unchanged, result.rows_shared = unchanged, shared
     result.key_types = [t or "text" for t in types]
     unsafe = reject_codes.get("template_unsafe", 0)
     if unsafe and unsafe == row_number and first_cause is not None:

@@ -33,7 +33,7 @@ import orjson
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _dag_prompt() -> tuple[list[dict[str, str]], dict[str, Any]]:
+def dag_prompt() -> tuple[list[dict[str, str]], dict[str, Any]]:
     """The demo DAG's messages and body, read from the DAG file itself."""
     spec = importlib.util.spec_from_file_location(
         "triage", REPO / "dags_examples" / "support_ticket_triage.py"
@@ -72,7 +72,7 @@ def main() -> int:
     from airflow_batch_provider.server.backends import EchoBackend
 
     seed_warehouse("bench_duckdb", tickets=args.tickets, products=1)
-    messages, body = _dag_prompt()
+    messages, body = dag_prompt()
     builds: dict[str, dict[str, Any]] = {}
     for name, counter, dialect in (
         ("exact", "exact", "openai"),

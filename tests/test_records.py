@@ -29,6 +29,18 @@ def test_records_round_trip_through_their_json_lines() -> None:
     assert RejectRecord.from_dict(line) == reject
     # The builders for a loop writing millions of lines spell the same objects.
     assert KeyRecord.line("c1", [1, "a"], 3) == key.as_dict()
+    # The request's hash, and the custom_id whose answer a deduplicated row shares.
+    shared = KeyRecord("c2", [2, "b"], 0, "ab" * 16, "c1")
+    line_obj = orjson.loads(orjson.dumps(shared.as_dict()))
+    assert line_obj == {
+        "custom_id": "c2",
+        "key": [2, "b"],
+        "shard": 0,
+        "request_hash": "ab" * 16,
+        "shared_answer": "c1",
+    }
+    assert KeyRecord.request_fields_of(line_obj) == ("ab" * 16, "c1")
+    assert KeyRecord.request_fields_of({"request_hash": 5, "shared_answer": ""}) == (None, None)
     assert RejectRecord.line(7, [7], None, "too_long", "prompt over limit", "text") == reject.as_dict()
 
 

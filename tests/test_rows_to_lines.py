@@ -16,6 +16,7 @@ from airflow_batch_provider.dialects import get_dialect
 from airflow_batch_provider.exceptions import DuplicateKeyError
 from airflow_batch_provider.keys import custom_id_for, jsonable_key, stored_key
 from airflow_batch_provider.rendering import BodySource
+from airflow_batch_provider.request_hash import request_hash
 from airflow_batch_provider.rows_to_lines import BuildSpec, build_lines
 from airflow_batch_provider.warehouse.read import stream_rows
 
@@ -53,11 +54,22 @@ def test_build_lines_from_a_spec_writes_lines_keys_and_rejects(sqlite_warehouse:
     assert dict(result.reject_codes) == {"null_key": 1, "null_value": 1}
     assert [s.lines for s in result.shards] == [2]
     keys = [orjson.loads(x) for x in (tmp_path / staging.KEYS_NAME).read_bytes().splitlines()]
-    assert keys == [
-        {"custom_id": "p-1", "key": [1], "shard": 0},
-        {"custom_id": "p-3", "key": [3], "shard": 0},
-    ]
     lines = [orjson.loads(x) for x in (tmp_path / "shard-00000.jsonl").read_bytes().splitlines()]
+    # Every key record carries the hash of its canonical request (url + body).
+    assert keys == [
+        {
+            "custom_id": "p-1",
+            "key": [1],
+            "shard": 0,
+            "request_hash": request_hash(spec.endpoint, lines[0]["body"]),
+        },
+        {
+            "custom_id": "p-3",
+            "key": [3],
+            "shard": 0,
+            "request_hash": request_hash(spec.endpoint, lines[1]["body"]),
+        },
+    ]
     assert lines[1]["body"] == {"model": "m", "messages": [{"role": "user", "content": "c"}]}
 
 

@@ -29,7 +29,14 @@ from airflow_batch_provider.rows_to_lines import (
     build_lines,
 )
 from airflow_batch_provider.warehouse.databases import SqlDialect, detect_sql_dialect
-from airflow_batch_provider.warehouse.read import stream_rows
+from airflow_batch_provider.warehouse.read import RowStream, stream_rows
+from airflow_batch_provider.warehouse.unchanged import (
+    LOOKUP_CHOICES,
+    HashLookup,
+    UnchangedRows,
+    joined_query,
+    target_has_hashes,
+)
 
 if TYPE_CHECKING:
     from airflow.sdk import Context, ObjectStoragePath
@@ -104,6 +111,24 @@ class SqlToBatchJsonlOperator(BaseOperator):
         extra ``prices``.
     :param price_table: ``auto``, ``genai-prices`` or ``none``: whether the optional
         genai-prices table prices a model nobody set; default: the connection's, else auto.
+    :param skip_unchanged: leave out the rows whose key already has a ``succeeded`` row with the
+        same ``request_hash`` (the hash of the canonical request: endpoint and body, model
+        included) in ``target_table``; they are counted in the manifest (``rows_unchanged``),
+        not sent, and the merge leaves their rows as they are. A run where nothing changed
+        writes no shard and succeeds; submit then creates no batch.
+    :param target_table: the merge's results table, for ``skip_unchanged`` (templated). A table
+        that does not exist yet (or has no ``request_hash`` column) leaves nothing out.
+    :param target_schema: its schema (templated).
+    :param target_conn_id: its connection; default ``conn_id`` (templated).
+    :param unchanged_lookup: how ``skip_unchanged`` reads the target (see
+        :mod:`airflow_batch_provider.warehouse.unchanged`): ``join`` (the source query is joined
+        to the target inside the database: one connection), ``lookup`` (the target's hashes are
+        read per fetched batch, by key), or ``auto`` (join when ``target_conn_id`` is ``conn_id``).
+    :param deduplicate: send each distinct request (same ``request_hash``) once per run: the
+        rows that repeat it go to keys.jsonl naming the custom_id sent, and the merge gives
+        them its answer (column ``shared_answer``). Off by default: with a temperature,
+        identical requests may be meant to differ. Holds one small entry per distinct request
+        in memory (about 200 bytes).
     :param list outlets: (a BaseOperator argument) every ``Asset`` among them gets the build's figures
         as its event extra: shard count, rows read / written / rejected, the staging URI.
     """
@@ -121,6 +146,9 @@ class SqlToBatchJsonlOperator(BaseOperator):
         "model",
         "endpoint",
         "custom_id_prefix",
+        "target_table",
+        "target_schema",
+        "target_conn_id",
     )
     template_ext: Sequence[str] = (".sql",)
     template_fields_renderers = {"sql": "sql", "parameters": "json"}
@@ -159,9 +187,21 @@ class SqlToBatchJsonlOperator(BaseOperator):
         default_max_output_tokens: int | None = None,
         prices: Mapping[str, Any] | None = None,
         price_table: str | None = None,
+        skip_unchanged: bool = False,
+        target_table: str | None = None,
+        target_schema: str | None = None,
+        target_conn_id: str | None = None,
+        unchanged_lookup: str = "auto",
+        deduplicate: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if skip_unchanged and not target_table:
+            raise ConfigurationError("skip_unchanged needs target_table (the merge's results table)")
+        if unchanged_lookup not in LOOKUP_CHOICES:
+            raise ConfigurationError(
+                f"unchanged_lookup must be one of {', '.join(LOOKUP_CHOICES)}, not {unchanged_lookup!r}"
+            )
         if (sql is None) == (table is None):
             raise ConfigurationError("give exactly one of sql or table")
         if schema is not None and table is None:
@@ -228,6 +268,12 @@ class SqlToBatchJsonlOperator(BaseOperator):
         self.default_max_output_tokens = default_max_output_tokens
         self.prices = dict(prices or {})
         self.price_table = price_table
+        self.skip_unchanged = skip_unchanged
+        self.target_table = target_table
+        self.target_schema = target_schema
+        self.target_conn_id = target_conn_id
+        self.unchanged_lookup = unchanged_lookup
+        self.deduplicate = deduplicate
         # What this try wrote (its XCom), for lineage; None until the build succeeds.
         self.built: dict[str, Any] | None = None
 
@@ -320,15 +366,45 @@ class SqlToBatchJsonlOperator(BaseOperator):
             return staging.resolve_path(self.staging_path)
         return staging.resolve_path(default_staging_path(context, self.task_id))
 
-    def _hook(self) -> Any:
+    def _hook(self, conn_id: str | None = None) -> Any:
         from airflow.providers.common.sql.hooks.sql import DbApiHook
 
-        hook = BaseHook.get_connection(self.conn_id).get_hook()
+        conn_id = conn_id or self.conn_id
+        hook = BaseHook.get_connection(conn_id).get_hook()
         if not isinstance(hook, DbApiHook):
             raise ConfigurationError(
-                f"connection {self.conn_id!r} gives a {type(hook).__name__}, not a common-sql DbApiHook"
+                f"connection {conn_id!r} gives a {type(hook).__name__}, not a common-sql DbApiHook"
             )
         return hook
+
+    def _unchanged_mode(self) -> tuple[str | None, Any]:
+        """How this build finds unchanged rows (``join``, ``lookup`` or None: it does not) and
+        the target's hook."""
+        if not self.skip_unchanged:
+            return None, None
+        assert self.target_table is not None
+        target_conn = self.target_conn_id or self.conn_id
+        hook = self._hook(target_conn)
+        columns = target_has_hashes(hook, self.target_table, self.target_schema)
+        where = f"{self.target_table} on {target_conn}"
+        if columns is None:
+            self.log.info("skip_unchanged: %s has no request_hash yet; every row is sent", where)
+            return None, None
+        missing = [k for k in self.key_columns if k not in columns]
+        if missing:
+            raise ConfigurationError(
+                f"skip_unchanged: target {where} has no key column(s) {', '.join(missing)}"
+            )
+        mode = self.unchanged_lookup
+        if mode == "auto":
+            mode = "join" if target_conn == self.conn_id else "lookup"
+        if mode == "join" and target_conn != self.conn_id:
+            raise ConfigurationError(
+                "unchanged_lookup='join' needs the target on the source connection "
+                f"({target_conn!r} is not {self.conn_id!r})"
+            )
+        self.log.info("skip_unchanged: rows answered alike in %s are left out (%s)", where, mode)
+        return mode, hook
 
     # ---- execution ----------------------------------------------------------------------------
 
@@ -365,11 +441,17 @@ class SqlToBatchJsonlOperator(BaseOperator):
             prefix=prefix,
             unsupported=dialect.unsupported,
             tally=tally,
+            skip_unchanged=False,
+            deduplicate=self.deduplicate,
         )
+        unchanged, target_hook = self._unchanged_mode()
+        if unchanged == "join":
+            assert self.target_table is not None
+            query = joined_query(hook, query, self.target_table, self.target_schema, self.key_columns)
         with stream_rows(
             hook, query, self.parameters, batch_size=self.fetch_batch_size, session_sql=self.session_sql
         ) as rows:
-            build = build_lines(spec, rows, self.log)
+            build = self._build(spec, rows, unchanged, target_hook)
         manifest = Manifest(
             source=f"{self.conn_id}: {self.table or _one_line(query)}",
             dialect=dialect.name,
@@ -382,6 +464,8 @@ class SqlToBatchJsonlOperator(BaseOperator):
             rows_read=build.rows_read,
             rows_written=build.rows_written,
             rows_rejected=build.rows_rejected,
+            rows_unchanged=build.rows_unchanged,
+            rows_shared=build.rows_shared,
             rejects_path=staging.REJECTS_NAME,
             keys_path=staging.KEYS_NAME,
             estimate=tally.summary(book, self.model or None) if tally is not None else None,
@@ -403,6 +487,17 @@ class SqlToBatchJsonlOperator(BaseOperator):
             manifest.rows_read,
             written,
         )
+        if self.skip_unchanged:
+            self.log.info(
+                "skip_unchanged: %d row(s) unchanged (already answered alike), not sent%s",
+                build.rows_unchanged,
+                "; nothing to send: no shard, submit creates no batch" if not manifest.shards else "",
+            )
+        if self.deduplicate:
+            self.log.info(
+                "deduplicate: %d row(s) repeat a request sent for another row and share its answer",
+                build.rows_shared,
+            )
         self.log.info("Estimate: %s", describe_estimate(manifest.estimate or {}))
         self.built = manifest_xcom(manifest, directory)
         attach_outlet_extra(context, self.outlets, build_event_extra(self.built))
@@ -414,10 +509,36 @@ class SqlToBatchJsonlOperator(BaseOperator):
 
         return build_lineage(conn_id=self.conn_id, hook=self._hook, query=self._query, output=self.built)
 
+    def _build(
+        self, spec: BuildSpec, rows: RowStream, unchanged: str | None, target_hook: Any
+    ) -> BuildResult:
+        """The row loop over ``rows``, with the target's previous hashes when skipping unchanged rows."""
+        if unchanged is None:
+            return build_lines(spec, rows, self.log)
+        spec = dataclasses.replace(spec, skip_unchanged=True)
+        if unchanged == "join":
+            return build_lines(spec, UnchangedRows(rows), self.log)
+        names = rows.column_names
+        if any(k not in names for k in self.key_columns):
+            return build_lines(dataclasses.replace(spec, skip_unchanged=False), rows, self.log)  # names them
+        assert self.target_table is not None
+        lookup = HashLookup(
+            target_hook,
+            self.target_table,
+            self.target_schema,
+            self.key_columns,
+            [names.index(k) for k in self.key_columns],
+        )
+        try:
+            return build_lines(spec, UnchangedRows(rows, lookup), self.log)
+        finally:
+            lookup.close()
+
     def _check_outcome(self, build: BuildResult, directory: ObjectStoragePath) -> None:
         summary = ", ".join(f"{code}: {n}" for code, n in build.reject_codes.most_common())
         where = f"see {directory / staging.REJECTS_NAME}"
-        if build.rows_written == 0 and not self.allow_empty:
+        # An incremental run over unchanged rows has nothing to send, and that is fine.
+        if build.rows_written == 0 and not build.rows_unchanged and not self.allow_empty:
             detail = ""
             if build.rows_read:
                 top = build.reject_codes.most_common(1)[0][0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,8 @@ from airflow_batch_provider.ids import check_id
 from airflow_batch_provider.jsonl import iter_objects
 from airflow_batch_provider.models import BatchState, Manifest, ResultLine
 from airflow_batch_provider.prices import Price, PriceBook, spend_settings
-from airflow_batch_provider.records import KeyRecord
+from airflow_batch_provider.records import KeyRecord, RetryKey
+from airflow_batch_provider.request_hash import request_hash
 from airflow_batch_provider.warehouse.lines import RawResults, ResultFile, file_line_reader
 from airflow_batch_provider.warehouse.rows import STATUSES, Column, OutputSchema, ResultMapper
 from airflow_batch_provider.warehouse.write import PARSE_IN_CHOICES, MergeReport, ResultsWriter, ShardOutcome
@@ -302,8 +304,6 @@ class MergeBatchResultsOperator(BaseOperator):
 
         raw = self._batch_input(context)
         pairs = batches_with_shards(raw)
-        if not pairs:
-            raise ConfigurationError(f"no batch ids found in batches={raw!r}")
         manifest_ref = manifest_reference(self.manifest_path)
         if manifest_ref is None and isinstance(raw, Mapping):
             manifest_ref = raw.get("manifest_path")
@@ -314,6 +314,16 @@ class MergeBatchResultsOperator(BaseOperator):
             manifest_file = staging.manifest_path(manifest_ref)
             manifest = staging.read_manifest(manifest_file)
             staging_dir = staging.staging_dir_of(manifest_file)
+        if not pairs and (manifest is None or manifest.shards):
+            raise ConfigurationError(f"no batch ids found in batches={raw!r}")
+        if not pairs and manifest is not None:
+            # An incremental run where nothing changed: no batch; the rows it left out keep
+            # their results, and its rejects (if any) are still written.
+            self.log.info(
+                "The build sent nothing (%d row(s) unchanged, %d rejected): no batch to read",
+                manifest.rows_unchanged,
+                manifest.rows_rejected,
+            )
         if self.resubmit_failed and manifest is None:
             raise ConfigurationError("resubmit_failed needs the build manifest (manifest_path)")
         if (self.fallback_conn_id or self.fallback_model) and not self.resubmit_failed:
@@ -375,7 +385,7 @@ class MergeBatchResultsOperator(BaseOperator):
         self.merge_columns = [(c.name, c.type) for c in writer.target_columns]
         resubmission: dict[str, Any] = {}
 
-        def on_retry(retryable: Iterator[tuple[int, str, list[Any]]]) -> None:
+        def on_retry(retryable: Iterator[RetryKey]) -> None:
             assert manifest is not None and staging_dir is not None and manifest_file is not None
             assert resubmit_to is not None
             resubmission.update(self._resubmit(retryable, manifest, staging_dir, manifest_file, resubmit_to))
@@ -445,7 +455,7 @@ class MergeBatchResultsOperator(BaseOperator):
     # ---- resubmission -----------------------------------------------------------------------
     def _resubmit(
         self,
-        retryable: Iterator[tuple[int, str, list[Any]]],
+        retryable: Iterator[RetryKey],
         manifest: Manifest,
         staging_dir: ObjectStoragePath,
         manifest_file: ObjectStoragePath,
@@ -474,7 +484,7 @@ class MergeBatchResultsOperator(BaseOperator):
         target = root / f"attempt-{next_attempt}"
         staging.mkdirs(target)
         limits = to.dialect.limits
-        written = 0
+        written = shared = 0
         shard_paths = {s.index: s.path for s in manifest.shards}
         # Failed lines of several one-model shards must not share a shard where the target
         # vendor runs one model per batch.
@@ -495,13 +505,28 @@ class MergeBatchResultsOperator(BaseOperator):
                 with staging.open_read(staging_dir / shard_paths[shard]) as handle:
                     for _, obj in iter_objects(handle):
                         custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
-                        key = wanted.pop(custom_id, None) if isinstance(custom_id, str) else None
-                        if key is None:
+                        asking = wanted.pop(custom_id, None) if isinstance(custom_id, str) else None
+                        if asking is None:
                             continue
+                        # The build's hash (of the request before a fallback model), so the next
+                        # incremental run finds the row unchanged.
+                        body = obj.get("body")
+                        rhash = asking[0].request_hash or (
+                            request_hash(obj.get("url") or manifest.endpoint, body)
+                            if isinstance(body, dict)
+                            else None
+                        )
                         to.take(obj, f"shard {shard_paths[shard]}")
                         new_shard = _add_line(writer, obj)
-                        keys_out.write(orjson.dumps(KeyRecord(obj["custom_id"], key, new_shard).as_dict()))
-                        keys_out.write(b"\n")
+                        for retry in asking:
+                            # A key sharing this line's answer keeps sharing it in the attempt.
+                            own = retry.custom_id == custom_id
+                            record = KeyRecord(
+                                retry.custom_id, retry.key, new_shard, rhash, None if own else custom_id
+                            )
+                            keys_out.write(orjson.dumps(record.as_dict()))
+                            keys_out.write(b"\n")
+                            shared += 0 if own else 1
                         written += 1
                 if wanted:
                     raise ConfigurationError(
@@ -515,9 +540,11 @@ class MergeBatchResultsOperator(BaseOperator):
                 "dialect": to.dialect.name,
                 "model": self.fallback_model or manifest.model,
                 "shards": shards,
-                "rows_read": written,
+                "rows_read": written + shared,
                 "rows_written": written,
                 "rows_rejected": 0,
+                "rows_unchanged": 0,
+                "rows_shared": shared,
                 "rejects_path": None,
                 "keys_path": staging.KEYS_NAME,
                 # The first build's estimate covers every row, not these: a capped submit of the
@@ -684,15 +711,18 @@ def _records(path: ObjectStoragePath) -> Iterator[dict[str, Any]]:
 
 
 def _group_by_shard(
-    first: tuple[int, str, list[Any]], rest: Iterator[tuple[int, str, list[Any]]]
-) -> Iterator[tuple[int, dict[str, list[Any]]]]:
-    """Group the (ordered) retryable keys per shard; one shard's worth is bounded by the shard limits."""
-    shard, group = first[0], {first[1]: first[2]}
-    for item in rest:
-        if item[0] != shard:
+    first: RetryKey, rest: Iterator[RetryKey]
+) -> Iterator[tuple[int, dict[str, list[RetryKey]]]]:
+    """Group the (ordered) retryable keys per shard, by the custom_id of the line that answers
+    them (several keys share one line in a deduplicated build); one shard's worth is bounded by
+    the shard limits."""
+    shard: int = first.shard
+    group: dict[str, list[RetryKey]] = {}
+    for item in itertools.chain((first,), rest):
+        if item.shard != shard:
             yield shard, group
-            shard, group = item[0], {}
-        group[item[1]] = item[2]
+            shard, group = item.shard, {}
+        group.setdefault(item.sent_as or item.custom_id, []).append(item)
     yield shard, group
 
 

@@ -46,6 +46,7 @@ from airflow_batch_provider.exceptions import (
 from airflow_batch_provider.jsonl import LineValidator, Problem, iter_objects, iter_raw_lines
 from airflow_batch_provider.links import batch_page_links, push_batch_ids
 from airflow_batch_provider.models import Batch, BatchState, Manifest, to_utc
+from airflow_batch_provider.outcome import nothing_sent
 from airflow_batch_provider.prices import PriceBook, spend_settings
 from airflow_batch_provider.staging import (
     atomic_writer,
@@ -300,6 +301,8 @@ class SubmitBatchOperator(BaseOperator):
         # Checked with each hand-made line as it will be sent (_unsupported).
         self._line_defaults = self._defaults(hook)
         shards, state_dir, manifest_file = self._plan(dialect)
+        if not shards:
+            return self._nothing_to_send(context, manifest_file)
         for shard in shards:
             # A job that reads object storage reads it beside the shard: refused before any write.
             dialect.check_staging(shard.path)
@@ -376,6 +379,26 @@ class SubmitBatchOperator(BaseOperator):
             log=self.log,
         )
         return self.execute_complete(context, event, submission=submission)
+
+    def _nothing_to_send(self, context: Context, manifest_file: ObjectStoragePath | None) -> dict[str, Any]:
+        """The XCom of a run whose build left no line to send: no upload, no batch, success."""
+        manifest = read_manifest(manifest_file) if manifest_file is not None else None
+        self.log.info(
+            "Nothing to submit: the build wrote no line (%d row(s) unchanged, %d rejected); "
+            "no file uploaded, no batch created",
+            manifest.rows_unchanged if manifest else 0,
+            manifest.rows_rejected if manifest else 0,
+        )
+        push_batch_ids(context, [])
+        self.submission = {
+            "batch_ids": [],
+            "batches": [],
+            "submitted_at": now_utc().isoformat(),
+            "manifest_path": str(manifest_file) if manifest_file is not None else None,
+        }
+        if not self.wait_for_completion:
+            return self.submission
+        return {**self.submission, "outcome": nothing_sent()}
 
     def execute_complete(
         self, context: Context, event: Any = None, submission: Mapping[str, Any] | None = None
@@ -1086,6 +1109,9 @@ class SubmitBatchOperator(BaseOperator):
                     f"manifest {manifest_file} has no shard {self.shard}; "
                     f"shards: {[s.index for s in manifest.shards]}"
                 )
+        if not chosen and (manifest.rows_unchanged or manifest.rows_written == 0) and self.shard is None:
+            # An incremental run where nothing changed (or an allowed empty build): no batch.
+            return [], (state_root or staging) / STATE_DIR, manifest_file
         if not chosen:
             raise ConfigurationError(f"manifest {manifest_file} lists no shards (nothing to submit)")
         shards = []

@@ -6,7 +6,8 @@ in :mod:`airflow_batch_provider.waiting`, shared with the trigger and the submit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ast
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ from airflow_batch_provider.constants import DEFAULT_CONN_ID
 from airflow_batch_provider.exceptions import BatchApiQuotaError
 from airflow_batch_provider.links import batch_page_links, push_batch_ids
 from airflow_batch_provider.models import to_utc
-from airflow_batch_provider.outcome import decide, progress_line
+from airflow_batch_provider.outcome import decide, nothing_sent, progress_line
 from airflow_batch_provider.triggers.batch import BatchTrigger
 from airflow_batch_provider.waiting import (
     TRANSIENT_ERRORS,
@@ -107,6 +108,12 @@ class BatchSensor(BaseSensorOperator):
         return ids, started
 
     def execute(self, context: Context) -> Any:
+        if _submitted_nothing(self.batch_ids):
+            # The submit of an incremental run where nothing changed: no batch to wait for.
+            outcome = nothing_sent()
+            self.log.info("%s", outcome["message"])
+            push_batch_ids(context, [])
+            return outcome
         ids, started = self._resolve()
         push_batch_ids(context, ids)
         if not self.deferrable:
@@ -166,3 +173,13 @@ class BatchSensor(BaseSensorOperator):
     def on_kill(self) -> None:
         if self.cancel_on_kill and self._ids:
             cancel_batches(self.hook(), self._ids, log=self.log)
+
+
+def _submitted_nothing(value: Any) -> bool:
+    """Whether ``value`` is the XCom of a submit that created no batch (``batch_ids: []``)."""
+    if isinstance(value, str) and value.strip().startswith("{"):
+        try:
+            value = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            return False
+    return isinstance(value, Mapping) and value.get("batch_ids") == [] and "manifest_path" in value

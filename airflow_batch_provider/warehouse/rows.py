@@ -86,8 +86,18 @@ ANSWERED_BY_COLUMNS: tuple[Column, ...] = (
 #: error the vendor does not bill); NULL when the price is not known (never $0). Filled in SQL by
 #: the writer for the rows of its merge.
 COST_COLUMN = Column("cost", "float")
+#: What each row asked, from the build's keys.jsonl (not from a result line, so both parse paths
+#: agree): ``request_hash``, the hash of the canonical request (``skip_unchanged`` compares it),
+#: and ``shared_answer``, the custom_id whose answer a row of a deduplicated build shares (NULL
+#: for a row sent itself). NULL for a rejected row and without a manifest.
+REQUEST_COLUMNS: tuple[Column, ...] = (Column("request_hash", "text"), Column("shared_answer", "text"))
 #: Columns a merge adds to an existing results table that lacks them (all nullable).
-ADDABLE_COLUMNS: tuple[Column, ...] = (*ANSWERED_BY_COLUMNS, Column("cached_tokens", "integer"), COST_COLUMN)
+ADDABLE_COLUMNS: tuple[Column, ...] = (
+    *ANSWERED_BY_COLUMNS,
+    Column("cached_tokens", "integer"),
+    COST_COLUMN,
+    *REQUEST_COLUMNS,
+)
 RESERVED_COLUMNS: frozenset[str] = frozenset(
     {
         "custom_id",
@@ -95,12 +105,20 @@ RESERVED_COLUMNS: frozenset[str] = frozenset(
         COST_COLUMN.name,
         *(c.name for c in RESULT_COLUMNS),
         *(c.name for c in ANSWERED_BY_COLUMNS),
+        *(c.name for c in REQUEST_COLUMNS),
     }
 )
 
 # Columns the writer fills itself (or only stages), which no mapped column may reuse.
 _WRITER_COLUMNS = frozenset(
-    {"custom_id", "merged_at", "seq", COST_COLUMN.name, *(c.name for c in ANSWERED_BY_COLUMNS)}
+    {
+        "custom_id",
+        "merged_at",
+        "seq",
+        COST_COLUMN.name,
+        *(c.name for c in ANSWERED_BY_COLUMNS),
+        *(c.name for c in REQUEST_COLUMNS),
+    }
 )
 
 _PATH_TOKEN = re.compile(r"\.?([^.\[\]]+)|\[(\d+)\]")

@@ -29,7 +29,7 @@ import orjson
 from airflow_batch_provider.exceptions import WarehouseSchemaError
 from airflow_batch_provider.jsonl import iter_objects
 from airflow_batch_provider.models import ResultLine
-from airflow_batch_provider.records import KeyRecord, RejectRecord
+from airflow_batch_provider.records import KeyRecord, RejectRecord, RetryKey
 from airflow_batch_provider.warehouse.databases import SqlDialect, get_sql_dialect
 from airflow_batch_provider.warehouse.lines import (
     ROW_COLUMNS,
@@ -44,6 +44,7 @@ from airflow_batch_provider.warehouse.rows import (
     ADDABLE_COLUMNS,
     ANSWERED_BY_COLUMNS,
     COST_COLUMN,
+    REQUEST_COLUMNS,
     RETRYABLE_STATUSES,
     STATUSES,
     Column,
@@ -100,9 +101,12 @@ class MergeReport:
     cost: float | None = None
     cost_by_status: dict[str, float | None] = field(default_factory=dict)
     cached_tokens: int = 0
+    #: Rows given the answer of another key's identical request (a deduplicated build).
+    shared_answers: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "shared_answers": self.shared_answers,
             "cost": self.cost,
             "cost_by_status": dict(self.cost_by_status),
             "cached_tokens": self.cached_tokens,
@@ -146,9 +150,9 @@ def cost_sql(price: Price | None, quote: Callable[[str], str]) -> str:
     return f"CASE WHEN {prompt} IS NULL AND {completion} IS NULL THEN 0 ELSE {expr} END"
 
 
-#: Called before commit with ``(shard, custom_id, key values)`` of every retryable key, in build
-#: order (by shard, then by line of keys.jsonl).
-RetryCallback = Callable[[Iterator[tuple[int, str, list[Any]]]], Any]
+#: Called before commit with the :class:`~airflow_batch_provider.records.RetryKey` of every
+#: retryable key, in build order (by shard, then by line of keys.jsonl).
+RetryCallback = Callable[[Iterator[RetryKey]], Any]
 
 
 class ResultsWriter:
@@ -224,6 +228,7 @@ class ResultsWriter:
             *self.mapper.columns,
             *ANSWERED_BY_COLUMNS,
             COST_COLUMN,
+            *REQUEST_COLUMNS,
             Column("merged_at", "timestamp"),
         ]
         self.target_keys = [c.name for c in self.key_columns] if self.manifest_mode else ["custom_id"]
@@ -336,8 +341,8 @@ class ResultsWriter:
         :param rejects: rejects.jsonl records (:class:`~airflow_batch_provider.records.RejectRecord`
             or their dicts; manifest mode only).
         :param shards: per shard, its batch and the status of keys it has no result for.
-        :param on_retry: receives ``(shard, custom_id, key values)`` of every retryable key before
-            commit; an exception from it rolls the merge back.
+        :param on_retry: receives the ``RetryKey`` (shard, custom_id, key values...) of every
+            retryable key before commit; an exception from it rolls the merge back.
         :param merged_at: the ``merged_at`` value of every written row (default: now, UTC).
         """
         if self.manifest_mode and keys is None:
@@ -668,9 +673,15 @@ class ResultsWriter:
         answered_by, answered_params = self._answered_by_sql()
         target.extend(c.name for c in ANSWERED_BY_COLUMNS)
         select_cols.extend(answered_by)
-        # A key without a result line has NULL tokens: it cost 0 (NULL without a price).
+        # A key without a result line has NULL tokens: it cost 0 (NULL without a price). A key
+        # sharing another's answer cost nothing more: the line sent for it carries the cost.
+        shared = f"k.{q('rid')} <> k.{q('custom_id')}"
         target.append(COST_COLUMN.name)
-        select_cols.append(self._cost_select("r"))
+        select_cols.append(
+            f"CASE WHEN {shared} THEN {d.cast('0', COST_COLUMN.type)} ELSE {self._cost_select('r')} END"
+        )
+        target.extend(c.name for c in REQUEST_COLUMNS)
+        select_cols.extend([f"k.{q('rhash')}", f"CASE WHEN {shared} THEN k.{q('rid')} END"])
         target.append("merged_at")
         select_cols.append(d.cast(d.placeholder, "timestamp"))
         return _KeyedSql(
@@ -844,7 +855,7 @@ class ResultsWriter:
         if total_keys > matched or keyed.plan.mode is not WriteMode.INSERT:
             without = (
                 f"(SELECT * FROM {q(sql.t_keys)} x WHERE NOT EXISTS (SELECT 1 FROM {q(sql.t_results)} v "
-                f"WHERE v.{q('custom_id')} = x.{q('custom_id')}))"
+                f"WHERE v.{q('custom_id')} = x.{q('rid')}))"
             )
             nothing = f"(SELECT * FROM {q(sql.t_results)} WHERE 1=0)"
             select = f"SELECT {sql.select_list} {sql.from_clause(nothing, keys=without)}"
@@ -876,6 +887,10 @@ class ResultsWriter:
         key_names = sql.key_names
         if keyed.rounds.done == 0:
             d.analyze(conn, q(t_keys))
+        shared = f"k.{q('rid')} <> k.{q('custom_id')}"
+        report.shared_answers = int(
+            self._fetchall(conn, f"SELECT COUNT(*) FROM {q(t_keys)} k WHERE {shared}")[0][0]
+        )
         if plan.check_repeated_keys:
             # Nothing in a table without a key would refuse two rows for one key.
             self._raise_repeated_key(conn, sql)
@@ -924,6 +939,7 @@ class ResultsWriter:
         rej_exprs.extend("NULL" for _ in ANSWERED_BY_COLUMNS)
         # Never sent, so free; still NULL when nothing is priced (a cost is never claimed unknown-free).
         rej_exprs.append(d.cast("NULL" if self.price is None else "0", COST_COLUMN.type))
+        rej_exprs.extend(d.cast("NULL", c.type) for c in REQUEST_COLUMNS)
         rej_exprs.append(d.cast(d.placeholder, "timestamp"))
         partition = ", ".join(f"x.{q(n)}" for n in key_names)
         key_match = " AND ".join(f"k.{q(n)} = y.{q(n)}" for n in key_names)
@@ -949,10 +965,12 @@ class ResultsWriter:
             for status, n in written.items():
                 report.counts[status] = report.counts.get(status, 0) + n
             known_orphans = None
-            if matched_lines is not None:
+            # Where a result line answers several keys (shared answers), the rows written say
+            # nothing of the lines matched: the anti-join below counts the orphans.
+            if matched_lines is not None and not report.shared_answers:
                 # Rounds counted only the keys that had a result line.
                 known_orphans = report.result_lines - matched_lines
-            elif sql.all_absent_missing:
+            elif sql.all_absent_missing and not report.shared_answers:
                 # No result line is ever "missing", so the keys with a result are all the others,
                 # and every other staged line matched no key: no anti-join needed to count them.
                 matched = sum(written.values()) - written.get("missing", 0)
@@ -961,8 +979,9 @@ class ResultsWriter:
             matched = report.result_lines - report.orphan_results
         else:
             self._orphans(conn, report, t_results, t_keys)
-            # Counts per status over the same join (with whether a result line was found).
-            has_result = f"CASE WHEN r.{q('custom_id')} IS NULL THEN 0 ELSE 1 END"
+            # Counts per status over the same join (with whether a result line was found for a
+            # key's own request: one shared with other keys is counted once).
+            has_result = f"CASE WHEN r.{q('custom_id')} IS NULL OR {shared} THEN 0 ELSE 1 END"
             matched = 0
             for status, found, n in self._fetchall(
                 conn,
@@ -979,7 +998,8 @@ class ResultsWriter:
         if on_retry is not None:
             wanted = ", ".join(f"'{s}'" for s in sorted(RETRYABLE_STATUSES))
             retry = (
-                f"SELECT k.{q('shard')}, k.{q('custom_id')}, {', '.join('k.' + q(n) for n in key_names)} "
+                f"SELECT k.{q('shard')}, k.{q('custom_id')}, k.{q('rhash')}, k.{q('rid')}, "
+                f"{', '.join('k.' + q(n) for n in key_names)} "
                 f"{from_clause} WHERE {status_expr} IN ({wanted}) "
                 f"ORDER BY k.{q('shard')}, k.{q('seq')}"
             )
@@ -990,9 +1010,7 @@ class ResultsWriter:
     ) -> None:
         """Count (unless already ``known``) and sample the result lines that match no key."""
         q = self.dialect.quote
-        where = (
-            f"WHERE NOT EXISTS (SELECT 1 FROM {q(t_keys)} k WHERE k.{q('custom_id')} = r.{q('custom_id')})"
-        )
+        where = f"WHERE NOT EXISTS (SELECT 1 FROM {q(t_keys)} k WHERE k.{q('rid')} = r.{q('custom_id')})"
         if known is None:
             known = int(self._fetchall(conn, f"SELECT COUNT(*) FROM {q(t_results)} r {where}")[0][0])
         report.orphan_results = known
@@ -1022,6 +1040,7 @@ class ResultsWriter:
             *[self._cast_json(f"r.{q(c.name)}", c) for c in self.mapper.columns],
             *answered_by,
             self._cost_select("r"),
+            *(d.cast("NULL", c.type) for c in REQUEST_COLUMNS),
         ]
         select_cols.append(d.cast(d.placeholder, "timestamp"))
         rows = _UnkeyedSql(
@@ -1030,6 +1049,7 @@ class ResultsWriter:
                 *[c.name for c in self.mapper.columns],
                 *[c.name for c in ANSWERED_BY_COLUMNS],
                 COST_COLUMN.name,
+                *[c.name for c in REQUEST_COLUMNS],
                 "merged_at",
             ),
             params=(*answered_params, d.merged_at_value(merged_at)),
@@ -1160,10 +1180,20 @@ class ResultsWriter:
         return "text" if portable == "json" else portable
 
     def _key_staging_columns(self) -> list[Column]:
-        """Staged keys.jsonl: ``custom_id, shard, seq, klen`` (length of the key), then ``k0..kN``."""
+        """Staged keys.jsonl: ``custom_id, shard, seq, klen`` (length of the key), ``rhash`` (the
+        request_hash), ``rid`` (the custom_id whose result the key takes: its own, or the one
+        whose answer it shares), then ``k0..kN``."""
         return self._staging_columns(
-            ["custom_id", "shard", "seq", "klen", *[f"k{i}" for i in range(len(self.key_columns))]],
-            ["text", "integer", "integer", "integer", *[c.type for c in self.key_columns]],
+            [
+                "custom_id",
+                "shard",
+                "seq",
+                "klen",
+                "rhash",
+                "rid",
+                *[f"k{i}" for i in range(len(self.key_columns))],
+            ],
+            ["text", "integer", "integer", "integer", "text", "text", *[c.type for c in self.key_columns]],
         )
 
     def _staging_columns(self, names: Sequence[str], types: Sequence[str]) -> list[Column]:
@@ -1226,14 +1256,17 @@ class ResultsWriter:
         nkeys = len(self.key_columns)
         blank = (None,) * nkeys
         for seq, record in keys:
-            fields = KeyRecord.fields_of(record.as_dict() if isinstance(record, KeyRecord) else record)
-            custom_id, key, shard = fields
+            obj = record.as_dict() if isinstance(record, KeyRecord) else record
+            custom_id, key, shard = KeyRecord.fields_of(obj)
+            rhash, shared = KeyRecord.request_fields_of(obj)
             # A malformed line is staged as is and reported, with its line number, by _load_keys.
             yield (
                 custom_id,
                 shard,
                 seq,
                 None if key is None else len(key),
+                rhash,
+                shared or custom_id,
                 *(self._key_values(key, f"keys.jsonl line {seq}") if key and len(key) == nkeys else blank),
             )
 
@@ -1282,18 +1315,18 @@ class ResultsWriter:
             cur.close()
             log.debug("%.2fs: %s", time.perf_counter() - started, sql[:120])
 
-    def _stream(self, conn: Any, sql: str) -> Iterator[tuple[int, str, list[Any]]]:
+    def _stream(self, conn: Any, sql: str) -> Iterator[RetryKey]:
         """Stream a large result in pages (a server-side cursor on PostgreSQL)."""
         cur = self.dialect.server_cursor(conn)
         json_keys = [i for i, c in enumerate(self.key_columns) if c.type == "json"]
         try:
             cur.execute(sql)
             while page := cur.fetchmany(_FETCH):
-                for shard, custom_id, *key in page:
+                for shard, custom_id, rhash, rid, *key in page:
                     for i in json_keys:
                         if isinstance(key[i], str):
                             key[i] = orjson.loads(key[i])
-                    yield int(shard), str(custom_id), key
+                    yield RetryKey(int(shard), str(custom_id), key, rhash, rid)
         finally:
             cur.close()
 
@@ -1371,7 +1404,7 @@ class _KeyedSql:
         q = self.quote
         return (
             f"FROM {keys or q(self.t_keys)} k "
-            f"{join} {results_source} r ON r.{q('custom_id')} = k.{q('custom_id')} "
+            f"{join} {results_source} r ON r.{q('custom_id')} = k.{q('rid')} "
             f"LEFT JOIN {q(self.t_shards)} s ON s.{q('shard')} = k.{q('shard')}"
         )
 

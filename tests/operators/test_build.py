@@ -21,6 +21,7 @@ from airflow_batch_provider.jsonl import validate_stream
 from airflow_batch_provider.keys import custom_id_for, decode_key
 from airflow_batch_provider.models import Manifest
 from airflow_batch_provider.operators.build import NullValueError, SqlToBatchJsonlOperator
+from airflow_batch_provider.request_hash import request_hash
 from airflow_batch_provider.warehouse.read import stream_rows
 
 MESSAGES = [
@@ -111,8 +112,19 @@ def test_builds_sharded_lines_from_each_database(warehouse: Any, tmp_path: Path)
         ],
     }
     keys = read_jsonl(out / "keys.jsonl")
-    assert keys[0] == {"custom_id": "1", "key": [1], "shard": 0}
-    assert keys[-1] == {"custom_id": "25", "key": [25], "shard": 2}
+    # Each key record carries its request's hash (of the canonical url + body).
+    assert keys[0] == {
+        "custom_id": "1",
+        "key": [1],
+        "shard": 0,
+        "request_hash": request_hash(first["url"], first["body"]),
+    }
+    assert keys[-1] == {
+        "custom_id": "25",
+        "key": [25],
+        "shard": 2,
+        "request_hash": request_hash(lines[-1]["url"], lines[-1]["body"]),
+    }
     assert read_jsonl(out / "rejects.jsonl") == []
     # XCom: the manifest plus absolute shard URIs for .expand().
     assert result["rows_written"] == 25

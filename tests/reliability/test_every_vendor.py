@@ -75,12 +75,16 @@ async def test_the_same_rows_land_the_same_through_every_dialect(
         rows[dialect] = {
             r[0]: tuple(r[1:])
             for r in pg_warehouse.rows(
-                f"SELECT id, status, content, {q('vendor')} FROM {q(table)} ORDER BY id"
+                f"SELECT id, status, content, {q('vendor')}, request_hash FROM {q(table)} ORDER BY id"
             )
         }
     first = sorted(DIALECTS)[0]
     # Spend columns too: every vendor's rows are priced the same way (#27).
     assert {"cached_tokens", "cost"} <= set(columns[first])
+    # Incremental runs (#27): each row's request_hash, of the canonical request (never NULL for
+    # a row sent; NULL for the reject), is the same whoever carried it.
+    hashes = {k: r[3] for k, r in rows[first].items()}
+    assert [k for k, h in hashes.items() if h is None] == [NULL_ROW] and len(set(hashes.values())) == ROWS
     for dialect in DIALECTS:
         assert columns[dialect] == columns[first], dialect
         statuses = {key: row[0] for key, row in rows[dialect].items()}
@@ -93,3 +97,4 @@ async def test_the_same_rows_land_the_same_through_every_dialect(
             dialect
         )
         assert {r[2] for k, r in rows[dialect].items() if k != NULL_ROW} == {dialect}
+        assert {k: r[3] for k, r in rows[dialect].items()} == hashes, dialect

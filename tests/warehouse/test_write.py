@@ -422,7 +422,7 @@ def test_retry_callback_gets_retryable_keys_in_shard_order(warehouse: Any) -> No
     writer.merge(
         with_batch([chat_line("a", "ok"), error_line("c", "server_error")]),
         keys=keys,
-        on_retry=lambda pairs: seen.extend(pairs),
+        on_retry=lambda pairs: seen.extend(r[:3] for r in pairs),
     )
     assert seen == [(0, "b", [2]), (1, "c", [3]), (1, "d", [4])]
 
@@ -594,7 +594,9 @@ def test_postgres_through_psycopg2(pg_warehouse: Any) -> None:
     lines = [chat_line("a", "tab\there\nnew line \\ backslash"), error_line("b", "batch_expired")]
     seen: list[tuple[int, str, list[Any]]] = []
     report = writer.merge(
-        with_batch(lines), keys=keys_for([("a", 1), ("b", 2), ("c", 3)]), on_retry=lambda p: seen.extend(p)
+        with_batch(lines),
+        keys=keys_for([("a", 1), ("b", 2), ("c", 3)]),
+        on_retry=lambda p: seen.extend(r[:3] for r in p),
     )
     assert report.counts["succeeded"] == 1 and report.counts["expired"] == 1 and report.counts["missing"] == 1
     assert pg_warehouse.rows("SELECT content FROM p2 WHERE id = 1") == [("tab\there\nnew line \\ backslash",)]
@@ -1278,3 +1280,55 @@ def test_every_row_is_priced_with_cached_tokens_apart_and_long_context_per_row(w
         with_batch([cached_line("c1", 800, 100, 600)]), keys=keys_for([("c1", 1)])
     )
     assert table_rows(warehouse, "priced", "id, cost")[0] == (1, None)
+
+
+def test_a_shared_answer_fans_out_to_every_key_that_asked_for_it(warehouse: Any, tmp_path: Any) -> None:
+    """A deduplicated build sends c1 for keys 1, 2 and 3 (keys.jsonl names it as their
+    shared_answer): every key gets the answer and its request_hash, only c1 pays, and the
+    report counts one result line matched (no orphan, no repeat) and two shared answers."""
+    from airflow_batch_provider.prices import Price
+
+    h1, h4 = "a" * 32, "b" * 32
+    records = [
+        {"custom_id": "c1", "key": [1], "shard": 0, "request_hash": h1},
+        {"custom_id": "c2", "key": [2], "shard": 0, "request_hash": h1, "shared_answer": "c1"},
+        {"custom_id": "c4", "key": [4], "shard": 0, "request_hash": h4},
+        {"custom_id": "c3", "key": [3], "shard": 0, "request_hash": h1, "shared_answer": "c1"},
+        {"custom_id": "c5", "key": [5], "shard": 0, "request_hash": h4, "shared_answer": "c4"},
+    ]
+    # From the file (parsed by the database where it can) and from records (parsed in Python).
+    for table, keys in (
+        ("shared_file", write_keys(tmp_path / "keys.jsonl", records)),
+        ("shared_rec", records),
+    ):
+        writer = ResultsWriter(
+            warehouse.hook, table, key_columns=[Column("id", "integer")], price=Price(2.0, 0.5, 8.0)
+        )
+        seen: list[Any] = []
+        report = writer.merge(
+            with_batch([chat_line("c1", "yes"), error_line("c4", "server_error")]),
+            keys=keys,
+            on_retry=lambda retry: seen.extend(retry),
+        )
+        rows = table_rows(
+            warehouse, table, "id, status, content, request_hash, shared_answer, cost, prompt_tokens"
+        )
+        paid = (10 * 2.0 + 5 * 8.0) / 1e6
+        assert [r[:5] for r in rows] == [
+            (1, "succeeded", "yes", h1, None),
+            (2, "succeeded", "yes", h1, "c1"),
+            (3, "succeeded", "yes", h1, "c1"),
+            (4, "failed", None, h4, None),
+            (5, "failed", None, h4, "c4"),
+        ]
+        # The answer's tokens are on every row; its cost only on the row that was sent.
+        assert [r[6] for r in rows] == [10, 10, 10, None, None]
+        assert [float(r[5]) for r in rows] == pytest.approx([paid, 0, 0, 0, 0])
+        assert report.counts["succeeded"] == 3 and report.counts["failed"] == 2
+        assert (report.shared_answers, report.orphan_results, report.duplicate_results) == (3, 0, 0)
+        assert report.cost == pytest.approx(paid) and report.prompt_tokens == 10
+        # Both failed keys are retried, the shared one through the line sent for it.
+        assert [(r.custom_id, r.sent_as, r.request_hash) for r in seen] == [
+            ("c4", "c4", h4),
+            ("c5", "c4", h4),
+        ]

@@ -161,7 +161,12 @@ class DuckDBSqlDialect(SqlDialect):
                 # (``{...},{...}``) wraps into a longer array: no custom_id, reported by number.
                 f"INSERT INTO {self.quote(table)} SELECT CASE WHEN json_array_length(j) = 2 "
                 f"THEN j->1->>'custom_id' END, CAST(j->1->>'shard' AS BIGINT), "
-                f"CAST(j->>0 AS BIGINT), json_array_length(j->1->'key')"
+                f"CAST(j->>0 AS BIGINT), json_array_length(j->1->'key'), "
+                # request_hash and the custom_id whose result the key takes (see KeyRecord).
+                f"CASE WHEN json_type(j->1->'request_hash') = 'VARCHAR' THEN j->1->>'request_hash' END, "
+                f"CASE WHEN json_type(j->1->'shared_answer') = 'VARCHAR' AND j->1->>'shared_answer' <> '' "
+                f"THEN j->1->>'shared_answer' ELSE CASE WHEN json_array_length(j) = 2 "
+                f"THEN j->1->>'custom_id' END END"
                 f"{', ' + keys if keys else ''} "
                 f"FROM read_json(?, format='newline_delimited', records=false, columns={{'j': 'JSON'}}, "
                 f"maximum_object_size={duckdb_files.json_buffer(longest + 32)})",

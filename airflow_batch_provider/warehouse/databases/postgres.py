@@ -206,7 +206,11 @@ class PostgresSqlDialect(SqlDialect):
         keys = ", ".join(self._key_expr(i, t) for i, t in enumerate(key_types))
         parse = (
             f"INSERT INTO {self.quote(table)} SELECT j->>'custom_id', CAST(j->>'shard' AS BIGINT), seq, "
-            f"CASE WHEN jsonb_typeof(j->'key') = 'array' THEN jsonb_array_length(j->'key') END"
+            f"CASE WHEN jsonb_typeof(j->'key') = 'array' THEN jsonb_array_length(j->'key') END, "
+            # request_hash and the custom_id whose result the key takes (see KeyRecord).
+            f"CASE WHEN jsonb_typeof(j->'request_hash') = 'string' THEN j->>'request_hash' END, "
+            f"CASE WHEN jsonb_typeof(j->'shared_answer') = 'string' AND j->>'shared_answer' <> '' "
+            f"THEN j->>'shared_answer' ELSE j->>'custom_id' END"
             f"{', ' + keys if keys else ''} "
             f"FROM (SELECT seq, CAST(line AS JSONB) AS j FROM {raw} WHERE btrim(line) <> '' OFFSET 0) x"
         )
