@@ -130,11 +130,12 @@ def test_bootstrap_builds_the_test_emulators_only_for_the_tests(tmp_path: Path) 
 def test_the_emulator_list_names_each_fixtures_virtualenv() -> None:
     from tests.fixtures.bigquery import BQEMULATOR_VENV
     from tests.fixtures.emulators import emulator_venvs
+    from tests.fixtures.gcs import GCS_VENV
     from tests.fixtures.s3 import MOTO_REQUIREMENT, MOTO_VENV
     from tests.fixtures.snowflake import FAKESNOW_VENV
 
     venvs = {venv: (list(requirements), binary) for venv, requirements, binary in emulator_venvs()}
-    assert set(venvs) == {MOTO_VENV, FAKESNOW_VENV, BQEMULATOR_VENV}
+    assert set(venvs) == {MOTO_VENV, FAKESNOW_VENV, BQEMULATOR_VENV, GCS_VENV}
     assert venvs[MOTO_VENV] == ([MOTO_REQUIREMENT], "moto_server")
 
 

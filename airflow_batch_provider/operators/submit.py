@@ -326,7 +326,11 @@ class SubmitBatchOperator(BaseOperator):
         submitted: list[datetime] = []
         cap = self._queue_cap(hook)
         if cap is None:
-            states = [self.submit_shard(hook, dialect, store, identity, shard) for shard in shards]
+            states = []
+            for shard in shards:
+                states.append(self.submit_shard(hook, dialect, store, identity, shard))
+                # Known before the next shard's create: an ambiguous create never adopts these.
+                self._batch_ids.append(str(states[-1].batch_id))
         else:
             states = self._submit_queued(context, hook, dialect, store, identity, shards, manifest_file, cap)
         for shard, state in zip(shards, states, strict=True):
@@ -340,7 +344,7 @@ class SubmitBatchOperator(BaseOperator):
                 }
             )
             submitted.append(state.created_at or state.intent_at or now_utc())
-            self._batch_ids.append(str(state.batch_id))
+        self._batch_ids = [str(state.batch_id) for state in states]
         submission: dict[str, Any] = {
             "batch_ids": list(self._batch_ids),
             "batches": records,
