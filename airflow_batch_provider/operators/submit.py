@@ -344,7 +344,6 @@ class SubmitBatchOperator(BaseOperator):
                 }
             )
             submitted.append(state.created_at or state.intent_at or now_utc())
-        self._batch_ids = [str(state.batch_id) for state in states]
         submission: dict[str, Any] = {
             "batch_ids": list(self._batch_ids),
             "batches": records,
@@ -574,9 +573,12 @@ class SubmitBatchOperator(BaseOperator):
         held = ledger.tokens
         states: list[SubmitState] = []
         validating: list[str] = []
+        # Rebuilt each pass, one id as each shard's batch is known: the next shard's create never
+        # adopts an earlier shard's batch, and a kill while waiting cancels what was created.
+        self._batch_ids = []
 
         def waiting(need: int) -> tuple[int, list[str], list[str]]:
-            return need, validating, [str(s.batch_id) for s in states]
+            return need, validating, list(self._batch_ids)
 
         for shard in shards:
             state = store.read(identity.key(shard.index))
@@ -590,6 +592,7 @@ class SubmitBatchOperator(BaseOperator):
                 if live.state is BatchState.VALIDATING:
                     validating.append(live.id)
                 states.append(state)
+                self._batch_ids.append(str(state.batch_id))
                 continue
             size = sizes[shard.index]
             if held + size > cap:
@@ -613,6 +616,7 @@ class SubmitBatchOperator(BaseOperator):
                 return waiting(size)
             held += size
             states.append(state)
+            self._batch_ids.append(str(state.batch_id))
             validating.append(str(state.batch_id))
         if validating:
             self.log.info("Waiting for %d new batch(es) to leave validating", len(validating))
