@@ -32,7 +32,7 @@ from airflow_batch_provider.enqueued import (
     queue_tag,
     read_ledger,
 )
-from airflow_batch_provider.estimate import describe_estimate, resolve_counter
+from airflow_batch_provider.estimate import TokenCounter, describe_estimate, resolve_counter
 from airflow_batch_provider.exceptions import (
     AmbiguousOrphanError,
     BatchApiError,
@@ -344,7 +344,6 @@ class SubmitBatchOperator(BaseOperator):
                 }
             )
             submitted.append(state.created_at or state.intent_at or now_utc())
-        self._batch_ids = [str(state.batch_id) for state in states]
         submission: dict[str, Any] = {
             "batch_ids": list(self._batch_ids),
             "batches": records,
@@ -520,9 +519,17 @@ class SubmitBatchOperator(BaseOperator):
         check_ledger_dialect(dialect)
         manifest_model = read_manifest(manifest_file).model if manifest_file is not None else None
         model = self.model or manifest_model or self._line_defaults.get("model") or ""
-        sizes = {s.index: self._shard_tokens(hook, dialect, s, model) for s in shards}
-        for shard in shards:  # before any upload: a shard over the cap alone can never be created
-            check_shard_fits(shard.index, sizes[shard.index], cap)
+        sizes: dict[int, int] = {}
+        counter: TokenCounter | None = None
+        for shard in shards:
+            built = self._build_estimate(shard)
+            if built is None:
+                # Resolved once (spend settings, tokenizer), and only when a shard is counted here.
+                counter = counter or self._queue_counter(hook, dialect, model)
+                built = self._count_shard(shard, counter)
+            # Before any upload: a shard over the cap alone can never be created.
+            check_shard_fits(shard.index, built, cap)
+            sizes[shard.index] = built
         started = self._queue_started or now_utc().isoformat()
         self._queue_started = started
         limit = self.queue_timeout if self.queue_timeout is not None else self.wait_timeout
@@ -574,9 +581,12 @@ class SubmitBatchOperator(BaseOperator):
         held = ledger.tokens
         states: list[SubmitState] = []
         validating: list[str] = []
+        # Rebuilt each pass, one id as each shard's batch is known: the next shard's create never
+        # adopts an earlier shard's batch, and a kill while waiting cancels what was created.
+        self._batch_ids = []
 
         def waiting(need: int) -> tuple[int, list[str], list[str]]:
-            return need, validating, [str(s.batch_id) for s in states]
+            return need, validating, list(self._batch_ids)
 
         for shard in shards:
             state = store.read(identity.key(shard.index))
@@ -590,6 +600,7 @@ class SubmitBatchOperator(BaseOperator):
                 if live.state is BatchState.VALIDATING:
                     validating.append(live.id)
                 states.append(state)
+                self._batch_ids.append(str(state.batch_id))
                 continue
             size = sizes[shard.index]
             if held + size > cap:
@@ -613,6 +624,7 @@ class SubmitBatchOperator(BaseOperator):
                 return waiting(size)
             held += size
             states.append(state)
+            self._batch_ids.append(str(state.batch_id))
             validating.append(str(state.batch_id))
         if validating:
             self.log.info("Waiting for %d new batch(es) to leave validating", len(validating))
@@ -642,15 +654,21 @@ class SubmitBatchOperator(BaseOperator):
             return None
         return batch
 
-    def _shard_tokens(self, hook: BatchApiHook, dialect: Dialect, shard: ShardInput, model: str) -> int:
-        """The shard's estimated input tokens: the build's, else counted here as the lines will be sent."""
-        if shard.input_tokens is not None and not self.model and not self.request_defaults:
-            return shard.input_tokens
+    def _build_estimate(self, shard: ShardInput) -> int | None:
+        """The build's estimate of the shard's input tokens when it stands (lines sent as built)."""
+        return None if self.model or self.request_defaults else shard.input_tokens
+
+    def _queue_counter(self, hook: BatchApiHook, dialect: Dialect, model: str) -> TokenCounter:
+        """The token counter of the connection's ``token_counter`` (else ``auto``) for ``model``."""
         spend = spend_settings(hook.get_settings().extra, f"connection {self.batch_conn_id!r}")
         counter = resolve_counter(spend.token_counter, dialect, model or None) or resolve_counter(
             "auto", dialect, model or None
         )
         assert counter is not None
+        return counter
+
+    def _count_shard(self, shard: ShardInput, counter: TokenCounter) -> int:
+        """The shard's input tokens, counted here as its lines will be sent."""
         tokens = 0
         with open_read(shard.path) as handle:
             for _, obj in iter_objects(handle):
