@@ -20,3 +20,15 @@ def forced_tool(choice: Any) -> str | None:
         name = function.get("name") if isinstance(function, dict) else None
         return name if isinstance(name, str) and name else None
     return None
+
+
+def text_content(content: Any) -> str:
+    """A message's text: the string itself, or its ``text`` parts joined (other parts are not text).
+
+    :param content: a canonical message's ``content`` (a string or a list of parts).
+    """
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
