@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from airflow_batch_provider.dialects.base import Dialect, batch_object, bind_models, str_or_none
-from airflow_batch_provider.dialects.chat import forced_tool, text_content
+from airflow_batch_provider.dialects.chat import call_arguments, forced_tool, text_content
 from airflow_batch_provider.exceptions import BatchApiResponseError, UnknownBatchStatusError
 from airflow_batch_provider.limits import MB, Limits
 
@@ -450,13 +450,7 @@ def _messages_problem(messages: Any) -> str | None:
                 )
         if role == "assistant":
             for call in message.get("tool_calls") or []:
-                function = call.get("function") if isinstance(call, dict) else None
-                arguments = function.get("arguments") if isinstance(function, dict) else None
-                try:
-                    parsed = orjson.loads(arguments or "{}")
-                except (orjson.JSONDecodeError, TypeError):
-                    parsed = None
-                if not isinstance(parsed, dict) or not isinstance(function, dict) or not function.get("name"):
+                if call_arguments(call) is None:
                     return (
                         f"messages[{index}] tool_calls need a function name and JSON object arguments "
                         "(Anthropic's tool_use input is an object)"

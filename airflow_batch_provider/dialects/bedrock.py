@@ -53,7 +53,7 @@ from airflow_batch_provider.dialects.base import (
     page_object,
     str_or_none,
 )
-from airflow_batch_provider.dialects.chat import text_content
+from airflow_batch_provider.dialects.chat import call_arguments, text_content
 from airflow_batch_provider.exceptions import (
     BatchApiResponseError,
     ConfigurationError,
@@ -594,12 +594,7 @@ def _messages_problem(messages: Any) -> str | None:
                     "Converse encoding (text only)"
                 )
         for call in message.get("tool_calls") or []:
-            function = call.get("function") if isinstance(call, dict) else None
-            try:
-                parsed = orjson.loads((function or {}).get("arguments") or "{}")
-            except (orjson.JSONDecodeError, TypeError):
-                parsed = None
-            if not isinstance(parsed, dict) or not isinstance(function, dict) or not function.get("name"):
+            if call_arguments(call) is None:
                 return (
                     f"messages[{index}] tool_calls need a function name and JSON object arguments "
                     "(Converse toolUse input)"
