@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from airflow_batch_provider.dialects.base import Dialect, batch_object, bind_models, str_or_none
-from airflow_batch_provider.dialects.chat import forced_tool
+from airflow_batch_provider.dialects.chat import call_arguments, forced_tool, text_content
 from airflow_batch_provider.exceptions import BatchApiResponseError, UnknownBatchStatusError
 from airflow_batch_provider.limits import MB, Limits
 
@@ -176,7 +176,7 @@ class AnthropicDialect(Dialect):
         for message in body.get("messages") or []:
             role = message.get("role")
             if role in ("system", "developer"):
-                system.append(_text_of(message.get("content")))
+                system.append(text_content(message.get("content")))
             elif role == "tool":
                 messages.append(
                     {
@@ -185,7 +185,7 @@ class AnthropicDialect(Dialect):
                             {
                                 "type": "tool_result",
                                 "tool_use_id": message.get("tool_call_id"),
-                                "content": _text_of(message.get("content")),
+                                "content": text_content(message.get("content")),
                             }
                         ],
                     }
@@ -432,14 +432,6 @@ def _max_tokens(body: Mapping[str, Any]) -> int | None:
     return None
 
 
-def _text_of(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return ""
-
-
 def _messages_problem(messages: Any) -> str | None:
     if not isinstance(messages, list) or not messages:
         return "messages must be a non-empty list for Anthropic's Messages API"
@@ -458,13 +450,7 @@ def _messages_problem(messages: Any) -> str | None:
                 )
         if role == "assistant":
             for call in message.get("tool_calls") or []:
-                function = call.get("function") if isinstance(call, dict) else None
-                arguments = function.get("arguments") if isinstance(function, dict) else None
-                try:
-                    parsed = orjson.loads(arguments or "{}")
-                except (orjson.JSONDecodeError, TypeError):
-                    parsed = None
-                if not isinstance(parsed, dict) or not isinstance(function, dict) or not function.get("name"):
+                if call_arguments(call) is None:
                     return (
                         f"messages[{index}] tool_calls need a function name and JSON object arguments "
                         "(Anthropic's tool_use input is an object)"
@@ -551,7 +537,7 @@ def _user_content(content: Any) -> Any:
 
 
 def _assistant_content(message: Mapping[str, Any]) -> Any:
-    text = _text_of(message.get("content"))
+    text = text_content(message.get("content"))
     calls = message.get("tool_calls") or []
     if not calls:
         return text

@@ -53,6 +53,7 @@ from airflow_batch_provider.dialects.base import (
     page_object,
     str_or_none,
 )
+from airflow_batch_provider.dialects.chat import call_arguments, text_content
 from airflow_batch_provider.exceptions import (
     BatchApiResponseError,
     ConfigurationError,
@@ -575,14 +576,6 @@ def _line_error(error: Any) -> LineError:
     return LineError(code="invalid_output", message="the record has neither modelOutput nor an error")
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return ""
-
-
 def _messages_problem(messages: Any) -> str | None:
     if not isinstance(messages, list) or not messages:
         return "messages must be a non-empty list for Bedrock's Converse API"
@@ -601,12 +594,7 @@ def _messages_problem(messages: Any) -> str | None:
                     "Converse encoding (text only)"
                 )
         for call in message.get("tool_calls") or []:
-            function = call.get("function") if isinstance(call, dict) else None
-            try:
-                parsed = orjson.loads((function or {}).get("arguments") or "{}")
-            except (orjson.JSONDecodeError, TypeError):
-                parsed = None
-            if not isinstance(parsed, dict) or not isinstance(function, dict) or not function.get("name"):
+            if call_arguments(call) is None:
                 return (
                     f"messages[{index}] tool_calls need a function name and JSON object arguments "
                     "(Converse toolUse input)"
@@ -654,7 +642,7 @@ def converse_request(body: Mapping[str, Any]) -> dict[str, Any]:
     for message in body.get("messages") or []:
         role = message.get("role")
         if role in ("system", "developer"):
-            system.append({"text": _text(message.get("content"))})
+            system.append({"text": text_content(message.get("content"))})
         elif role == "tool":
             add(
                 "user",
@@ -662,14 +650,14 @@ def converse_request(body: Mapping[str, Any]) -> dict[str, Any]:
                     {
                         "toolResult": {
                             "toolUseId": message.get("tool_call_id"),
-                            "content": [{"text": _text(message.get("content"))}],
+                            "content": [{"text": text_content(message.get("content"))}],
                         }
                     }
                 ],
             )
         elif role == "assistant":
             blocks: list[dict[str, Any]] = []
-            text = _text(message.get("content"))
+            text = text_content(message.get("content"))
             if text:
                 blocks.append({"text": text})
             for call in message.get("tool_calls") or []:
@@ -685,7 +673,7 @@ def converse_request(body: Mapping[str, Any]) -> dict[str, Any]:
                 )
             add("assistant", blocks)
         else:
-            add("user", [{"text": _text(message.get("content"))}])
+            add("user", [{"text": text_content(message.get("content"))}])
     request: dict[str, Any] = {"messages": messages}
     if system:
         request["system"] = system

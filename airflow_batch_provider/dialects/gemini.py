@@ -45,7 +45,7 @@ from airflow_batch_provider.dialects.base import (
     page_object,
     str_or_none,
 )
-from airflow_batch_provider.dialects.chat import forced_tool
+from airflow_batch_provider.dialects.chat import forced_tool, text_content
 from airflow_batch_provider.exceptions import BatchApiResponseError, UnknownBatchStatusError
 from airflow_batch_provider.ids import id_problem, path_segment
 from airflow_batch_provider.limits import MB, Limits
@@ -865,13 +865,7 @@ def _declaration(function: Mapping[str, Any]) -> dict[str, Any]:
 def _tool_result(content: Any) -> dict[str, Any]:
     """A tool turn's content as a functionResponse's response (an object): a JSON object as it
     is, anything else under ``content``."""
-    text = (
-        content
-        if isinstance(content, str)
-        else "".join(
-            p.get("text", "") for p in content or [] if isinstance(p, dict) and p.get("type") == "text"
-        )
-    )
+    text = text_content(content)
     try:
         parsed = orjson.loads(text)
     except orjson.JSONDecodeError:

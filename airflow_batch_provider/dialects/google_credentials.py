@@ -30,6 +30,7 @@ import orjson
 
 from airflow_batch_provider.dialects.tokens import RefreshingBearerAuth, Token
 from airflow_batch_provider.exceptions import BatchApiAuthError, ConfigurationError
+from airflow_batch_provider.hooks.transport import aread_capped
 from airflow_batch_provider.redaction import redact
 
 #: The OAuth scope of Google Cloud APIs (Vertex AI included).
@@ -41,6 +42,8 @@ EXTRA_NAME = "airflow-batch-provider[vertex]"
 WHAT = "Google credentials"
 # A token request is small: it either answers quickly or the next poll tries again.
 TOKEN_TIMEOUT = 30.0
+#: The largest token answer read (an access token and its expiry: a few KB).
+MAX_TOKEN_ANSWER = 64 * 1024
 
 
 def key_info(secret: str | None, extra: Mapping[str, Any], conn_id: str) -> dict[str, Any] | None:
@@ -181,9 +184,7 @@ async def _afetch_by_grant(info: Mapping[str, Any], scopes: list[str]) -> Token 
     token_uri = (
         str(info.get("token_uri") or DEFAULT_TOKEN_URI) if kind == "service_account" else DEFAULT_TOKEN_URI
     )
-    async with httpx.AsyncClient(timeout=TOKEN_TIMEOUT) as client:
-        response = await client.post(token_uri, data=form)
-    return _answer_token(response, f"the token endpoint {token_uri}")
+    return await _token_call("POST", token_uri, f"the token endpoint {token_uri}", data=form)
 
 
 async def _afetch_metadata() -> Token:
@@ -194,9 +195,16 @@ async def _afetch_metadata() -> Token:
         or "metadata.google.internal"
     )
     url = f"http://{host}{METADATA_TOKEN_PATH}"
-    async with httpx.AsyncClient(timeout=TOKEN_TIMEOUT) as client:
-        response = await client.get(url, headers={"Metadata-Flavor": "Google"})
-    return _answer_token(response, "the metadata server")
+    return await _token_call("GET", url, "the metadata server", headers={"Metadata-Flavor": "Google"})
+
+
+async def _token_call(method: str, url: str, where: str, **kwargs: Any) -> Token:
+    """One token request within ``TOKEN_TIMEOUT`` in all, its answer read up to
+    ``MAX_TOKEN_ANSWER`` bytes (a token answer is small; anything bigger is refused)."""
+    async with asyncio.timeout(TOKEN_TIMEOUT), httpx.AsyncClient(timeout=TOKEN_TIMEOUT) as client:
+        response = await client.send(client.build_request(method, url, **kwargs), stream=True)
+        await aread_capped(response, MAX_TOKEN_ANSWER, where)
+    return _answer_token(response, where)
 
 
 def _grant_info(credentials: Any) -> dict[str, Any] | None:

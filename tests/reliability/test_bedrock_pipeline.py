@@ -8,7 +8,6 @@ the connection's dialect is ``bedrock``. Every terminal status lands every row w
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import orjson
@@ -17,7 +16,7 @@ import pytest
 from airflow_batch_provider.exceptions import BatchFailedError, ConfigurationError
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.submission import StateStore, SubmitState
-from tests.fixtures.reliability import MESSAGES, Pipeline, rows_of, seed_texts
+from tests.fixtures.reliability import MESSAGES, Pipeline, partly_done, rows_of, seed_texts
 from tests.fixtures.s3 import S3Staging, cut_object_reads
 
 ROWS = 30
@@ -98,18 +97,6 @@ async def test_completed_and_failed_jobs(
     assert statuses == [("failed",)]
 
 
-def _partly_done(batch_id: str, at_least: int = 5) -> None:
-    hook = BatchApiHook()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        done = hook.get_batch(batch_id).request_counts.completed
-        if done >= at_least:
-            assert done < ROWS, f"job {batch_id} finished before it could be interrupted"
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"job {batch_id} made no progress")
-
-
 @pytest.mark.parametrize(
     ("how", "status", "vendor"), [("expire", "expired", "Expired"), ("stop", "cancelled", "Stopped")]
 )
@@ -127,7 +114,7 @@ async def test_expired_and_stopped_keep_what_was_answered(
 
     def interrupt(submission: dict[str, Any]) -> None:
         (batch_id,) = submission["batch_ids"]
-        _partly_done(batch_id)
+        partly_done(batch_id, ROWS)
         if how == "expire":
             server.force(batch_id, "expire")
         else:
