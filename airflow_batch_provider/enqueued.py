@@ -100,6 +100,13 @@ def check_ledger_dialect(dialect: Dialect) -> None:
             f"max_enqueued_tokens needs batches that carry metadata; {dialect.label}'s batches "
             "carry none, so the submit cannot keep its enqueued-token ledger"
         )
+    if dialect.submission_mode == "object_store":
+        # Their jobs' labels/tags hold the run's identity only (Vertex labels cannot even hold an
+        # entry's "tokens:model"): without this refusal the cap would be silently ignored.
+        raise ConfigurationError(
+            f"max_enqueued_tokens needs batches that carry metadata; {dialect.label}'s jobs are "
+            "created from object storage and do not carry the enqueued-token ledger's entry"
+        )
 
 
 def check_shard_fits(index: int, tokens: int, cap: int) -> None:
