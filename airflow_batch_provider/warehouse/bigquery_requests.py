@@ -395,8 +395,20 @@ def plan_requests(
             f"requests_table: key column(s) {', '.join(clash)} clash with the request or prediction "
             "tables' own columns; rename them in sql"
         )
+    own = [c for c in schema if c.lower().startswith("abp_")]
+    if own:
+        raise ConfigurationError(
+            f"requests_table: column(s) {', '.join(own)} use the prefix abp_, which the build's SQL "
+            "keeps for its own columns; rename them in sql"
+        )
     slots = Slots()
     compiled = compile_messages(messages, list(schema), slots)
+    taken = sorted({c for c in slots.columns if c in (*REQUEST_COLUMNS, *OUTPUT_COLUMNS)} - set(key_columns))
+    if taken:
+        raise ConfigurationError(
+            f"requests_table: template column(s) {', '.join(taken)} clash with the request tables' own "
+            "columns; rename them in sql"
+        )
     for column in slots.columns:
         kind = schema[column]
         if kind not in INTEGER_TYPES | TEXT_TYPES:

@@ -188,3 +188,32 @@ async def test_the_file_route_and_the_bigquery_route_land_the_same_results(
     by_files, by_tables = table("answers_files"), table("answers_bq")
     assert len(by_files) == ROWS
     assert by_tables == by_files
+
+
+def test_both_builds_agree_on_ids_hashes_and_rejects(bq_pipeline: Pipeline) -> None:
+    """Build only: the tables' custom_id / request_hash equal keys.jsonl's, and the rejects table
+    equals rejects.jsonl (a line over a lowered byte limit included, with its reason)."""
+    import orjson
+
+    seed(bq_pipeline)
+    args = {**build_args(bq_pipeline), "max_line_bytes": 240}
+    tables = bq_pipeline.build("ids-tables", **args)
+    files = bq_pipeline.build("ids-files", **{k: v for k, v in args.items() if k != "requests_table"})
+    staged = bq_pipeline.staging_root / "reliability" / "ids-files"
+    keys = [orjson.loads(x) for x in (staged / "keys.jsonl").read_bytes().splitlines()]
+    rejects = [orjson.loads(x) for x in (staged / "rejects.jsonl").read_bytes().splitlines()]
+    assert {r["code"] for r in rejects} == {"null_key", "null_value", "line_too_large"}
+    assert tables["rows_rejected"] == files["rows_rejected"] == len(rejects)
+    assert tables["extra"]["rejects_by_code"] == files["extra"]["rejects_by_code"]
+    union = " UNION ALL ".join(
+        f"SELECT custom_id, request_hash FROM `{s['table'].removeprefix('bq://')}`" for s in tables["shards"]
+    )
+    assert sorted(bq_pipeline.warehouse.rows(union)) == sorted(
+        (k["custom_id"], k["request_hash"]) for k in keys
+    )
+    schema = bq_pipeline.warehouse.schema
+    got = bq_pipeline.warehouse.rows(f"SELECT custom_id, code, reason FROM `{schema}.req_rejects`")
+    # Row numbers follow each read's order, which BigQuery does not fix: compared as sets.
+    assert sorted(got, key=str) == sorted(
+        ((r["custom_id"], r["code"], r["reason"]) for r in rejects), key=str
+    )
