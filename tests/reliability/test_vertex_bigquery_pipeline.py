@@ -138,6 +138,41 @@ async def test_partially_succeeded_job_merges_what_it_answered(
     assert {v[1] for v in rows.values() if v[0] == "failed"} == {"request_failed"}
 
 
+@pytest.mark.parametrize(("how", "status"), [("expire", "expired"), ("cancel", "cancelled")])
+async def test_expired_and_cancelled_jobs_keep_what_was_answered(
+    batch_server: Any,
+    bqemulator: str,
+    bq_pipeline: Pipeline,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+    status: str,
+) -> None:
+    from airflow_batch_provider.exceptions import BatchFailedError
+    from tests.fixtures.reliability import partly_done
+
+    server = serve(batch_server, bqemulator, monkeypatch, line_seconds=50, chunk_size=5)
+    seed(bq_pipeline)
+
+    def interrupt(submission: dict[str, Any]) -> None:
+        (batch_id,) = submission["batch_ids"]
+        partly_done(batch_id, ROWS - 1)
+        if how == "expire":
+            server.force(batch_id, "expire")
+        else:
+            BatchApiHook().cancel_batch(batch_id)
+
+    record = await bq_pipeline.run(
+        f"bq-{how}", "answers", build=build_args(bq_pipeline), before_wait=interrupt
+    )
+    assert record.event is not None and record.event["status"] == status, record.event
+    assert isinstance(record.submit_error, BatchFailedError)
+    statuses = [v[0] for v in results(bq_pipeline).values()]
+    # The prediction table holds what was answered; the rest takes the job's end as its status.
+    assert statuses.count("succeeded") > 0 and statuses.count(status) > 0
+    assert statuses.count("succeeded") + statuses.count(status) == ROWS - 1
+    assert statuses.count("rejected") == 1
+
+
 def test_the_route_is_refused_by_name_where_it_cannot_run(
     bq_pipeline: Pipeline, duckdb_warehouse: Any
 ) -> None:
