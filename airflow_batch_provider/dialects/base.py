@@ -715,6 +715,22 @@ class Dialect:
         """The tags the provider set on a batch (used to find orphans by run identity)."""
         return batch.metadata
 
+    def stored_metadata(self, metadata: Mapping[str, str] | None) -> dict[str, str]:
+        """The pairs of ``metadata`` as the vendor keeps them on a batch: what a create sends, and
+        what ``metadata_of`` reads back, so a lookup compares like with like (Vertex AI cuts and
+        drops what a label cannot hold). Default: as given."""
+        return dict(metadata or {})
+
+    def tags_agree(self, batch: Batch, metadata: Mapping[str, str]) -> bool:
+        """Whether the batch's tags agree with ``metadata`` as this dialect stores it: a pair the
+        batch carries with another value disagrees; a pair it does not carry (a vendor that keeps
+        no tags, a pair that did not fit) is not compared.
+
+        :param metadata: the pairs to compare (the submit passes the shard's fingerprint).
+        """
+        tags = self.metadata_of(batch)
+        return all(tags.get(k, v) == v for k, v in self.stored_metadata(metadata).items())
+
     # ---- results --------------------------------------------------------------------
     def parse_result_line(self, raw: Mapping[str, Any], source: ResultSource) -> ResultLine:
         """Normalise one line of an output or error file (OpenAI shape).

@@ -996,9 +996,10 @@ class SubmitBatchOperator(BaseOperator):
         self, hook: BatchApiHook, key: str, fingerprint: str, input_file_id: str | None = None
     ) -> Batch | None:
         def this_shard(batch: Batch) -> bool:
-            # A batch with another fingerprint tag is another shard file's (one without the tag
-            # is judged by its input file alone); a dead one is replaced when resubmit_failed.
-            same = hook.dialect.metadata_of(batch).get(FINGERPRINT_NAME, fingerprint) == fingerprint
+            # A batch with another fingerprint tag (as the dialect stores it) is another shard
+            # file's (one without the tag is judged by its input file alone); a dead one is
+            # replaced when resubmit_failed.
+            same = hook.dialect.tags_agree(batch, {FINGERPRINT_NAME: fingerprint})
             return same and not (self.resubmit_failed and batch.state in _BAD_END)
 
         return hook.find_created_batch({KEY_NAME: key}, input_file_id=input_file_id, accept=this_shard)
