@@ -42,13 +42,34 @@ _CREDENTIAL = re.compile(
     r"AWS4-HMAC-SHA256 Credential=([^/,\s]+)/(\d{8})/([a-z0-9-]+)/([a-z0-9-]+)/aws4_request,\s*"
     r"SignedHeaders=([a-z0-9;\-]+),\s*Signature=([0-9a-f]{64})"
 )
+# ``jobIdentifier`` as the service model constrains it: a job id, or the job's ARN.
+_JOB_IDENTIFIER = re.compile(
+    r"(?:arn:aws(?:-[^:]+)?:bedrock:[a-z0-9-]{1,20}:[0-9]{12}:model-invocation-job/)?([a-z0-9]{12})"
+)
+_JOB_STATUSES = (
+    "Submitted",
+    "InProgress",
+    "Completed",
+    "Failed",
+    "Stopping",
+    "Stopped",
+    "PartiallyCompleted",
+    "Expired",
+    "Validating",
+    "Scheduled",
+)
 _ID_CHARS = string.ascii_lowercase + string.digits
+
+
+def submitted(value: float) -> datetime:
+    """An epoch time as the instant the API shows (whole microseconds, UTC)."""
+    return datetime.fromtimestamp(value, tz=timezone.utc)
 
 
 def _iso(value: float | None) -> str | None:
     if value is None:
         return None
-    return datetime.fromtimestamp(value, tz=timezone.utc).isoformat().replace("+00:00", "Z")
+    return submitted(value).isoformat().replace("+00:00", "Z")
 
 
 def new_job_id() -> str:
@@ -267,13 +288,17 @@ class BedrockWire(Wire):
 
     # ---- jobs ---------------------------------------------------------------------------
     def job_id(self, identifier: str) -> str:
-        """The job id a ``jobIdentifier`` names (the id, or the job's ARN). An identifier that is
-        no job's is a 404 here (Bedrock answers a malformed one with a 400 ValidationException)."""
-        found = re.fullmatch(
-            r"(?:arn:aws[a-z-]*:bedrock:[a-z0-9-]+:\d{12}:model-invocation-job/)?([\w-]{1,256})", identifier
-        )
+        """The job id a ``jobIdentifier`` names (the 12-character id, or the job's ARN). One that
+        fits neither is refused as Bedrock refuses it: a 400 ValidationException naming the
+        constraint; a well-formed id of no job is the caller's 404 ResourceNotFoundException."""
+        found = _JOB_IDENTIFIER.fullmatch(identifier)
         if found is None:
-            raise self.not_found("job", identifier[:100])
+            raise self.error(
+                400,
+                f"1 validation error detected: Value '{identifier[:100]}' at 'jobIdentifier' failed "
+                "to satisfy constraint: Member must satisfy regular expression pattern: "
+                f"{_JOB_IDENTIFIER.pattern}",
+            )
         return found.group(1)
 
     def job_arn(self, job_id: str) -> str:
@@ -345,6 +370,44 @@ class BedrockWire(Wire):
         if not raw.isdigit() or not 1 <= int(raw) <= self.MAX_RESULTS:
             raise self.error(400, f"maxResults must be 1..{self.MAX_RESULTS}.")
         return params.get("nextToken") or None, int(raw)
+
+    def list_filters(
+        self, params: Mapping[str, str]
+    ) -> tuple[str | None, datetime | None, datetime | None, bool]:
+        """``ListModelInvocationJobs``' filters, checked as Bedrock checks them: ``statusEquals``,
+        ``submitTimeAfter`` and ``submitTimeBefore`` (ISO-8601, as aware datetimes), and whether
+        ``sortOrder`` is Ascending (``sortBy`` takes only CreationTime)."""
+        status = params.get("statusEquals") or None
+        if status is not None and status not in _JOB_STATUSES:
+            raise self.error(
+                400,
+                f"Value '{status[:40]}' at 'statusEquals' failed to satisfy constraint: "
+                f"Member must satisfy enum value set: [{', '.join(_JOB_STATUSES)}]",
+            )
+        for name, allowed in (("sortBy", ("CreationTime",)), ("sortOrder", ("Ascending", "Descending"))):
+            value = params.get(name)
+            if value is not None and value not in allowed:
+                raise self.error(
+                    400,
+                    f"Value '{value[:40]}' at '{name}' failed to satisfy constraint: "
+                    f"Member must satisfy enum value set: [{', '.join(allowed)}]",
+                )
+        bounds: list[datetime | None] = []
+        for name in ("submitTimeAfter", "submitTimeBefore"):
+            raw = params.get(name)
+            if raw is None:
+                bounds.append(None)
+                continue
+            try:
+                when = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+            except ValueError:
+                raise self.error(
+                    400, f"Value '{raw[:40]}' at '{name}' is not an ISO-8601 timestamp."
+                ) from None
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=timezone.utc)
+            bounds.append(when)
+        return status, bounds[0], bounds[1], params.get("sortOrder") == "Ascending"
 
     def render_batch_list(self, items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
         page: dict[str, Any] = {"invocationJobSummaries": [self.render_batch(r) for r in items]}

@@ -156,3 +156,67 @@ def test_a_bad_signature_and_a_missing_job_are_refused_as_aws_does(
     with pytest.raises(ClientError) as no_input:
         create(client(bedrock), s3_staging, "no-input")
     assert no_input.value.response["Error"]["Code"] == "ValidationException"
+
+
+def test_a_malformed_job_id_is_a_validation_error_and_an_unknown_one_not_found(bedrock: Any) -> None:
+    sdk = client(bedrock)
+    # jobIdentifier is a 12-character id (or the job's ARN): anything else is a 400, as on AWS.
+    for malformed in ("not-a-job-id", "ABCDEFABCDEF", "abc", "arn:aws:bedrock:us-east-1:1:job/x"):
+        with pytest.raises(ClientError) as refused:
+            sdk.get_model_invocation_job(jobIdentifier=malformed)
+        assert refused.value.response["Error"]["Code"] == "ValidationException", malformed
+        assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 400
+        with pytest.raises(ClientError) as refused:
+            sdk.stop_model_invocation_job(jobIdentifier=malformed)
+        assert refused.value.response["Error"]["Code"] == "ValidationException", malformed
+    for unknown in (
+        "abcdefabcdef",
+        "arn:aws:bedrock:us-east-1:123456789012:model-invocation-job/0123456789ab",
+    ):
+        with pytest.raises(ClientError) as missing:
+            sdk.get_model_invocation_job(jobIdentifier=unknown)
+        assert missing.value.response["Error"]["Code"] == "ResourceNotFoundException"
+        assert missing.value.response["ResponseMetadata"]["HTTPStatusCode"] == 404
+
+
+def test_a_used_job_name_is_refused_and_a_used_token_answers_its_job(
+    bedrock: Any, s3_staging: S3Staging
+) -> None:
+    sdk = client(bedrock)
+    s3_staging.path("in", "named", "input.jsonl").write_bytes(records(1))
+    arn = create(sdk, s3_staging, "named", token="first")
+    assert create(sdk, s3_staging, "named", token="first") == arn
+    # Another token under a name in use: Bedrock's names are unique per account and region.
+    with pytest.raises(ClientError) as refused:
+        create(sdk, s3_staging, "named", token="second")
+    assert refused.value.response["Error"]["Code"] == "ValidationException"
+    assert "in use" in refused.value.response["Error"]["Message"]
+    assert [j["jobArn"] for j in sdk.list_model_invocation_jobs()["invocationJobSummaries"]] == [arn]
+
+
+def test_list_filters_by_submit_time_status_and_sorts(bedrock: Any, s3_staging: S3Staging) -> None:
+    bedrock.set_faults(stall_batches=True)
+    sdk = client(bedrock)
+    arns = []
+    for name in ("t-1", "t-2", "t-3"):
+        s3_staging.path("in", name, "input.jsonl").write_bytes(records(1))
+        arns.append(create(sdk, s3_staging, name))
+        time.sleep(0.01)  # distinct submit times
+    times = [sdk.get_model_invocation_job(jobIdentifier=a)["submitTime"] for a in arns]
+    assert times == sorted(times) and len(set(times)) == 3
+
+    def listed(**kwargs: Any) -> list[str]:
+        return [j["jobArn"] for j in sdk.list_model_invocation_jobs(**kwargs)["invocationJobSummaries"]]
+
+    # boto3 sends the timestamps as ISO-8601 in the query string.
+    assert listed(submitTimeAfter=times[0]) == [arns[2], arns[1]]
+    assert listed(submitTimeBefore=times[2]) == [arns[1], arns[0]]
+    assert listed(submitTimeAfter=times[0], submitTimeBefore=times[2]) == [arns[1]]
+    assert listed(sortBy="CreationTime", sortOrder="Ascending") == arns
+    sdk.stop_model_invocation_job(jobIdentifier=arns[1])
+    wait_until(sdk, arns[1], {"Stopped"})
+    assert listed(statusEquals="Stopped") == [arns[1]]
+    for bad in ({"statusEquals": "Done"}, {"sortOrder": "Sideways"}, {"sortBy": "Name"}):
+        with pytest.raises(ClientError) as refused:
+            listed(**bad)
+        assert refused.value.response["Error"]["Code"] == "ValidationException", bad
