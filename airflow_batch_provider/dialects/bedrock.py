@@ -209,7 +209,10 @@ class BedrockDialect(Dialect):
         },
         "region_name": {
             "label": "AWS region (bedrock)",
-            "description": "Amazon Bedrock: the region of the control plane, e.g. us-east-1 (default).",
+            "description": (
+                "Amazon Bedrock: the region of the control plane and of the signature, e.g. "
+                "eu-west-1; when unset, the aws connection's region_name, else us-east-1."
+            ),
             "schema": {"type": ["string", "null"]},
         },
         "role_arn": {
@@ -273,10 +276,13 @@ class BedrockDialect(Dialect):
     def configure(self, extra: Mapping[str, Any], conn_id: str) -> BedrockDialect:
         """The dialect with the connection's region, role, limits and aws connection, checked."""
         where = f"connection {conn_id!r} (dialect bedrock)"
+        # The batch connection's own region_name wins; else the aws connection's (the hook
+        # passes it in as region_name, see hooks.credentials.platform_extra); else us-east-1.
         region = str(extra.get("region_name") or "us-east-1").strip()
         if not re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d", region):
             raise ConfigurationError(
-                f"{where}: extra 'region_name' {region!r} is not an AWS region like us-east-1"
+                f"{where}: region_name {region!r} (the connection's extra, else its aws "
+                "connection's) is not an AWS region like us-east-1"
             )
         role = extra.get("role_arn")
         if role is not None and not (isinstance(role, str) and _ROLE_ARN.fullmatch(role)):

@@ -44,6 +44,7 @@ from airflow_batch_provider.dialects import Dialect, ListPage, get_dialect
 from airflow_batch_provider.exceptions import (
     BatchApiError,
     BatchApiResponseError,
+    ConfigurationError,
 )
 from airflow_batch_provider.hooks import calls, checks
 from airflow_batch_provider.hooks.attempts import AmbiguousCreate, BodyDropped, Restarts, Retries, SendOnce
@@ -171,7 +172,9 @@ class BatchApiHook(BaseHook):
         return legacy_form_widgets()
 
     # ---- settings --------------------------------------------------------------------------
-    def _build_settings(self, conn: Any, raw_extra: Mapping[str, Any]) -> BatchApiSettings:
+    def _build_settings(
+        self, conn: Any, raw_extra: Mapping[str, Any], inherited: Mapping[str, Any] | None = None
+    ) -> BatchApiSettings:
         return settings_from_connection(
             self.batch_conn_id,
             conn,
@@ -181,13 +184,35 @@ class BatchApiHook(BaseHook):
             timeout=self._timeout,
             max_retries=self._max_retries,
             retry_policy=self._retry_policy,
+            inherited=inherited,
+        )
+
+    def _inherited(self, conn: Any, raw_extra: Mapping[str, Any]) -> dict[str, Any]:
+        """What the connection takes from the platform connection it signs with (blocking)."""
+        from airflow_batch_provider.hooks.credentials import platform_extra
+        from airflow_batch_provider.hooks.settings import connection_extra
+
+        extra = connection_extra(raw_extra, self.conn_type)
+        try:
+            dialect = self._dialect_override or get_dialect(extra.get("dialect"))
+        except ConfigurationError:
+            return {}  # settings_from_connection says what is wrong with the dialect
+        if dialect.credentials_kind is None:
+            return {}
+        return platform_extra(
+            dialect.credentials_kind,
+            extra,
+            self.batch_conn_id,
+            getattr(conn, "login", None),
+            conn.password or extra.get("api_key"),
         )
 
     def get_settings(self) -> BatchApiSettings:
         """Resolve the connection once (blocking; use ``aget_settings`` in async code)."""
         if self._settings is None:
             conn = self.get_connection(self.batch_conn_id)
-            settings = self._build_settings(conn, conn.extra_dejson)
+            raw_extra = conn.extra_dejson
+            settings = self._build_settings(conn, raw_extra, self._inherited(conn, raw_extra))
             if settings.api_key:
                 from airflow.sdk.log import mask_secret
 
@@ -204,7 +229,10 @@ class BatchApiHook(BaseHook):
             )
 
             conn = await get_async_connection(self.batch_conn_id, self)
-            settings = self._build_settings(conn, await get_async_extra_dejson(conn))
+            raw_extra = await get_async_extra_dejson(conn)
+            # Reading the platform connection (the aws one's region) blocks: a thread, once.
+            inherited = await asyncio.to_thread(self._inherited, conn, raw_extra)
+            settings = self._build_settings(conn, raw_extra, inherited)
             if settings.api_key:
                 await _amask_secret(settings.api_key)
             # Concurrent first calls (a trigger polls its batches together) all await above;
