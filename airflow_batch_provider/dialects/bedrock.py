@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -80,6 +81,9 @@ CHAT = "/v1/chat/completions"
 EMBEDDINGS = "/v1/embeddings"
 #: The metadata key whose value is the job's name (how a lost create is found by listing).
 NAME_KEY = "airflow_batch_key"
+#: How much earlier than the intent the orphan lookup asks for jobs (``submitTimeAfter``): Bedrock
+#: stamps ``submitTime`` by its clock, which may be behind this machine's.
+SUBMIT_TIME_MARGIN = timedelta(minutes=10)
 #: Bedrock's documented default quotas per batch inference job (they vary by model and region).
 DEFAULT_MIN_RECORDS = 100
 DEFAULT_MAX_RECORDS = 50_000
@@ -129,6 +133,8 @@ _CHAT_FIELDS = frozenset(
         "n",
     }
 )
+# The suffix of a replacement job's name (``submission.generation_name``).
+_GENERATION = re.compile(r"-r[0-9]+$")
 _LIMIT_EXTRAS = ("min_records_per_job", "max_records_per_job", "max_bytes_per_file")
 _ROLE_ARN = re.compile(r"arn:aws(-[^:]+)?:iam::([0-9]{12})?:role/.+")
 
@@ -403,7 +409,9 @@ class BedrockDialect(Dialect):
         name: str | None,
         model: str | None,
     ) -> dict[str, Any]:
-        job_name = (metadata or {}).get(NAME_KEY) or name
+        # The name is the shard's key, or ``<key>-r<N>`` for its Nth replacement (job names are
+        # unique per account and region, and the token is the name: a replacement needs both new).
+        job_name = name or (metadata or {}).get(NAME_KEY)
         if not job_name:
             raise ConfigurationError("a Bedrock job needs a name (the shard's idempotency key)")
         if not self.role_arn:
@@ -473,7 +481,10 @@ class BedrockDialect(Dialect):
                 ),
                 created_at=to_utc(raw.get("submitTime")),
                 expires_at=to_utc(raw.get("jobExpirationTime")),
-                metadata={NAME_KEY: name, "name": name} if isinstance(name, str) and name else {},
+                # Every generation of a shard's job (``<key>-r<N>``) carries the shard's key.
+                metadata={NAME_KEY: _GENERATION.sub("", name), "name": name}
+                if isinstance(name, str) and name
+                else {},
                 errors=[BatchError(code=status, message=message)]
                 if mapped == "failed" and isinstance(message, str)
                 else [],
@@ -493,9 +504,17 @@ class BedrockDialect(Dialect):
             "sortOrder": "Descending",
         }
 
-    def filter_params(self, metadata: Mapping[str, str]) -> dict[str, Any]:
+    def filter_params(self, metadata: Mapping[str, str], *, since: datetime | None = None) -> dict[str, Any]:
+        """``nameContains`` (the shard's key, which every generation's name holds) and, given the
+        intent's time, ``submitTimeAfter`` that time less ``SUBMIT_TIME_MARGIN``."""
         name = metadata.get(NAME_KEY) or metadata.get("name")
-        return {"nameContains": name} if name else {}
+        if not name:
+            return {}
+        params: dict[str, Any] = {"nameContains": name}
+        if since is not None:
+            after = (since - SUBMIT_TIME_MARGIN).astimezone(timezone.utc)
+            params["submitTimeAfter"] = after.isoformat(timespec="seconds").replace("+00:00", "Z")
+        return params
 
     def list_envelope(self, raw: Any, params: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any] | None]:
         raw = page_object(raw)

@@ -34,6 +34,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Container, Iterable, Iterator, Mapping
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import replace
+from datetime import datetime
 from typing import Any, ClassVar, TypeVar
 
 import httpx
@@ -776,7 +777,9 @@ class BatchApiHook(BaseHook):
                     match = create.inline_match()
                     try:
                         if match is None:
-                            found = self.find_created_batch(tags, input_file_id=input_file_id)
+                            found = self.find_created_batch(
+                                tags, input_file_id=input_file_id, since=create.since
+                            )
                         else:
                             found = create.one_inline(exc, self.find_inline_batches(match))
                     except BatchApiError as lookup:
@@ -823,7 +826,9 @@ class BatchApiHook(BaseHook):
                     match = create.inline_match()
                     try:
                         if match is None:
-                            found = await self.afind_created_batch(tags, input_file_id=input_file_id)
+                            found = await self.afind_created_batch(
+                                tags, input_file_id=input_file_id, since=create.since
+                            )
                         else:
                             found = create.one_inline(exc, await self.afind_inline_batches(match))
                     except BatchApiError as lookup:
@@ -869,6 +874,7 @@ class BatchApiHook(BaseHook):
         limit: int | None = None,
         known: Mapping[str, Batch] | None = None,
         where: Mapping[str, str] | None = None,
+        since: datetime | None = None,
     ) -> Iterator[Batch]:
         """Every batch visible to the key, newest first, following pagination.
 
@@ -880,8 +886,11 @@ class BatchApiHook(BaseHook):
             as it is, not parsed again (what a poller listing the same batches each cycle wants).
         :param where: metadata pairs the vendor's listing may filter by (``dialect.filter_params``);
             a listing without a filter ignores it, so callers still check each batch's tags.
+        :param since: with ``where``, no batch looked for was created before this moment (a
+            listing that filters by creation time may use it; see ``dialect.filter_params``).
         """
-        for page in self.list_batch_pages(page_size=page_size, limit=limit, known=known, where=where):
+        pages = self.list_batch_pages(page_size=page_size, limit=limit, known=known, where=where, since=since)
+        for page in pages:
             yield from page.batches
 
     def list_batch_pages(
@@ -892,15 +901,17 @@ class BatchApiHook(BaseHook):
         known: Mapping[str, Batch] | None = None,
         wanted: Container[str] | None = None,
         where: Mapping[str, str] | None = None,
+        since: datetime | None = None,
     ) -> Iterator[ListPage]:
         """The listing page by page, with the items of each that do not parse (see ``list_batches``).
 
         :param wanted: parse only the items of these batch ids (a poller reading its triggers'
             batches); the others are counted in ``ListPage.skipped``, not parsed (None: all).
         :param where: metadata pairs the vendor's listing may filter by (see ``list_batches``).
+        :param since: when the batches looked for were first intended (see ``list_batches``).
         """
         dialect = self.dialect
-        params = {**dialect.list_params(page_size), **(dialect.filter_params(where) if where else {})}
+        params = {**dialect.list_params(page_size), **_filter(dialect, where, since)}
         pages = Pages(calls.LIST_ACTION, params, limit=limit, barren=MAX_BARREN_PAGES)
         while pages.params is not None:
             response = self._request(calls.list_batches(dialect, pages.params))
@@ -917,9 +928,12 @@ class BatchApiHook(BaseHook):
         limit: int | None = None,
         known: Mapping[str, Batch] | None = None,
         where: Mapping[str, str] | None = None,
+        since: datetime | None = None,
     ) -> AsyncIterator[Batch]:
         """Async twin of ``list_batches``."""
-        pages = self.alist_batch_pages(page_size=page_size, limit=limit, known=known, where=where)
+        pages = self.alist_batch_pages(
+            page_size=page_size, limit=limit, known=known, where=where, since=since
+        )
         async with aclosing(pages):  # type: ignore[type-var]
             async for page in pages:
                 for batch in page.batches:
@@ -933,6 +947,7 @@ class BatchApiHook(BaseHook):
         known: Mapping[str, Batch] | None = None,
         wanted: Container[str] | None = None,
         where: Mapping[str, str] | None = None,
+        since: datetime | None = None,
     ) -> AsyncIterator[ListPage]:
         """Async twin of ``list_batch_pages``: a large page is decoded in a thread and read in
         slices, so the event loop is never held for the whole page.
@@ -940,9 +955,10 @@ class BatchApiHook(BaseHook):
         :param wanted: parse only the items of these batch ids (a poller reading its triggers'
             batches); the others are counted in ``ListPage.skipped``, not parsed (None: all).
         :param where: metadata pairs the vendor's listing may filter by (see ``list_batches``).
+        :param since: when the batches looked for were first intended (see ``list_batches``).
         """
         dialect = (await self.aget_settings()).dialect
-        params = {**dialect.list_params(page_size), **(dialect.filter_params(where) if where else {})}
+        params = {**dialect.list_params(page_size), **_filter(dialect, where, since)}
         pages = Pages(calls.LIST_ACTION, params, limit=limit, barren=MAX_BARREN_PAGES)
         while pages.params is not None:
             response = await self._arequest(calls.list_batches(dialect, pages.params))
@@ -971,22 +987,29 @@ class BatchApiHook(BaseHook):
         batches = list(pages.take(page.batches, page.next_params, read=read))
         return ListPage(batches, pages.next_params, page.unreadable, page.skipped)
 
-    def find_batches(self, metadata: Mapping[str, str], *, limit: int | None = 1000) -> list[Batch]:
+    def find_batches(
+        self, metadata: Mapping[str, str], *, limit: int | None = 1000, since: datetime | None = None
+    ) -> list[Batch]:
         """Batches whose tags (``dialect.metadata_of``) contain every pair of ``metadata``.
 
         :param metadata: the pairs to match; empty matches nothing.
         :param limit: how many batches to scan at most (newest first).
+        :param since: none of them was created before this moment by this machine's clock (a
+            listing that filters by creation time asks for those after it, less clock skew).
         """
         if not metadata:
             return []
-        return _tagged(self.dialect, metadata, self.list_batches(limit=limit, where=metadata))
+        return _tagged(self.dialect, metadata, self.list_batches(limit=limit, where=metadata, since=since))
 
-    async def afind_batches(self, metadata: Mapping[str, str], *, limit: int | None = 1000) -> list[Batch]:
+    async def afind_batches(
+        self, metadata: Mapping[str, str], *, limit: int | None = 1000, since: datetime | None = None
+    ) -> list[Batch]:
         """Async twin of ``find_batches``."""
         if not metadata:
             return []
         dialect = (await self.aget_settings()).dialect
-        return _tagged(dialect, metadata, [b async for b in self.alist_batches(limit=limit, where=metadata)])
+        listed = self.alist_batches(limit=limit, where=metadata, since=since)
+        return _tagged(dialect, metadata, [b async for b in listed])
 
     def find_created_batch(
         self,
@@ -994,6 +1017,7 @@ class BatchApiHook(BaseHook):
         *,
         input_file_id: str | None = None,
         accept: Callable[[Batch], bool] | None = None,
+        since: datetime | None = None,
     ) -> Batch | None:
         """The batch a create tagged ``tags`` made, when a lost answer or a crash hid it; else None.
 
@@ -1003,8 +1027,10 @@ class BatchApiHook(BaseHook):
         :param tags: the metadata (or, without metadata, ``name``) the create carried.
         :param input_file_id: the create's input file; a batch made from another is not it.
         :param accept: a further test a batch must pass (the submit operator skips dead ones).
+        :param since: when the create was first intended (a listing filtered by time uses it).
         """
-        return newest_created(self.find_batches(tags), input_file_id=input_file_id, accept=accept)
+        found = self.find_batches(tags, since=since)
+        return newest_created(found, input_file_id=input_file_id, accept=accept)
 
     async def afind_created_batch(
         self,
@@ -1012,9 +1038,11 @@ class BatchApiHook(BaseHook):
         *,
         input_file_id: str | None = None,
         accept: Callable[[Batch], bool] | None = None,
+        since: datetime | None = None,
     ) -> Batch | None:
         """Async twin of ``find_created_batch``."""
-        return newest_created(await self.afind_batches(tags), input_file_id=input_file_id, accept=accept)
+        found = await self.afind_batches(tags, since=since)
+        return newest_created(found, input_file_id=input_file_id, accept=accept)
 
     def find_inline_batches(self, match: InlineMatch) -> InlineMatch:
         """Read the listing (newest first) into ``match`` until it is past ``match.since``: the
@@ -1208,6 +1236,11 @@ def _read_items(
 def _take(items: Iterator[T], count: int) -> list[T]:
     """Up to ``count`` next items of ``items`` (fewer: it is exhausted)."""
     return list(itertools.islice(items, count))
+
+
+def _filter(dialect: Dialect, where: Mapping[str, str] | None, since: datetime | None) -> dict[str, Any]:
+    """The listing's filter parameters for ``where`` (and ``since``); {} without ``where``."""
+    return dialect.filter_params(where, since=since) if where else {}
 
 
 def _tagged(dialect: Dialect, metadata: Mapping[str, str], batches: Iterable[Batch]) -> list[Batch]:

@@ -68,6 +68,7 @@ from airflow_batch_provider.submission import (
     batch_metadata,
     choose_state_store,
     effective_fingerprint,
+    generation_name,
     now_utc,
 )
 from airflow_batch_provider.triggers.batch import BatchTrigger
@@ -738,10 +739,11 @@ class SubmitBatchOperator(BaseOperator):
             state = None
         if state is not None:
             # Intent without an id: the create may have happened before a crash. Look first.
+            dead: list[str] = []
             found = (
                 self._find_inline_orphan(hook, state)
                 if dialect.orphan_lookup == "time_and_count"
-                else self._find_orphan(hook, key, fingerprint, state.input_file_id)
+                else self._find_orphan(hook, key, fingerprint, state.input_file_id, state.intent_at, dead)
             )
             if found is not None:
                 self.log.info(
@@ -751,7 +753,8 @@ class SubmitBatchOperator(BaseOperator):
                 state.created_at = found.created_at or now_utc()
                 store.write(state)
                 return state
-            replaced = state.replaced_batch_ids
+            # A job the lost create made that has since died is replaced too (its name is used).
+            replaced = [*state.replaced_batch_ids, *(d for d in dead if d not in state.replaced_batch_ids)]
         if dialect.submission_mode == "inline":
             return self._create_inline(hook, store, identity, shard, key, fingerprint, replaced, defaults)
         if dialect.submission_mode == "object_store":
@@ -918,7 +921,9 @@ class SubmitBatchOperator(BaseOperator):
             metadata=batch_metadata(
                 identity, shard=shard.index, fingerprint=fingerprint, dialect=dialect, extra=self.metadata
             ),
-            name=key,
+            # A replacement job gets a name (and create token) of its own generation: a vendor
+            # whose token is the name would otherwise answer with the dead job.
+            name=generation_name(key, len(replaced)),
             model=encoder.job_model,
             not_these=self._batch_ids,
         )
@@ -993,15 +998,34 @@ class SubmitBatchOperator(BaseOperator):
         return state
 
     def _find_orphan(
-        self, hook: BatchApiHook, key: str, fingerprint: str, input_file_id: str | None = None
+        self,
+        hook: BatchApiHook,
+        key: str,
+        fingerprint: str,
+        input_file_id: str | None = None,
+        since: datetime | None = None,
+        dead: list[str] | None = None,
     ) -> Batch | None:
+        """The live batch an earlier try created for the shard ``key`` (its intent recorded at
+        ``since``: a listing filtered by creation time asks only for those after it).
+
+        :param dead: gets the ids of this shard's batches left out for being dead
+            (``resubmit_failed``), so the replacement is named as a new generation.
+        """
+
         def this_shard(batch: Batch) -> bool:
             # A batch with another fingerprint tag is another shard file's (one without the tag
             # is judged by its input file alone); a dead one is replaced when resubmit_failed.
             same = hook.dialect.metadata_of(batch).get(FINGERPRINT_NAME, fingerprint) == fingerprint
-            return same and not (self.resubmit_failed and batch.state in _BAD_END)
+            if same and self.resubmit_failed and batch.state in _BAD_END:
+                if dead is not None:
+                    dead.append(batch.id)
+                return False
+            return same
 
-        return hook.find_created_batch({KEY_NAME: key}, input_file_id=input_file_id, accept=this_shard)
+        return hook.find_created_batch(
+            {KEY_NAME: key}, input_file_id=input_file_id, accept=this_shard, since=since
+        )
 
     def _handle_stale(
         self, hook: BatchApiHook, state: SubmitState, fingerprint: str, shard: ShardInput

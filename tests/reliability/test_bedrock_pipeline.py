@@ -8,11 +8,13 @@ the connection's dialect is ``bedrock``. Every terminal status lands every row w
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import orjson
 import pytest
 
+from airflow_batch_provider.dialects.bedrock import SUBMIT_TIME_MARGIN, BedrockDialect
 from airflow_batch_provider.exceptions import BatchFailedError, ConfigurationError
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.submission import StateStore, SubmitState
@@ -147,11 +149,14 @@ async def test_crash_between_create_and_record_adopts_the_job_found_by_name(
         pass
 
     keys: list[str] = []
+    intents: list[datetime] = []
 
     def crash_when_recording_id(self: StateStore, state: SubmitState) -> None:
         if state.batch_id:
             keys.append(state.key)
             raise Crash(state.batch_id)
+        assert state.intent_at is not None
+        intents.append(state.intent_at)
         real_write(self, state)
 
     monkeypatch.setattr(StateStore, "write", crash_when_recording_id)
@@ -165,11 +170,82 @@ async def test_crash_between_create_and_record_adopts_the_job_found_by_name(
     # The job's name and its clientRequestToken are the shard's idempotency key.
     job = hook.get_batch(created)
     assert job.raw["jobName"] == job.raw["clientRequestToken"] == keys[0]
+    lookups = spy_filters(monkeypatch)
     result = s3_pipeline.submit_op(manifest, wait_for_completion=False).execute(
         s3_pipeline.context("submit", "crash")
     )
     assert result["batch_ids"] == [created]
     assert [b.id for b in hook.list_batches()] == [created]
+    # The lookup asked Bedrock for the key's jobs submitted since the intent, less the margin.
+    assert [p["nameContains"] for p in lookups] == [keys[0]]
+    assert submit_time_after(lookups[0]) == (intents[0] - SUBMIT_TIME_MARGIN).replace(microsecond=0)
+
+
+def spy_filters(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The listing filters the orphan lookups send (``BedrockDialect.filter_params``' answers)."""
+    sent: list[dict[str, Any]] = []
+    real = BedrockDialect.filter_params
+
+    def spy(self: BedrockDialect, metadata: Any, **kwargs: Any) -> dict[str, Any]:
+        params = real(self, metadata, **kwargs)
+        sent.append(params)
+        return params
+
+    monkeypatch.setattr(BedrockDialect, "filter_params", spy)
+    return sent
+
+
+def submit_time_after(params: dict[str, Any]) -> datetime:
+    return datetime.fromisoformat(str(params["submitTimeAfter"]).replace("Z", "+00:00"))
+
+
+async def test_a_failed_job_is_replaced_by_a_job_of_a_new_name_and_token(
+    batch_server: Any, s3_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = serve(batch_server, monkeypatch, faults={"fail_validation": True})
+    seed_texts(s3_pipeline.warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+    manifest = s3_pipeline.build("again", **BUILD)
+    record = await s3_pipeline.submit_and_wait(manifest, "again")
+    assert record.event is not None and record.event["status"] == "failed", record.event
+    (failed,) = record.event["batch_ids"]
+    hook = BatchApiHook()
+    key = hook.get_batch(failed).raw["jobName"]
+    server.set_faults(fail_validation=False)
+
+    # The replacement's create is made, then the task dies before recording its id.
+    real_write = StateStore.write
+
+    class Crash(Exception):
+        pass
+
+    def crash_when_recording_id(self: StateStore, state: SubmitState) -> None:
+        if state.batch_id and state.batch_id != failed:
+            raise Crash(state.batch_id)
+        real_write(self, state)
+
+    monkeypatch.setattr(StateStore, "write", crash_when_recording_id)
+    with pytest.raises(Crash) as crashed:
+        s3_pipeline.submit_op(manifest, wait_for_completion=False, resubmit_failed=True).execute(
+            s3_pipeline.context("submit", "again")
+        )
+    monkeypatch.setattr(StateStore, "write", real_write)
+    replacement = str(crashed.value)
+    job = hook.get_batch(replacement).raw
+    # A new job: its own name and token (the first's would have answered with the failed job).
+    assert replacement != failed
+    assert job["jobName"] == job["clientRequestToken"] == f"{key}-r1"
+    # The next try finds the replacement by the shard's key (nameContains) and adopts it.
+    lookups = spy_filters(monkeypatch)
+    record = await s3_pipeline.submit_and_wait(manifest, "again", resubmit_failed=True)
+    assert record.event is not None and record.event["status"] == "success", record.event
+    assert record.event["batch_ids"] == [replacement]
+    assert [p["nameContains"] for p in lookups] == [key]
+    assert {b.id: b.raw["status"] for b in hook.list_batches()} == {
+        failed: "Failed",
+        replacement: "Completed",
+    }
+    merged = s3_pipeline.merge(record.submission, manifest, "answers")
+    assert merged["counts"]["succeeded"] == ROWS
 
 
 def test_a_local_staging_is_refused_before_anything_is_written(
