@@ -54,6 +54,15 @@ from airflow_batch_provider.dialects.base import (
     page_object,
     str_or_none,
 )
+from airflow_batch_provider.dialects.bedrock_native import (
+    FAMILIES,
+    PROMPT_FAMILIES,
+    is_native_output,
+    model_family,
+    native_completion,
+    native_problem,
+    native_request,
+)
 from airflow_batch_provider.dialects.chat import call_arguments, text_content
 from airflow_batch_provider.exceptions import (
     BatchApiResponseError,
@@ -135,6 +144,8 @@ _CHAT_FIELDS = frozenset(
 )
 # The suffix of a replacement job's name (``submission.generation_name``).
 _GENERATION = re.compile(r"-r[0-9]+$")
+#: The connection extra ``invocation_type``'s values (see the module docstring).
+INVOCATION_TYPES = ("converse", "native", "auto")
 _LIMIT_EXTRAS = ("min_records_per_job", "max_records_per_job", "max_bytes_per_file")
 _ROLE_ARN = re.compile(r"arn:aws(-[^:]+)?:iam::([0-9]{12})?:role/.+")
 
@@ -156,6 +167,7 @@ class BedrockDialect(Dialect):
     :param min_records: the fewest records a job takes.
     :param limits: records and bytes per job.
     :param storage_conn_id: the ``aws`` connection that reads the job's output objects.
+    :param invocation_type: how chat records are encoded: "converse", "native" or "auto".
     """
 
     name = "bedrock"
@@ -229,6 +241,17 @@ class BedrockDialect(Dialect):
             ),
             "schema": {"type": ["string", "null"]},
         },
+        "invocation_type": {
+            "label": "Chat body (bedrock)",
+            "description": (
+                "Amazon Bedrock: how chat records are encoded. converse (default): the Converse "
+                "body for every model (modelInvocationType Converse); native: the model family's "
+                "own InvokeModel body (Claude, Llama, Mistral, Titan Text, Nova; other models are "
+                "refused); auto: native for the prompt-string families (Llama, Mistral, Titan "
+                "Text), Converse for the others."
+            ),
+            "schema": {"type": ["string", "null"], "enum": [None, *INVOCATION_TYPES]},
+        },
         "min_records_per_job": {
             "label": "Fewest records per job (bedrock)",
             "description": "Amazon Bedrock: the model's minimum records per batch job (default 100).",
@@ -254,6 +277,7 @@ class BedrockDialect(Dialect):
         min_records: int = DEFAULT_MIN_RECORDS,
         limits: Limits | None = None,
         storage_conn_id: str | None = None,
+        invocation_type: str = "converse",
     ) -> None:
         super().__init__()
         bind_models(
@@ -274,6 +298,7 @@ class BedrockDialect(Dialect):
         if limits is not None:
             self.limits = limits  # type: ignore[misc]
         self.storage_conn_id = storage_conn_id
+        self.invocation_type = invocation_type
 
     def __repr__(self) -> str:
         return f"<Dialect bedrock region={self.region}>"
@@ -314,6 +339,11 @@ class BedrockDialect(Dialect):
                 f"{where}: min_records_per_job {fewest} is above max_records_per_job {most}"
             )
         size = numbers.get("max_bytes_per_file", DEFAULT_MAX_FILE_BYTES)
+        kind = str(extra.get("invocation_type") or "converse").strip().lower()
+        if kind not in INVOCATION_TYPES:
+            raise ConfigurationError(
+                f"{where}: extra 'invocation_type' {kind!r} is not one of {', '.join(INVOCATION_TYPES)}"
+            )
         # S3 is read through extra storage_conn_id, else the aws connection that signs.
         aws_conn_id = extra.get("storage_conn_id") or extra.get("aws_conn_id", "aws_default")
         return BedrockDialect(
@@ -322,6 +352,7 @@ class BedrockDialect(Dialect):
             min_records=fewest,
             limits=Limits(max_lines=most, max_file_bytes=size, max_line_bytes=size),
             storage_conn_id=str(aws_conn_id) if aws_conn_id else None,
+            invocation_type=kind,
         )
 
     @property
@@ -379,6 +410,15 @@ class BedrockDialect(Dialect):
             return None
         if url == EMBEDDINGS:
             return _embedding_problem(body)
+        if self.native(body.get("model")):
+            family = model_family(body.get("model"))
+            if family is None:
+                return (
+                    f"model {body.get('model')!r} has no native body in the Bedrock dialect "
+                    f"(invocation_type {self.invocation_type}): it encodes "
+                    f"{', '.join(sorted(FAMILIES.values()))}; use invocation_type converse"
+                )
+            return native_problem(family, body)
         refused = sorted(k for k, v in body.items() if k not in _CHAT_FIELDS and v is not None)
         if refused:
             return f"{', '.join(refused)} not supported by Bedrock's Converse API"
@@ -395,7 +435,20 @@ class BedrockDialect(Dialect):
             if body.get("dimensions") is not None:
                 model_input["dimensions"] = body["dimensions"]
             return {"recordId": canonical["custom_id"], "modelInput": model_input}
+        if self.native(body.get("model")):
+            family = model_family(body.get("model"))
+            assert family is not None  # checked by ``unsupported``
+            native = native_request(family, body, converse_request(body) if family == "nova" else {})
+            return {"recordId": canonical["custom_id"], "modelInput": native}
         return {"recordId": canonical["custom_id"], "modelInput": converse_request(body)}
+
+    def native(self, model: Any) -> bool:
+        """Whether chat records for ``model`` carry its native body (InvokeModel), not Converse:
+        always with invocation_type "native", never with "converse", and with "auto" for the
+        prompt-string families (``bedrock_native.PROMPT_FAMILIES``)."""
+        if self.invocation_type == "native":
+            return True
+        return self.invocation_type == "auto" and model_family(model) in PROMPT_FAMILIES
 
     # ---- batches --------------------------------------------------------------------
     def object_create_body(
@@ -430,7 +483,7 @@ class BedrockDialect(Dialect):
             "timeoutDurationInHours": int(completion_window.rstrip("h")),
             "tags": [{"key": str(k), "value": str(v)[:256]} for k, v in (metadata or {}).items()],
         }
-        if endpoint == CHAT:
+        if endpoint == CHAT and not self.native(model):
             body["modelInvocationType"] = "Converse"
         return body
 
@@ -566,13 +619,17 @@ class BedrockDialect(Dialect):
         if "embedding" in output:
             body = _embeddings(output)
         elif isinstance(output.get("output"), dict):
+            # Converse's answer, and Nova's native one (the same shape).
             body = chat_completion(output)
+        elif is_native_output(output):
+            body = native_completion(output)
         else:
             return ResultLine(
                 custom_id=custom_id,
                 ok=False,
                 error=LineError(
-                    code="invalid_output", message="modelOutput is neither a Converse answer nor an embedding"
+                    code="invalid_output",
+                    message="modelOutput is neither a Converse answer, a native chat answer nor an embedding",
                 ),
                 source="error",
             )
@@ -782,6 +839,11 @@ def chat_completion(output: Mapping[str, Any]) -> dict[str, Any]:
     }
     usage = output.get("usage")
     if isinstance(usage, dict):
+        # Nova's native answer names its cache counts ``cache...InputTokenCount``.
+        nova = {
+            k.replace("TokenCount", "Tokens"): v for k, v in usage.items() if k.endswith("InputTokenCount")
+        }
+        usage = {**nova, **usage}
         counts = {
             k: v
             for k in ("inputTokens", "outputTokens", "cacheReadInputTokens", "cacheWriteInputTokens")
