@@ -325,3 +325,37 @@ def test_an_encoded_input_over_the_file_limit_is_refused_before_its_job(
             s3_pipeline.context("submit", "big")
         )
     assert server.stats()["counters"].get("batches_created", 0) == 0
+
+
+@pytest.mark.parametrize("invocation_type", ["native", "auto"])
+async def test_a_llama_run_with_native_bodies_lands_every_row(
+    batch_server: Any,
+    s3_pipeline: Pipeline,
+    s3_staging: S3Staging,
+    monkeypatch: pytest.MonkeyPatch,
+    invocation_type: str,
+) -> None:
+    server = batch_server(dialect="bedrock")
+    conn = orjson.loads(server.connection_json())
+    conn["extra"]["invocation_type"] = invocation_type
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", orjson.dumps(conn).decode())
+    rows = seed_texts(s3_pipeline.warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+    model = "us.meta.llama3-2-3b-instruct-v1:0"
+    record = await s3_pipeline.run("llama", "answers", build={**BUILD, "model": model})
+    assert record.event is not None and record.event["status"] == "success", record.event
+    (batch_id,) = record.event["batch_ids"]
+    job = BatchApiHook().get_batch(batch_id).raw
+    # An InvokeModel job: no modelInvocationType sent, the records are Llama 3 prompts.
+    assert job["modelId"] == model and job["modelInvocationType"] == "InvokeModel"
+    (uploaded,) = [k for k in s3_staging.keys(prefix="") if "/vendor/" in k and "/input/" in k]
+    first = orjson.loads(s3_staging.read(uploaded).splitlines()[0])["modelInput"]
+    assert first["prompt"].startswith("<|begin_of_text|>") and "question 0" in first["prompt"]
+    (out,) = [k for k in job_objects(s3_staging, batch_id) if k.endswith(".jsonl.out")]
+    answer = orjson.loads(s3_staging.read(out).splitlines()[0])["modelOutput"]
+    assert {"generation", "prompt_token_count", "generation_token_count", "stop_reason"} <= set(answer)
+    got = dict(s3_pipeline.warehouse.rows("SELECT id, content FROM answers WHERE status = 'succeeded'"))
+    assert got == {i: f"echo: {text}" for i, text in rows}
+    usage = s3_pipeline.warehouse.rows(
+        "SELECT MIN(prompt_tokens), MIN(completion_tokens) FROM answers WHERE status = 'succeeded'"
+    )
+    assert usage[0][0] > 0 and usage[0][1] > 0

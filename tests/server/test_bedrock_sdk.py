@@ -220,3 +220,108 @@ def test_list_filters_by_submit_time_status_and_sorts(bedrock: Any, s3_staging: 
         with pytest.raises(ClientError) as refused:
             listed(**bad)
         assert refused.value.response["Error"]["Code"] == "ValidationException", bad
+
+
+NATIVE = {
+    "meta.llama3-8b-instruct-v1:0": {
+        "prompt": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nhello llama3<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        "max_gen_len": 20,
+    },
+    "us.anthropic.claude-3-5-haiku-20241022-v1:0": {
+        "anthropic_version": "bedrock-2023-05-31",
+        "max_tokens": 20,
+        "system": "Be brief.",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hello claude"}]}],
+    },
+    "mistral.mistral-7b-instruct-v0:2": {"prompt": "<s>[INST] hello mistral [/INST]", "max_tokens": 20},
+    "amazon.titan-text-express-v1": {
+        "inputText": "hello titan",
+        "textGenerationConfig": {"maxTokenCount": 20},
+    },
+    "amazon.nova-lite-v1:0": {
+        "schemaVersion": "messages-v1",
+        "messages": [{"role": "user", "content": [{"text": "hello nova"}]}],
+        "inferenceConfig": {"max_new_tokens": 20},
+    },
+}
+
+
+@pytest.mark.parametrize("model", sorted(NATIVE))
+def test_an_invoke_model_job_answers_in_the_model_familys_own_shape(
+    bedrock: Any, s3_staging: S3Staging, model: str
+) -> None:
+    name = "native-" + model.replace(":", "-").replace(".", "-")[:40]
+    line = {"recordId": "rec0001", "modelInput": NATIVE[model]}
+    s3_staging.path("in", name, "input.jsonl").write_bytes(orjson.dumps(line) + b"\n")
+    sdk = client(bedrock)
+    arn = sdk.create_model_invocation_job(
+        jobName=name,
+        roleArn=ROLE,
+        modelId=model,
+        inputDataConfig={"s3InputDataConfig": {"s3Uri": f"s3://{s3_staging.bucket}/in/{name}/input.jsonl"}},
+        outputDataConfig={"s3OutputDataConfig": {"s3Uri": f"s3://{s3_staging.bucket}/out/{name}/"}},
+    )["jobArn"]  # no modelInvocationType: InvokeModel, the model's native body
+    job = wait_until(sdk, arn, DONE)
+    assert job["status"] == "Completed" and job["modelInvocationType"] == "InvokeModel"
+    (out,) = [k for k in s3_staging.keys(f"out/{name}") if k.endswith(".jsonl.out")]
+    (answer,) = [orjson.loads(x) for x in s3_staging.read(out).splitlines()]
+    output = answer["modelOutput"]
+    text = ANSWER_TEXT[model](output)
+    # The echo model answered the record's user text, read out of the native body.
+    assert text == "echo: hello " + model.removeprefix("us.").split(".")[1].split("-")[0], output
+
+
+def _llama(output: dict[str, Any]) -> str:
+    assert set(output) == {"generation", "prompt_token_count", "generation_token_count", "stop_reason"}
+    assert output["stop_reason"] == "stop" and output["prompt_token_count"] > 0
+    return str(output["generation"])
+
+
+def _claude(output: dict[str, Any]) -> str:
+    assert output["type"] == "message" and output["stop_reason"] == "end_turn"
+    assert output["usage"]["input_tokens"] > 0
+    return str(output["content"][0]["text"])
+
+
+def _mistral(output: dict[str, Any]) -> str:
+    assert output["outputs"][0]["stop_reason"] == "stop"
+    return str(output["outputs"][0]["text"])
+
+
+def _titan(output: dict[str, Any]) -> str:
+    assert output["results"][0]["completionReason"] == "FINISH" and output["inputTextTokenCount"] > 0
+    return str(output["results"][0]["outputText"])
+
+
+def _nova(output: dict[str, Any]) -> str:
+    assert output["stopReason"] == "end_turn" and output["usage"]["inputTokens"] > 0
+    return str(output["output"]["message"]["content"][0]["text"])
+
+
+ANSWER_TEXT = {
+    "meta.llama3-8b-instruct-v1:0": _llama,
+    "us.anthropic.claude-3-5-haiku-20241022-v1:0": _claude,
+    "mistral.mistral-7b-instruct-v0:2": _mistral,
+    "amazon.titan-text-express-v1": _titan,
+    "amazon.nova-lite-v1:0": _nova,
+}
+
+
+def test_a_native_body_that_is_not_the_models_fails_validation(bedrock: Any, s3_staging: S3Staging) -> None:
+    # Claude's body without Bedrock's anthropic_version: the job fails validation.
+    line = {"recordId": "r1", "modelInput": {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}}
+    s3_staging.path("in", "bad-native", "input.jsonl").write_bytes(orjson.dumps(line) + b"\n")
+    sdk = client(bedrock)
+    arn = sdk.create_model_invocation_job(
+        jobName="bad-native",
+        roleArn=ROLE,
+        modelId="anthropic.claude-3-haiku-20240307-v1:0",
+        inputDataConfig={
+            "s3InputDataConfig": {"s3Uri": f"s3://{s3_staging.bucket}/in/bad-native/input.jsonl"}
+        },
+        outputDataConfig={"s3OutputDataConfig": {"s3Uri": f"s3://{s3_staging.bucket}/out/bad-native/"}},
+    )["jobArn"]
+    job = wait_until(sdk, arn, DONE)
+    assert job["status"] == "Failed" and "anthropic_version" in job["message"]
