@@ -463,6 +463,11 @@ class Dialect:
         """Whether an error answer other than 401/403 means the key was refused (none by default)."""
         return False
 
+    def is_not_found(self, status_code: int, body: Any) -> bool:
+        """Whether an error answer other than 404 means the batch named does not exist (a vendor
+        refusing an id that cannot be one of its batches as invalid); none by default."""
+        return False
+
     @classmethod
     def check_endpoint(cls, endpoint: str) -> None:
         if endpoint not in cls.endpoints:

@@ -372,6 +372,14 @@ class BedrockDialect(Dialect):
         """A ``ServiceQuotaExceededException`` (400): too many jobs or records in flight."""
         return status_code in (400, 429) and _error_type(body) == "servicequotaexceededexception"
 
+    def is_not_found(self, status_code: int, body: Any) -> bool:
+        """A ``ValidationException`` (400) on ``jobIdentifier``: the id cannot be a job's, so no
+        job has it (Bedrock answers 404 only for a well-formed id of no job)."""
+        if status_code != 400 or _error_type(body) != "validationexception":
+            return False
+        message = body.get("message") or body.get("Message") if isinstance(body, Mapping) else None
+        return isinstance(message, str) and "jobidentifier" in message.lower()
+
     def job_problem(self, lines: int | None, size: int | None) -> str | None:
         """Why one job of ``lines`` records and ``size`` bytes cannot be created, or None."""
         if lines is not None and lines < self.min_records:
@@ -462,9 +470,11 @@ class BedrockDialect(Dialect):
         name: str | None,
         model: str | None,
     ) -> dict[str, Any]:
-        # The name is the shard's key, or ``<key>-r<N>`` for its Nth replacement (job names are
-        # unique per account and region, and the token is the name: a replacement needs both new).
-        job_name = name or (metadata or {}).get(NAME_KEY)
+        # The name is the shard's key (the metadata's, else ``name``), or ``name`` when it is a
+        # later generation of that key (``<key>-r<N>``, the Nth replacement): job names are unique
+        # per account and region and the token is the name, so a replacement needs both new.
+        key = (metadata or {}).get(NAME_KEY)
+        job_name = name if name and (not key or _GENERATION.sub("", name) == key) else (key or name)
         if not job_name:
             raise ConfigurationError("a Bedrock job needs a name (the shard's idempotency key)")
         if not self.role_arn:

@@ -569,3 +569,35 @@ def test_the_orphan_lookup_asks_for_jobs_submitted_since_the_intent_less_the_mar
     assert params == {"nameContains": "abp-k-s00000", "submitTimeAfter": "2026-03-01T09:50:30Z"}
     assert timedelta(minutes=10) == SUBMIT_TIME_MARGIN
     assert dialect().filter_params({}, since=intent) == {}
+
+
+def test_an_id_bedrock_refuses_as_malformed_is_no_such_batch() -> None:
+    d = dialect()
+    malformed = {
+        "__type": "ValidationException",
+        "message": "1 validation error detected: Value 'batch_missing' at 'jobIdentifier' failed ...",
+    }
+    assert d.is_not_found(400, malformed)
+    assert not d.is_not_found(400, {"__type": "ValidationException", "message": "Value at 'roleArn' ..."})
+    assert not d.is_not_found(400, {"__type": "ConflictException", "message": "jobIdentifier"})
+    assert not d.is_not_found(500, malformed) and not get_dialect("openai").is_not_found(400, malformed)
+
+
+def test_the_job_name_is_the_key_unless_the_name_is_a_later_generation_of_it() -> None:
+    def name_of(metadata: dict[str, str] | None, name: str | None) -> str:
+        body = dialect().object_create_body(
+            input_uri="s3://b/i.jsonl",
+            output_uri="s3://b/o/",
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata=metadata,
+            name=name,
+            model="m",
+        )
+        assert body["jobName"] == body["clientRequestToken"]
+        return str(body["jobName"])
+
+    assert name_of({"airflow_batch_key": "k-s00001"}, "k-s00001-r3") == "k-s00001-r3"
+    assert name_of({"airflow_batch_key": "k-s00001"}, "something-else") == "k-s00001"
+    assert name_of({"airflow_batch_key": "k-s00001"}, None) == "k-s00001"
+    assert name_of(None, "just-a-name") == "just-a-name"
