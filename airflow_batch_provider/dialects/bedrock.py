@@ -14,25 +14,39 @@ Built to Bedrock's API reference and botocore's service model (``bedrock`` 2023-
 - **Credentials**: the amazon provider's ``aws`` connection named by extra ``aws_conn_id``
   (keys, role assumption, profile, web identity), read through its hook (``credentials_kind``
   "aws"); requests are signed with botocore's SigV4 signer over the provider's own httpx clients.
+  **Region** (endpoint and signature): the connection's extra ``region_name``; else the ``aws``
+  connection's ``region_name`` (``hooks.credentials.platform_extra``, read once when the settings
+  are built); else us-east-1. A malformed job id is a 400 ``ValidationException`` at Bedrock
+  (``is_not_found`` reads it as no such batch).
 - **Input**: ``{"recordId": <custom_id>, "modelInput": {...}}`` lines in S3 (the run's staging must
-  be on S3). Chat lines use ``modelInvocationType: Converse`` (one encoding, every model family):
-  ``messages`` of content blocks, ``system``, ``inferenceConfig`` {maxTokens, temperature, topP,
-  stopSequences}, ``toolConfig``. Embedding lines use the model's native body (Amazon Titan
-  Text Embeddings: ``{inputText, dimensions}``); what cannot be expressed is refused by name.
+  be on S3). Extra ``invocation_type`` chooses the chat body: ``converse`` (default) uses
+  ``modelInvocationType: Converse`` (one encoding, every model family): ``messages`` of content
+  blocks, ``system``, ``inferenceConfig`` {maxTokens, temperature, topP, stopSequences},
+  ``toolConfig``; ``native`` uses the model family's own InvokeModel body (Claude, Llama,
+  Mistral, Titan Text, Nova: ``dialects/bedrock_native.py``; another family is refused by name)
+  and no ``modelInvocationType``; ``auto`` is native for the prompt-string families (Llama,
+  Mistral, Titan Text) and Converse for the rest. Embedding lines use the model's native body
+  (Amazon Titan Text Embeddings: ``{inputText, dimensions}``); what cannot be expressed is
+  refused by name.
 - **Status**: Submitted, Validating, Scheduled, InProgress, Completed, PartiallyCompleted, Failed,
   Stopping, Stopped, Expired, with ``totalRecordCount``, ``processedRecordCount``,
   ``successRecordCount`` and ``errorRecordCount``. PartiallyCompleted is a completed batch with
   failed records; Stopped is cancelled and Expired expired.
 - **Results**: one ``<input name>.out`` per input file under ``<output s3Uri>/<job id>/`` (found by
   listing), lines ``{recordId, modelInput, modelOutput | error: {errorCode, errorMessage}}`` in any
-  order, and ``manifest.json.out`` with the job's totals (checked against what was read).
+  order, and ``manifest.json.out`` with the job's totals (checked against what was read). A
+  ``modelOutput`` is read by its shape: Converse (and Nova's native answer), a family's native
+  answer, or a Titan embedding.
 - **Limits** per job (they differ by model and region; extras override the defaults): at least
   ``min_records_per_job`` (100) and at most ``max_records_per_job`` (50,000) records, at most
   ``max_bytes_per_file`` (1 GB) per input file; one input file per job here, so the per-job byte
   and file limits are the file's.
 - **Crash window**: the job name is the shard's idempotency key and ``clientRequestToken`` the same
-  key (a retried create returns the same job); a job whose create answer was lost is found by
-  listing with ``nameContains``.
+  key (a retried create returns the same job); the Nth replacement of a failed, expired or
+  stopped job is ``<key>-r<N>`` (``submission.generation_name``; names are unique per account and
+  region, and the old token would answer with the dead job). A job whose create answer was lost
+  is found by listing with ``nameContains`` (the key: every generation) and ``submitTimeAfter``
+  (the recorded intent less ``SUBMIT_TIME_MARGIN``).
 """
 
 from __future__ import annotations

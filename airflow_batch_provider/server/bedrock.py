@@ -15,7 +15,17 @@ moto server; boto3's default credentials), runs its ``{recordId, modelInput}`` l
 server's engine, and once the job has ended writes ``<name>.out`` for each input file and
 ``manifest.json.out`` under ``<output s3Uri>/<job id>/``, as Bedrock does. Records a stop or an
 expiry left unrun get no line (Bedrock writes none). ``clientRequestToken`` makes a create
-idempotent: the same token answers the job it first made.
+idempotent: the same token answers the job it first made; a job name in use is refused (400
+ValidationException), names being unique per account and region. A ``jobIdentifier`` that is
+neither a 12-character id nor a job ARN is a 400 ValidationException; a well-formed one of no
+job a 404 ResourceNotFoundException. The listing honours ``nameContains``, ``statusEquals``,
+``submitTimeAfter``/``submitTimeBefore``, ``sortBy`` and ``sortOrder``, checked as the service
+model constrains them.
+
+An ``InvokeModel`` chat job (no ``modelInvocationType``) reads each record as its model family's
+native body, chosen by the model id (Anthropic Claude, Meta Llama, Mistral, Amazon Titan Text,
+Amazon Nova, after any inference-profile prefix such as ``us.``), and answers in that family's
+native response shape; a body that is not the family's fails the job's validation.
 """
 
 from __future__ import annotations
