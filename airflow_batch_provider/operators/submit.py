@@ -728,8 +728,10 @@ class SubmitBatchOperator(BaseOperator):
         state = store.read(key)
         replaced: list[str] = []
         if state is not None and state.fingerprint != fingerprint:
-            self._handle_stale(hook, state, fingerprint, shard)
-            replaced = [*state.replaced_batch_ids, *([state.batch_id] if state.batch_id else [])]
+            old_ids = self._handle_stale(hook, state, fingerprint, shard)
+            # Every batch the new one replaces: a lost create's too, so a vendor whose create
+            # token is the job's name gets a new generation's (``generation_name``).
+            replaced = [*state.replaced_batch_ids, *(i for i in old_ids if i not in state.replaced_batch_ids)]
             state = None
         if state is not None and state.batch_id:
             attached = self._reattach(hook, state)
@@ -1029,7 +1031,9 @@ class SubmitBatchOperator(BaseOperator):
 
     def _handle_stale(
         self, hook: BatchApiHook, state: SubmitState, fingerprint: str, shard: ShardInput
-    ) -> None:
+    ) -> list[str]:
+        """Cancel the batches of a shard whose file changed (or refuse, ``on_stale_state='fail'``);
+        their ids (a lost create's found by the key), which the new batch replaces."""
         what = (
             f"shard {shard.index} ({shard.path}) changed since an earlier try submitted it "
             f"(fingerprint {state.fingerprint[:12]}... -> {fingerprint[:12]}...; "
@@ -1044,6 +1048,7 @@ class SubmitBatchOperator(BaseOperator):
         self.log.warning(
             "%s; cancelled %s and submitting the new file", what, ", ".join(cancelled) or "nothing"
         )
+        return old_ids
 
     @staticmethod
     def _file_exists(hook: BatchApiHook, file_id: str | None) -> bool:
