@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import orjson
@@ -462,6 +463,11 @@ class Dialect:
         """Whether an error answer other than 401/403 means the key was refused (none by default)."""
         return False
 
+    def is_not_found(self, status_code: int, body: Any) -> bool:
+        """Whether an error answer other than 404 means the batch named does not exist (a vendor
+        refusing an id that cannot be one of its batches as invalid); none by default."""
+        return False
+
     @classmethod
     def check_endpoint(cls, endpoint: str) -> None:
         if endpoint not in cls.endpoints:
@@ -634,10 +640,14 @@ class Dialect:
     def list_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"limit": limit or self.list_page_size}
 
-    def filter_params(self, metadata: Mapping[str, str]) -> dict[str, Any]:
+    def filter_params(self, metadata: Mapping[str, str], *, since: datetime | None = None) -> dict[str, Any]:
         """Query parameters by which the vendor's listing keeps only batches tagged ``metadata``
         (the orphan lookup); {} where the listing has no such filter. The caller still checks the
         tags of every batch listed, so a server that ignores the filter costs pages, not accuracy.
+
+        :param since: no batch looked for was created before this moment by this machine's clock
+            (the shard's recorded intent): a listing that filters by creation time may use it,
+            widened by the vendor's clock skew; the others ignore it.
         """
         return {}
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from airflow_batch_provider.dialects.base import (
@@ -331,7 +332,7 @@ class VertexDialect(GeminiDialect):
         name = item.get("name") if isinstance(item, dict) else None
         return _job_id(name) if isinstance(name, str) and name else None
 
-    def filter_params(self, metadata: Mapping[str, str]) -> dict[str, Any]:
+    def filter_params(self, metadata: Mapping[str, str], *, since: datetime | None = None) -> dict[str, Any]:
         """``filter=labels.k="v" AND ...`` over the pairs a label holds (AIP-160 syntax)."""
         pairs = self.stored_metadata(metadata)
         if not pairs:

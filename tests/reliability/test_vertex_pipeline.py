@@ -209,8 +209,8 @@ async def test_crash_between_create_and_record_adopts_the_job_found_by_label(
     listings: list[dict[str, Any]] = []
     real_filter = VertexDialect.filter_params
 
-    def spy(self: VertexDialect, metadata: Any) -> dict[str, Any]:
-        found = real_filter(self, metadata)
+    def spy(self: VertexDialect, metadata: Any, **kwargs: Any) -> dict[str, Any]:
+        found = real_filter(self, metadata, **kwargs)
         listings.append(found)
         return found
 
