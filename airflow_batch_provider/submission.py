@@ -84,6 +84,18 @@ class RunIdentity:
         return f"abp-{digest}-s{shard:05d}"
 
 
+def generation_name(key: str, generation: int) -> str:
+    """The name of a shard's ``generation``-th job: the key for the first (0), ``<key>-r<N>`` for
+    the Nth replacement of a failed, expired or stopped one. Vendors whose job names are unique
+    and whose create token is the name (Bedrock) need a new one per replacement; the key stays a
+    prefix of every generation's name, so a lookup by the key finds them all.
+
+    :param key: the shard's idempotency key (``RunIdentity.key``).
+    :param generation: how many jobs of the shard were replaced before this one.
+    """
+    return key if generation <= 0 else f"{key}-r{generation}"
+
+
 def effective_fingerprint(
     fingerprint: str, model: str | None, defaults: Mapping[str, Any] | None = None
 ) -> str:

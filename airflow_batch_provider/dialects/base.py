@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import orjson
@@ -466,6 +467,11 @@ class Dialect:
         """Whether an error answer other than 401/403 means the key was refused (none by default)."""
         return False
 
+    def is_not_found(self, status_code: int, body: Any) -> bool:
+        """Whether an error answer other than 404 means the batch named does not exist (a vendor
+        refusing an id that cannot be one of its batches as invalid); none by default."""
+        return False
+
     @classmethod
     def check_endpoint(cls, endpoint: str) -> None:
         if endpoint not in cls.endpoints:
@@ -643,10 +649,14 @@ class Dialect:
     def list_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"limit": limit or self.list_page_size}
 
-    def filter_params(self, metadata: Mapping[str, str]) -> dict[str, Any]:
+    def filter_params(self, metadata: Mapping[str, str], *, since: datetime | None = None) -> dict[str, Any]:
         """Query parameters by which the vendor's listing keeps only batches tagged ``metadata``
         (the orphan lookup); {} where the listing has no such filter. The caller still checks the
         tags of every batch listed, so a server that ignores the filter costs pages, not accuracy.
+
+        :param since: no batch looked for was created before this moment by this machine's clock
+            (the shard's recorded intent): a listing that filters by creation time may use it,
+            widened by the vendor's clock skew; the others ignore it.
         """
         return {}
 
@@ -723,6 +733,22 @@ class Dialect:
     def metadata_of(self, batch: Batch) -> dict[str, str]:
         """The tags the provider set on a batch (used to find orphans by run identity)."""
         return batch.metadata
+
+    def stored_metadata(self, metadata: Mapping[str, str] | None) -> dict[str, str]:
+        """The pairs of ``metadata`` as the vendor keeps them on a batch: what a create sends, and
+        what ``metadata_of`` reads back, so a lookup compares like with like (Vertex AI cuts and
+        drops what a label cannot hold). Default: as given."""
+        return dict(metadata or {})
+
+    def tags_agree(self, batch: Batch, metadata: Mapping[str, str]) -> bool:
+        """Whether the batch's tags agree with ``metadata`` as this dialect stores it: a pair the
+        batch carries with another value disagrees; a pair it does not carry (a vendor that keeps
+        no tags, a pair that did not fit) is not compared.
+
+        :param metadata: the pairs to compare (the submit passes the shard's fingerprint).
+        """
+        tags = self.metadata_of(batch)
+        return all(tags.get(k, v) == v for k, v in self.stored_metadata(metadata).items())
 
     # ---- results --------------------------------------------------------------------
     def parse_result_line(self, raw: Mapping[str, Any], source: ResultSource) -> ResultLine:

@@ -14,31 +14,46 @@ Built to Bedrock's API reference and botocore's service model (``bedrock`` 2023-
 - **Credentials**: the amazon provider's ``aws`` connection named by extra ``aws_conn_id``
   (keys, role assumption, profile, web identity), read through its hook (``credentials_kind``
   "aws"); requests are signed with botocore's SigV4 signer over the provider's own httpx clients.
+  **Region** (endpoint and signature): the connection's extra ``region_name``; else the ``aws``
+  connection's ``region_name`` (``hooks.credentials.platform_extra``, read once when the settings
+  are built); else us-east-1. A malformed job id is a 400 ``ValidationException`` at Bedrock
+  (``is_not_found`` reads it as no such batch).
 - **Input**: ``{"recordId": <custom_id>, "modelInput": {...}}`` lines in S3 (the run's staging must
-  be on S3). Chat lines use ``modelInvocationType: Converse`` (one encoding, every model family):
-  ``messages`` of content blocks, ``system``, ``inferenceConfig`` {maxTokens, temperature, topP,
-  stopSequences}, ``toolConfig``. Embedding lines use the model's native body (Amazon Titan
-  Text Embeddings: ``{inputText, dimensions}``); what cannot be expressed is refused by name.
+  be on S3). Extra ``invocation_type`` chooses the chat body: ``converse`` (default) uses
+  ``modelInvocationType: Converse`` (one encoding, every model family): ``messages`` of content
+  blocks, ``system``, ``inferenceConfig`` {maxTokens, temperature, topP, stopSequences},
+  ``toolConfig``; ``native`` uses the model family's own InvokeModel body (Claude, Llama,
+  Mistral, Titan Text, Nova: ``dialects/bedrock_native.py``; another family is refused by name)
+  and no ``modelInvocationType``; ``auto`` is native for the prompt-string families (Llama,
+  Mistral, Titan Text) and Converse for the rest. Embedding lines use the model's native body
+  (Amazon Titan Text Embeddings: ``{inputText, dimensions}``); what cannot be expressed is
+  refused by name.
 - **Status**: Submitted, Validating, Scheduled, InProgress, Completed, PartiallyCompleted, Failed,
   Stopping, Stopped, Expired, with ``totalRecordCount``, ``processedRecordCount``,
   ``successRecordCount`` and ``errorRecordCount``. PartiallyCompleted is a completed batch with
   failed records; Stopped is cancelled and Expired expired.
 - **Results**: one ``<input name>.out`` per input file under ``<output s3Uri>/<job id>/`` (found by
   listing), lines ``{recordId, modelInput, modelOutput | error: {errorCode, errorMessage}}`` in any
-  order, and ``manifest.json.out`` with the job's totals (checked against what was read).
+  order, and ``manifest.json.out`` with the job's totals (checked against what was read). A
+  ``modelOutput`` is read by its shape: Converse (and Nova's native answer), a family's native
+  answer, or a Titan embedding.
 - **Limits** per job (they differ by model and region; extras override the defaults): at least
   ``min_records_per_job`` (100) and at most ``max_records_per_job`` (50,000) records, at most
   ``max_bytes_per_file`` (1 GB) per input file; one input file per job here, so the per-job byte
   and file limits are the file's.
 - **Crash window**: the job name is the shard's idempotency key and ``clientRequestToken`` the same
-  key (a retried create returns the same job); a job whose create answer was lost is found by
-  listing with ``nameContains``.
+  key (a retried create returns the same job); the Nth replacement of a failed, expired or
+  stopped job is ``<key>-r<N>`` (``submission.generation_name``; names are unique per account and
+  region, and the old token would answer with the dead job). A job whose create answer was lost
+  is found by listing with ``nameContains`` (the key: every generation) and ``submitTimeAfter``
+  (the recorded intent less ``SUBMIT_TIME_MARGIN``).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -52,6 +67,15 @@ from airflow_batch_provider.dialects.base import (
     page_items,
     page_object,
     str_or_none,
+)
+from airflow_batch_provider.dialects.bedrock_native import (
+    FAMILIES,
+    PROMPT_FAMILIES,
+    is_native_output,
+    model_family,
+    native_completion,
+    native_problem,
+    native_request,
 )
 from airflow_batch_provider.dialects.chat import call_arguments, text_content
 from airflow_batch_provider.exceptions import (
@@ -80,6 +104,9 @@ CHAT = "/v1/chat/completions"
 EMBEDDINGS = "/v1/embeddings"
 #: The metadata key whose value is the job's name (how a lost create is found by listing).
 NAME_KEY = "airflow_batch_key"
+#: How much earlier than the intent the orphan lookup asks for jobs (``submitTimeAfter``): Bedrock
+#: stamps ``submitTime`` by its clock, which may be behind this machine's.
+SUBMIT_TIME_MARGIN = timedelta(minutes=10)
 #: Bedrock's documented default quotas per batch inference job (they vary by model and region).
 DEFAULT_MIN_RECORDS = 100
 DEFAULT_MAX_RECORDS = 50_000
@@ -129,6 +156,10 @@ _CHAT_FIELDS = frozenset(
         "n",
     }
 )
+# The suffix of a replacement job's name (``submission.generation_name``).
+_GENERATION = re.compile(r"-r[0-9]+$")
+#: The connection extra ``invocation_type``'s values (see the module docstring).
+INVOCATION_TYPES = ("converse", "native", "auto")
 _LIMIT_EXTRAS = ("min_records_per_job", "max_records_per_job", "max_bytes_per_file")
 _ROLE_ARN = re.compile(r"arn:aws(-[^:]+)?:iam::([0-9]{12})?:role/.+")
 
@@ -150,6 +181,7 @@ class BedrockDialect(Dialect):
     :param min_records: the fewest records a job takes.
     :param limits: records and bytes per job.
     :param storage_conn_id: the ``aws`` connection that reads the job's output objects.
+    :param invocation_type: how chat records are encoded: "converse", "native" or "auto".
     """
 
     name = "bedrock"
@@ -209,7 +241,10 @@ class BedrockDialect(Dialect):
         },
         "region_name": {
             "label": "AWS region (bedrock)",
-            "description": "Amazon Bedrock: the region of the control plane, e.g. us-east-1 (default).",
+            "description": (
+                "Amazon Bedrock: the region of the control plane and of the signature, e.g. "
+                "eu-west-1; when unset, the aws connection's region_name, else us-east-1."
+            ),
             "schema": {"type": ["string", "null"]},
         },
         "role_arn": {
@@ -219,6 +254,17 @@ class BedrockDialect(Dialect):
                 "output to the staging bucket (roleArn of every job)."
             ),
             "schema": {"type": ["string", "null"]},
+        },
+        "invocation_type": {
+            "label": "Chat body (bedrock)",
+            "description": (
+                "Amazon Bedrock: how chat records are encoded. converse (default): the Converse "
+                "body for every model (modelInvocationType Converse); native: the model family's "
+                "own InvokeModel body (Claude, Llama, Mistral, Titan Text, Nova; other models are "
+                "refused); auto: native for the prompt-string families (Llama, Mistral, Titan "
+                "Text), Converse for the others."
+            ),
+            "schema": {"type": ["string", "null"], "enum": [None, *INVOCATION_TYPES]},
         },
         "min_records_per_job": {
             "label": "Fewest records per job (bedrock)",
@@ -245,6 +291,7 @@ class BedrockDialect(Dialect):
         min_records: int = DEFAULT_MIN_RECORDS,
         limits: Limits | None = None,
         storage_conn_id: str | None = None,
+        invocation_type: str = "converse",
     ) -> None:
         super().__init__()
         bind_models(
@@ -265,6 +312,7 @@ class BedrockDialect(Dialect):
         if limits is not None:
             self.limits = limits  # type: ignore[misc]
         self.storage_conn_id = storage_conn_id
+        self.invocation_type = invocation_type
 
     def __repr__(self) -> str:
         return f"<Dialect bedrock region={self.region}>"
@@ -273,10 +321,13 @@ class BedrockDialect(Dialect):
     def configure(self, extra: Mapping[str, Any], conn_id: str) -> BedrockDialect:
         """The dialect with the connection's region, role, limits and aws connection, checked."""
         where = f"connection {conn_id!r} (dialect bedrock)"
+        # The batch connection's own region_name wins; else the aws connection's (the hook
+        # passes it in as region_name, see hooks.credentials.platform_extra); else us-east-1.
         region = str(extra.get("region_name") or "us-east-1").strip()
         if not re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d", region):
             raise ConfigurationError(
-                f"{where}: extra 'region_name' {region!r} is not an AWS region like us-east-1"
+                f"{where}: region_name {region!r} (the connection's extra, else its aws "
+                "connection's) is not an AWS region like us-east-1"
             )
         role = extra.get("role_arn")
         if role is not None and not (isinstance(role, str) and _ROLE_ARN.fullmatch(role)):
@@ -302,6 +353,11 @@ class BedrockDialect(Dialect):
                 f"{where}: min_records_per_job {fewest} is above max_records_per_job {most}"
             )
         size = numbers.get("max_bytes_per_file", DEFAULT_MAX_FILE_BYTES)
+        kind = str(extra.get("invocation_type") or "converse").strip().lower()
+        if kind not in INVOCATION_TYPES:
+            raise ConfigurationError(
+                f"{where}: extra 'invocation_type' {kind!r} is not one of {', '.join(INVOCATION_TYPES)}"
+            )
         # S3 is read through extra storage_conn_id, else the aws connection that signs.
         aws_conn_id = extra.get("storage_conn_id") or extra.get("aws_conn_id", "aws_default")
         return BedrockDialect(
@@ -310,6 +366,7 @@ class BedrockDialect(Dialect):
             min_records=fewest,
             limits=Limits(max_lines=most, max_file_bytes=size, max_line_bytes=size),
             storage_conn_id=str(aws_conn_id) if aws_conn_id else None,
+            invocation_type=kind,
         )
 
     @property
@@ -328,6 +385,14 @@ class BedrockDialect(Dialect):
     def is_quota_error(self, status_code: int, body: Any) -> bool:
         """A ``ServiceQuotaExceededException`` (400): too many jobs or records in flight."""
         return status_code in (400, 429) and _error_type(body) == "servicequotaexceededexception"
+
+    def is_not_found(self, status_code: int, body: Any) -> bool:
+        """A ``ValidationException`` (400) on ``jobIdentifier``: the id cannot be a job's, so no
+        job has it (Bedrock answers 404 only for a well-formed id of no job)."""
+        if status_code != 400 or _error_type(body) != "validationexception":
+            return False
+        message = body.get("message") or body.get("Message") if isinstance(body, Mapping) else None
+        return isinstance(message, str) and "jobidentifier" in message.lower()
 
     def job_problem(self, lines: int | None, size: int | None) -> str | None:
         """Why one job of ``lines`` records and ``size`` bytes cannot be created, or None."""
@@ -367,6 +432,15 @@ class BedrockDialect(Dialect):
             return None
         if url == EMBEDDINGS:
             return _embedding_problem(body)
+        if self.native(body.get("model")):
+            family = model_family(body.get("model"))
+            if family is None:
+                return (
+                    f"model {body.get('model')!r} has no native body in the Bedrock dialect "
+                    f"(invocation_type {self.invocation_type}): it encodes "
+                    f"{', '.join(sorted(FAMILIES.values()))}; use invocation_type converse"
+                )
+            return native_problem(family, body)
         refused = sorted(k for k, v in body.items() if k not in _CHAT_FIELDS and v is not None)
         if refused:
             return f"{', '.join(refused)} not supported by Bedrock's Converse API"
@@ -383,7 +457,20 @@ class BedrockDialect(Dialect):
             if body.get("dimensions") is not None:
                 model_input["dimensions"] = body["dimensions"]
             return {"recordId": canonical["custom_id"], "modelInput": model_input}
+        if self.native(body.get("model")):
+            family = model_family(body.get("model"))
+            assert family is not None  # checked by ``unsupported``
+            native = native_request(family, body, converse_request(body) if family == "nova" else {})
+            return {"recordId": canonical["custom_id"], "modelInput": native}
         return {"recordId": canonical["custom_id"], "modelInput": converse_request(body)}
+
+    def native(self, model: Any) -> bool:
+        """Whether chat records for ``model`` carry its native body (InvokeModel), not Converse:
+        always with invocation_type "native", never with "converse", and with "auto" for the
+        prompt-string families (``bedrock_native.PROMPT_FAMILIES``)."""
+        if self.invocation_type == "native":
+            return True
+        return self.invocation_type == "auto" and model_family(model) in PROMPT_FAMILIES
 
     # ---- batches --------------------------------------------------------------------
     def object_create_body(
@@ -397,7 +484,11 @@ class BedrockDialect(Dialect):
         name: str | None,
         model: str | None,
     ) -> dict[str, Any]:
-        job_name = (metadata or {}).get(NAME_KEY) or name
+        # The name is the shard's key (the metadata's, else ``name``), or ``name`` when it is a
+        # later generation of that key (``<key>-r<N>``, the Nth replacement): job names are unique
+        # per account and region and the token is the name, so a replacement needs both new.
+        key = (metadata or {}).get(NAME_KEY)
+        job_name = name if name and (not key or _GENERATION.sub("", name) == key) else (key or name)
         if not job_name:
             raise ConfigurationError("a Bedrock job needs a name (the shard's idempotency key)")
         if not self.role_arn:
@@ -416,7 +507,7 @@ class BedrockDialect(Dialect):
             "timeoutDurationInHours": int(completion_window.rstrip("h")),
             "tags": [{"key": str(k), "value": str(v)[:256]} for k, v in (metadata or {}).items()],
         }
-        if endpoint == CHAT:
+        if endpoint == CHAT and not self.native(model):
             body["modelInvocationType"] = "Converse"
         return body
 
@@ -467,7 +558,10 @@ class BedrockDialect(Dialect):
                 ),
                 created_at=to_utc(raw.get("submitTime")),
                 expires_at=to_utc(raw.get("jobExpirationTime")),
-                metadata={NAME_KEY: name, "name": name} if isinstance(name, str) and name else {},
+                # Every generation of a shard's job (``<key>-r<N>``) carries the shard's key.
+                metadata={NAME_KEY: _GENERATION.sub("", name), "name": name}
+                if isinstance(name, str) and name
+                else {},
                 errors=[BatchError(code=status, message=message)]
                 if mapped == "failed" and isinstance(message, str)
                 else [],
@@ -487,9 +581,17 @@ class BedrockDialect(Dialect):
             "sortOrder": "Descending",
         }
 
-    def filter_params(self, metadata: Mapping[str, str]) -> dict[str, Any]:
+    def filter_params(self, metadata: Mapping[str, str], *, since: datetime | None = None) -> dict[str, Any]:
+        """``nameContains`` (the shard's key, which every generation's name holds) and, given the
+        intent's time, ``submitTimeAfter`` that time less ``SUBMIT_TIME_MARGIN``."""
         name = metadata.get(NAME_KEY) or metadata.get("name")
-        return {"nameContains": name} if name else {}
+        if not name:
+            return {}
+        params: dict[str, Any] = {"nameContains": name}
+        if since is not None:
+            after = (since - SUBMIT_TIME_MARGIN).astimezone(timezone.utc)
+            params["submitTimeAfter"] = after.isoformat(timespec="seconds").replace("+00:00", "Z")
+        return params
 
     def list_envelope(self, raw: Any, params: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any] | None]:
         raw = page_object(raw)
@@ -541,13 +643,17 @@ class BedrockDialect(Dialect):
         if "embedding" in output:
             body = _embeddings(output)
         elif isinstance(output.get("output"), dict):
+            # Converse's answer, and Nova's native one (the same shape).
             body = chat_completion(output)
+        elif is_native_output(output):
+            body = native_completion(output)
         else:
             return ResultLine(
                 custom_id=custom_id,
                 ok=False,
                 error=LineError(
-                    code="invalid_output", message="modelOutput is neither a Converse answer nor an embedding"
+                    code="invalid_output",
+                    message="modelOutput is neither a Converse answer, a native chat answer nor an embedding",
                 ),
                 source="error",
             )
@@ -757,6 +863,11 @@ def chat_completion(output: Mapping[str, Any]) -> dict[str, Any]:
     }
     usage = output.get("usage")
     if isinstance(usage, dict):
+        # Nova's native answer names its cache counts ``cache...InputTokenCount``.
+        nova = {
+            k.replace("TokenCount", "Tokens"): v for k, v in usage.items() if k.endswith("InputTokenCount")
+        }
+        usage = {**nova, **usage}
         counts = {
             k: v
             for k in ("inputTokens", "outputTokens", "cacheReadInputTokens", "cacheWriteInputTokens")

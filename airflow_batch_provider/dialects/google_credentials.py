@@ -8,10 +8,13 @@ them; the google provider is not needed.
 
 The sync client refreshes through ``google-auth`` itself. The async client (the triggerer) never
 waits on a blocking call: the three kinds a deployment uses are refreshed over ``httpx``'s async
-client with the grant ``google-auth`` would send (a service account's JWT assertion signed here,
-an authorized user's refresh token, the metadata server's token); any other kind (workload
-identity federation, impersonation) is refreshed by ``google-auth`` in a worker thread, as it has
-no async refresh for them.
+client with the grant ``google-auth`` would send, to the endpoint it would send it to (a service
+account's JWT assertion signed here, to its key's ``token_uri``; an authorized user's refresh
+token, to the endpoint ``google-auth`` gave the credentials, Google's whatever the file says; the
+metadata server's token, at ``GCE_METADATA_HOST``); any other kind (workload identity
+federation, impersonation) is refreshed by ``google-auth`` in a worker thread, as it has no async
+refresh for them. Which kind ADC is (``google.auth.default``: a file to read, maybe a metadata
+server to probe) is found in a worker thread too, once.
 """
 
 from __future__ import annotations
@@ -165,8 +168,8 @@ def service_account_assertion(info: Mapping[str, Any], scopes: list[str], now: f
 
 
 async def _afetch_by_grant(info: Mapping[str, Any], scopes: list[str]) -> Token | None:
-    """A token for a service account or an authorized user, over the async client; None for
-    another kind (the caller refreshes it through google-auth off the loop)."""
+    """A token for a service account (a key) or an authorized user (``_grant_info``), over the
+    async client; None for another kind (the caller refreshes it through google-auth off the loop)."""
     kind = info.get("type")
     if kind == "service_account":
         form = {"grant_type": JWT_GRANT, "assertion": service_account_assertion(info, scopes)}
@@ -177,25 +180,35 @@ async def _afetch_by_grant(info: Mapping[str, Any], scopes: list[str]) -> Token 
             "client_id": str(info.get("client_id") or ""),
             "client_secret": str(info.get("client_secret") or ""),
         }
+        # The scopes the credentials hold, as google-auth sends them (the token is cut to them).
+        if info.get("scopes"):
+            form["scope"] = " ".join(info["scopes"])
     else:
         return None
-    # A service account's key names its token endpoint; user credentials go to Google's, whatever
-    # their file says (as google-auth sends them).
-    token_uri = (
-        str(info.get("token_uri") or DEFAULT_TOKEN_URI) if kind == "service_account" else DEFAULT_TOKEN_URI
-    )
+    # A service account's key names its token endpoint. An authorized user's info comes from the
+    # credentials google-auth loaded (``_grant_info``), whose endpoint is Google's whatever the file
+    # says: a planted file cannot send a refresh token elsewhere.
+    token_uri = str(info.get("token_uri") or DEFAULT_TOKEN_URI)
     return await _token_call("POST", token_uri, f"the token endpoint {token_uri}", data=form)
 
 
-async def _afetch_metadata() -> Token:
-    """A token from the GCE/GKE metadata server (``GCE_METADATA_HOST`` as google-auth reads it)."""
+async def _afetch_metadata(scopes: list[str]) -> Token:
+    """A token from the GCE/GKE metadata server, asked as google-auth asks it (``GCE_METADATA_HOST``,
+    else ``GCE_METADATA_ROOT``, else ``metadata.google.internal``; the scopes as a query parameter,
+    which Cloud Run honours and Compute Engine ignores)."""
     host = (
         os.environ.get("GCE_METADATA_HOST")
         or os.environ.get("GCE_METADATA_ROOT")
         or "metadata.google.internal"
     )
     url = f"http://{host}{METADATA_TOKEN_PATH}"
-    return await _token_call("GET", url, "the metadata server", headers={"Metadata-Flavor": "Google"})
+    return await _token_call(
+        "GET",
+        url,
+        "the metadata server",
+        headers={"Metadata-Flavor": "Google"},
+        params={"scopes": ",".join(scopes)},
+    )
 
 
 async def _token_call(method: str, url: str, where: str, **kwargs: Any) -> Token:
@@ -208,9 +221,10 @@ async def _token_call(method: str, url: str, where: str, **kwargs: Any) -> Token
 
 
 def _grant_info(credentials: Any) -> dict[str, Any] | None:
-    """The grant fields of gcloud's user credentials (ADC's ``authorized_user``), refreshed over
-    the async client; None for another kind (a key file named by the environment is read by
-    ``adc_key_info`` instead)."""
+    """The grant fields of loaded user credentials (an ``authorized_user`` file: the connection's,
+    ``GOOGLE_APPLICATION_CREDENTIALS``' or gcloud's), refreshed over the async client, with the
+    token endpoint google-auth chose; None for another kind (a service-account key is read by
+    ``key_info`` or ``adc_key_info`` instead)."""
     from google.oauth2 import credentials as user
 
     if isinstance(credentials, user.Credentials) and credentials.refresh_token:
@@ -219,6 +233,8 @@ def _grant_info(credentials: Any) -> dict[str, Any] | None:
             "refresh_token": credentials.refresh_token,
             "client_id": credentials.client_id,
             "client_secret": credentials.client_secret,
+            "token_uri": credentials.token_uri,
+            "scopes": list(credentials.scopes or []),
         }
     return None
 
@@ -250,9 +266,19 @@ def google_bearer_auth(
     check_installed(conn_id)
     info = key_info(secret, extra, conn_id) or adc_key_info()
     wanted = scopes or [s.strip() for s in str(extra.get("scope") or CLOUD_SCOPE).split(",") if s.strip()]
-    # The key's private parts are masked out of every error (google-auth may quote them).
-    hidden = [str(info[k]) for k in ("private_key", "refresh_token", "client_secret") if info and info.get(k)]
     built: dict[str, Any] = {}
+
+    def hidden() -> list[str]:
+        # The key's private parts, and those of user credentials ADC found, are masked out of
+        # every error (google-auth, or a token endpoint's answer, may quote them).
+        grant = _grant_info(built["credentials"]) if "credentials" in built else None
+        return [
+            str(found[k])
+            for found in (info, grant)
+            if found
+            for k in ("private_key", "refresh_token", "client_secret")
+            if found.get(k)
+        ]
 
     def credentials() -> Any:
         if "credentials" not in built:
@@ -265,20 +291,20 @@ def google_bearer_auth(
         try:
             found = credentials()
             found.refresh(Request())
-        except BatchApiAuthError:
-            raise
+        except BatchApiAuthError as exc:
+            raise _masked(exc, hidden()) from None
         except Exception as exc:
-            raise _token_error(exc, hidden) from None
+            raise _token_error(exc, hidden()) from None
         return _token_of(found)
 
     async def afetch() -> Token:
         try:
-            if info is not None:
+            if info is not None and info.get("type") == "service_account":
                 token = await _afetch_by_grant(info, wanted)
                 if token is not None:
                     return token
-            # ADC: which kind it is is found off the loop (google-auth reads files and may probe
-            # the metadata server).
+            # Any other kind is loaded by google-auth, off the loop (ADC reads files and may
+            # probe the metadata server; user credentials get their token endpoint there).
             found = built.get("credentials") or await asyncio.to_thread(credentials)
             grant = _grant_info(found)
             if grant is not None:
@@ -286,16 +312,17 @@ def google_bearer_auth(
                 if token is not None:
                     return token
             if type(found).__module__ == "google.auth.compute_engine.credentials":
-                return await _afetch_metadata()
+                return await _afetch_metadata(wanted)
             return await asyncio.to_thread(fetch)
-        except BatchApiAuthError:
-            raise
+        except BatchApiAuthError as exc:
+            raise _masked(exc, hidden()) from None
         except (httpx.HTTPError, OSError) as exc:
-            raise BatchApiAuthError(
-                f"{WHAT}: the token request failed: {type(exc).__name__}: {exc}"
+            raise _masked(
+                BatchApiAuthError(f"{WHAT}: the token request failed: {type(exc).__name__}: {exc}"),
+                hidden(),
             ) from None
         except Exception as exc:
-            raise _token_error(exc, hidden) from None
+            raise _token_error(exc, hidden()) from None
 
     return RefreshingBearerAuth(base_url, fetch, afetch, what=WHAT)
 
@@ -306,3 +333,11 @@ def _token_error(exc: Exception, secrets: list[str]) -> BatchApiAuthError:
     for secret in secrets:
         text = redact(text, secret)
     return BatchApiAuthError(f"{WHAT} gave no token: {type(exc).__name__}: {text}")
+
+
+def _masked(exc: BatchApiAuthError, secrets: list[str]) -> BatchApiAuthError:
+    """``exc``, or an error with its text's secrets masked when one shows (an endpoint echoed it)."""
+    text = masked = str(exc)
+    for secret in secrets:
+        masked = redact(masked, secret)
+    return exc if masked == text else BatchApiAuthError(masked)

@@ -15,6 +15,7 @@ CANCELLED; counts ``total_requests``, ``succeeded_requests``, ``failed_requests`
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from airflow_batch_provider.dialects.base import (
@@ -186,7 +187,7 @@ class MistralDialect(Dialect):
     def list_params(self, limit: int | None = None) -> dict[str, Any]:
         return {"page": 0, "page_size": limit or self.list_page_size}
 
-    def filter_params(self, metadata: Mapping[str, str]) -> dict[str, Any]:
+    def filter_params(self, metadata: Mapping[str, str], *, since: datetime | None = None) -> dict[str, Any]:
         # The SDK sends the metadata filter exploded: one query parameter per pair.
         return {str(k): str(v) for k, v in metadata.items()}
 

@@ -20,15 +20,20 @@ each output line, ``{"key", "request", "response": GenerateContentResponse, "sta
 ``"status": "<error message>"`` without a response for a failed request. The output sits under
 ``outputInfo.gcsOutputDirectory`` (``prediction-model-<time>/predictions*.jsonl``).
 
-Labels take keys and values of at most 63 lowercase letters, digits, ``_`` and ``-``: the
-metadata pairs that fit go on the job (the idempotency key always does), the others (the
-64-character fingerprint, a run id with capitals) are not sent.
+Labels take keys and values of at most 63 lowercase letters, digits, ``_`` and ``-``
+(``stored_metadata``): the shard's fingerprint (64 hex characters) goes on the job as its first 63
+(``airflow_fingerprint``; 252 bits, still no collision to fear), the idempotency key as it is, the
+other pairs when they fit (a run id with capitals or colons does not, and is not sent). The same
+rule makes the lookups: a job found again by its key label is adopted only when its fingerprint
+label is the shard's (``tags_agree``, as strict as the other dialects' tags); a lost create is
+looked for by the labels it was sent with.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from airflow_batch_provider.dialects.base import (
@@ -49,6 +54,7 @@ from airflow_batch_provider.exceptions import (
 )
 from airflow_batch_provider.ids import path_segment
 from airflow_batch_provider.limits import MB, Limits
+from airflow_batch_provider.submission import FINGERPRINT_NAME
 
 if TYPE_CHECKING:  # bound at run time by bind_models (see dialects/base.py)
     import httpx
@@ -87,6 +93,7 @@ _LABEL_VALUE = re.compile(r"[a-z0-9_-]{0,63}")
 _LOCATION = re.compile(r"[a-z0-9-]{1,40}")
 _PROJECT = re.compile(r"[a-z0-9][a-z0-9.:-]{0,99}")
 MAX_LABELS = 64
+MAX_LABEL_VALUE = 63
 
 
 def label_pairs(metadata: Mapping[str, str] | None) -> dict[str, str]:
@@ -94,6 +101,14 @@ def label_pairs(metadata: Mapping[str, str] | None) -> dict[str, str]:
     return {
         k: v for k, v in (metadata or {}).items() if _LABEL_KEY.fullmatch(k) and _LABEL_VALUE.fullmatch(v)
     }
+
+
+def stored_labels(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    """The labels a job carries for ``metadata``: the fingerprint cut to a label's 63 characters,
+    then the pairs that fit (``label_pairs``)."""
+    return label_pairs(
+        {k: v[:MAX_LABEL_VALUE] if k == FINGERPRINT_NAME else v for k, v in (metadata or {}).items()}
+    )
 
 
 def publisher_model(model: str) -> str:
@@ -282,7 +297,7 @@ class VertexDialect(GeminiDialect):
         """The job: the encoded shard's ``gs://`` URI, the output prefix, the model and labels."""
         if not model:
             raise ConfigurationError("a Vertex AI batch prediction job names one model: none was given")
-        labels = label_pairs(metadata)
+        labels = self.stored_metadata(metadata)
         body: dict[str, Any] = {
             "displayName": (metadata or {}).get("airflow_batch_key") or name or "airflow-batch",
             "model": publisher_model(model),
@@ -351,15 +366,20 @@ class VertexDialect(GeminiDialect):
         name = item.get("name") if isinstance(item, dict) else None
         return _job_id(name) if isinstance(name, str) and name else None
 
-    def filter_params(self, metadata: Mapping[str, str]) -> dict[str, Any]:
+    def filter_params(self, metadata: Mapping[str, str], *, since: datetime | None = None) -> dict[str, Any]:
         """``filter=labels.k="v" AND ...`` over the pairs a label holds (AIP-160 syntax)."""
-        pairs = label_pairs(metadata)
+        pairs = self.stored_metadata(metadata)
         if not pairs:
             return {}
         return {"filter": " AND ".join(f'labels.{k}="{v}"' for k, v in sorted(pairs.items()))}
 
     def metadata_of(self, batch: Batch) -> dict[str, str]:
         return batch.metadata
+
+    def stored_metadata(self, metadata: Mapping[str, str] | None) -> dict[str, str]:
+        """The job's labels for ``metadata`` (``stored_labels``): what the create sends, the
+        listing filters by and a found job's labels are compared with."""
+        return stored_labels(metadata)
 
     def parse_batch(self, raw: Mapping[str, Any]) -> Batch:
         """The job as a ``Batch``; anything unreadable is a ``BatchApiResponseError``."""

@@ -135,6 +135,7 @@ class Retries:
             base_url=settings.base_url,
             secret=settings.secrets,
             auth_refused=settings.dialect.is_auth_error(response.status_code, error_body(response)),
+            not_found=settings.dialect.is_not_found(response.status_code, error_body(response)),
         )
 
     def _judge_transport(self, exc: httpx.TransportError, error: BatchApiError) -> None:

@@ -34,6 +34,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Container, Iterable, Iterator, Mapping
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import replace
+from datetime import datetime
 from typing import Any, ClassVar, TypeVar
 
 import httpx
@@ -44,6 +45,7 @@ from airflow_batch_provider.dialects import Dialect, ListPage, get_dialect
 from airflow_batch_provider.exceptions import (
     BatchApiError,
     BatchApiResponseError,
+    ConfigurationError,
 )
 from airflow_batch_provider.hooks import calls, checks
 from airflow_batch_provider.hooks.attempts import AmbiguousCreate, BodyDropped, Restarts, Retries, SendOnce
@@ -171,7 +173,9 @@ class BatchApiHook(BaseHook):
         return legacy_form_widgets()
 
     # ---- settings --------------------------------------------------------------------------
-    def _build_settings(self, conn: Any, raw_extra: Mapping[str, Any]) -> BatchApiSettings:
+    def _build_settings(
+        self, conn: Any, raw_extra: Mapping[str, Any], inherited: Mapping[str, Any] | None = None
+    ) -> BatchApiSettings:
         return settings_from_connection(
             self.batch_conn_id,
             conn,
@@ -181,13 +185,35 @@ class BatchApiHook(BaseHook):
             timeout=self._timeout,
             max_retries=self._max_retries,
             retry_policy=self._retry_policy,
+            inherited=inherited,
+        )
+
+    def _inherited(self, conn: Any, raw_extra: Mapping[str, Any]) -> dict[str, Any]:
+        """What the connection takes from the platform connection it signs with (blocking)."""
+        from airflow_batch_provider.hooks.credentials import platform_extra
+        from airflow_batch_provider.hooks.settings import connection_extra
+
+        extra = connection_extra(raw_extra, self.conn_type)
+        try:
+            dialect = self._dialect_override or get_dialect(extra.get("dialect"))
+        except ConfigurationError:
+            return {}  # settings_from_connection says what is wrong with the dialect
+        if dialect.credentials_kind is None:
+            return {}
+        return platform_extra(
+            dialect.credentials_kind,
+            extra,
+            self.batch_conn_id,
+            getattr(conn, "login", None),
+            conn.password or extra.get("api_key"),
         )
 
     def get_settings(self) -> BatchApiSettings:
         """Resolve the connection once (blocking; use ``aget_settings`` in async code)."""
         if self._settings is None:
             conn = self.get_connection(self.batch_conn_id)
-            settings = self._build_settings(conn, conn.extra_dejson)
+            raw_extra = conn.extra_dejson
+            settings = self._build_settings(conn, raw_extra, self._inherited(conn, raw_extra))
             if settings.api_key:
                 from airflow.sdk.log import mask_secret
 
@@ -204,7 +230,10 @@ class BatchApiHook(BaseHook):
             )
 
             conn = await get_async_connection(self.batch_conn_id, self)
-            settings = self._build_settings(conn, await get_async_extra_dejson(conn))
+            raw_extra = await get_async_extra_dejson(conn)
+            # Reading the platform connection (the aws one's region) blocks: a thread, once.
+            inherited = await asyncio.to_thread(self._inherited, conn, raw_extra)
+            settings = self._build_settings(conn, raw_extra, inherited)
             if settings.api_key:
                 await _amask_secret(settings.api_key)
             # Concurrent first calls (a trigger polls its batches together) all await above;
@@ -748,7 +777,9 @@ class BatchApiHook(BaseHook):
                     match = create.inline_match()
                     try:
                         if match is None:
-                            found = self.find_created_batch(tags, input_file_id=input_file_id)
+                            found = self.find_created_batch(
+                                tags, input_file_id=input_file_id, since=create.since
+                            )
                         else:
                             found = create.one_inline(exc, self.find_inline_batches(match))
                     except BatchApiError as lookup:
@@ -795,7 +826,9 @@ class BatchApiHook(BaseHook):
                     match = create.inline_match()
                     try:
                         if match is None:
-                            found = await self.afind_created_batch(tags, input_file_id=input_file_id)
+                            found = await self.afind_created_batch(
+                                tags, input_file_id=input_file_id, since=create.since
+                            )
                         else:
                             found = create.one_inline(exc, await self.afind_inline_batches(match))
                     except BatchApiError as lookup:
@@ -841,6 +874,7 @@ class BatchApiHook(BaseHook):
         limit: int | None = None,
         known: Mapping[str, Batch] | None = None,
         where: Mapping[str, str] | None = None,
+        since: datetime | None = None,
     ) -> Iterator[Batch]:
         """Every batch visible to the key, newest first, following pagination.
 
@@ -852,8 +886,11 @@ class BatchApiHook(BaseHook):
             as it is, not parsed again (what a poller listing the same batches each cycle wants).
         :param where: metadata pairs the vendor's listing may filter by (``dialect.filter_params``);
             a listing without a filter ignores it, so callers still check each batch's tags.
+        :param since: with ``where``, no batch looked for was created before this moment (a
+            listing that filters by creation time may use it; see ``dialect.filter_params``).
         """
-        for page in self.list_batch_pages(page_size=page_size, limit=limit, known=known, where=where):
+        pages = self.list_batch_pages(page_size=page_size, limit=limit, known=known, where=where, since=since)
+        for page in pages:
             yield from page.batches
 
     def list_batch_pages(
@@ -864,15 +901,17 @@ class BatchApiHook(BaseHook):
         known: Mapping[str, Batch] | None = None,
         wanted: Container[str] | None = None,
         where: Mapping[str, str] | None = None,
+        since: datetime | None = None,
     ) -> Iterator[ListPage]:
         """The listing page by page, with the items of each that do not parse (see ``list_batches``).
 
         :param wanted: parse only the items of these batch ids (a poller reading its triggers'
             batches); the others are counted in ``ListPage.skipped``, not parsed (None: all).
         :param where: metadata pairs the vendor's listing may filter by (see ``list_batches``).
+        :param since: when the batches looked for were first intended (see ``list_batches``).
         """
         dialect = self.dialect
-        params = {**dialect.list_params(page_size), **(dialect.filter_params(where) if where else {})}
+        params = {**dialect.list_params(page_size), **_filter(dialect, where, since)}
         pages = Pages(calls.LIST_ACTION, params, limit=limit, barren=MAX_BARREN_PAGES)
         while pages.params is not None:
             response = self._request(calls.list_batches(dialect, pages.params))
@@ -889,9 +928,12 @@ class BatchApiHook(BaseHook):
         limit: int | None = None,
         known: Mapping[str, Batch] | None = None,
         where: Mapping[str, str] | None = None,
+        since: datetime | None = None,
     ) -> AsyncIterator[Batch]:
         """Async twin of ``list_batches``."""
-        pages = self.alist_batch_pages(page_size=page_size, limit=limit, known=known, where=where)
+        pages = self.alist_batch_pages(
+            page_size=page_size, limit=limit, known=known, where=where, since=since
+        )
         async with aclosing(pages):  # type: ignore[type-var]
             async for page in pages:
                 for batch in page.batches:
@@ -905,6 +947,7 @@ class BatchApiHook(BaseHook):
         known: Mapping[str, Batch] | None = None,
         wanted: Container[str] | None = None,
         where: Mapping[str, str] | None = None,
+        since: datetime | None = None,
     ) -> AsyncIterator[ListPage]:
         """Async twin of ``list_batch_pages``: a large page is decoded in a thread and read in
         slices, so the event loop is never held for the whole page.
@@ -912,9 +955,10 @@ class BatchApiHook(BaseHook):
         :param wanted: parse only the items of these batch ids (a poller reading its triggers'
             batches); the others are counted in ``ListPage.skipped``, not parsed (None: all).
         :param where: metadata pairs the vendor's listing may filter by (see ``list_batches``).
+        :param since: when the batches looked for were first intended (see ``list_batches``).
         """
         dialect = (await self.aget_settings()).dialect
-        params = {**dialect.list_params(page_size), **(dialect.filter_params(where) if where else {})}
+        params = {**dialect.list_params(page_size), **_filter(dialect, where, since)}
         pages = Pages(calls.LIST_ACTION, params, limit=limit, barren=MAX_BARREN_PAGES)
         while pages.params is not None:
             response = await self._arequest(calls.list_batches(dialect, pages.params))
@@ -943,22 +987,29 @@ class BatchApiHook(BaseHook):
         batches = list(pages.take(page.batches, page.next_params, read=read))
         return ListPage(batches, pages.next_params, page.unreadable, page.skipped)
 
-    def find_batches(self, metadata: Mapping[str, str], *, limit: int | None = 1000) -> list[Batch]:
+    def find_batches(
+        self, metadata: Mapping[str, str], *, limit: int | None = 1000, since: datetime | None = None
+    ) -> list[Batch]:
         """Batches whose tags (``dialect.metadata_of``) contain every pair of ``metadata``.
 
         :param metadata: the pairs to match; empty matches nothing.
         :param limit: how many batches to scan at most (newest first).
+        :param since: none of them was created before this moment by this machine's clock (a
+            listing that filters by creation time asks for those after it, less clock skew).
         """
         if not metadata:
             return []
-        return _tagged(self.dialect, metadata, self.list_batches(limit=limit, where=metadata))
+        return _tagged(self.dialect, metadata, self.list_batches(limit=limit, where=metadata, since=since))
 
-    async def afind_batches(self, metadata: Mapping[str, str], *, limit: int | None = 1000) -> list[Batch]:
+    async def afind_batches(
+        self, metadata: Mapping[str, str], *, limit: int | None = 1000, since: datetime | None = None
+    ) -> list[Batch]:
         """Async twin of ``find_batches``."""
         if not metadata:
             return []
         dialect = (await self.aget_settings()).dialect
-        return _tagged(dialect, metadata, [b async for b in self.alist_batches(limit=limit, where=metadata)])
+        listed = self.alist_batches(limit=limit, where=metadata, since=since)
+        return _tagged(dialect, metadata, [b async for b in listed])
 
     def find_created_batch(
         self,
@@ -966,6 +1017,7 @@ class BatchApiHook(BaseHook):
         *,
         input_file_id: str | None = None,
         accept: Callable[[Batch], bool] | None = None,
+        since: datetime | None = None,
     ) -> Batch | None:
         """The batch a create tagged ``tags`` made, when a lost answer or a crash hid it; else None.
 
@@ -975,8 +1027,10 @@ class BatchApiHook(BaseHook):
         :param tags: the metadata (or, without metadata, ``name``) the create carried.
         :param input_file_id: the create's input file; a batch made from another is not it.
         :param accept: a further test a batch must pass (the submit operator skips dead ones).
+        :param since: when the create was first intended (a listing filtered by time uses it).
         """
-        return newest_created(self.find_batches(tags), input_file_id=input_file_id, accept=accept)
+        found = self.find_batches(tags, since=since)
+        return newest_created(found, input_file_id=input_file_id, accept=accept)
 
     async def afind_created_batch(
         self,
@@ -984,9 +1038,11 @@ class BatchApiHook(BaseHook):
         *,
         input_file_id: str | None = None,
         accept: Callable[[Batch], bool] | None = None,
+        since: datetime | None = None,
     ) -> Batch | None:
         """Async twin of ``find_created_batch``."""
-        return newest_created(await self.afind_batches(tags), input_file_id=input_file_id, accept=accept)
+        found = await self.afind_batches(tags, since=since)
+        return newest_created(found, input_file_id=input_file_id, accept=accept)
 
     def find_inline_batches(self, match: InlineMatch) -> InlineMatch:
         """Read the listing (newest first) into ``match`` until it is past ``match.since``: the
@@ -1180,6 +1236,11 @@ def _read_items(
 def _take(items: Iterator[T], count: int) -> list[T]:
     """Up to ``count`` next items of ``items`` (fewer: it is exhausted)."""
     return list(itertools.islice(items, count))
+
+
+def _filter(dialect: Dialect, where: Mapping[str, str] | None, since: datetime | None) -> dict[str, Any]:
+    """The listing's filter parameters for ``where`` (and ``since``); {} without ``where``."""
+    return dialect.filter_params(where, since=since) if where else {}
 
 
 def _tagged(dialect: Dialect, metadata: Mapping[str, str], batches: Iterable[Batch]) -> list[Batch]:

@@ -67,7 +67,8 @@ def create_identity(
     if not metadata and not name:
         return None
     if dialect.supports_metadata:
-        return dict(metadata) if metadata else None
+        # As the vendor keeps them: a pair it cuts or drops (a Vertex AI label) is looked for so.
+        return dialect.stored_metadata(metadata) or None
     # A dialect without metadata carries the identity in the batch name, when the caller chose one.
     body_name = dialect.create_name(body)
     chosen = {name, *(metadata or {}).values()} - {None}

@@ -136,6 +136,58 @@ def aws_credentials(
     return AwsCredentials(name.strip() if isinstance(name, str) else None, str(region) if region else None)
 
 
+def aws_extra(
+    extra: Mapping[str, Any], conn_id: str, login: str | None, password: str | None
+) -> dict[str, Any]:
+    """The aws connection's region (``AwsBaseHook.region_name``: its extra ``region_name``) as
+    ``region_name``, when the batch connection signs with that connection (no keys of its own)
+    and names no region itself; {} otherwise, or when the aws connection names none either."""
+    if extra.get("region_name") or (login and password):
+        return {}
+    name = extra.get("aws_conn_id", DEFAULT_AWS_CONN_ID)
+    if not isinstance(name, str) or not name.strip():
+        return {}  # aws_credentials says what is wrong with it
+    from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
+
+    try:
+        region = AwsBaseHook(aws_conn_id=name.strip(), client_type="bedrock").region_name
+    except Exception as exc:
+        # The credentials read will name the problem; say only that no region was taken here.
+        raise ConfigurationError(
+            f"connection {conn_id!r}: cannot read the region of aws connection {name.strip()!r} "
+            f"({type(exc).__name__}); set extra 'region_name' on the batch connection"
+        ) from None
+    return {"region_name": region} if isinstance(region, str) and region.strip() else {}
+
+
+#: Per ``Dialect.credentials_kind``: extras the batch connection takes from the platform
+#: connection it signs with, where it sets none itself (reads that connection: blocking).
+PLATFORM_EXTRAS: dict[str, Callable[[Mapping[str, Any], str, str | None, str | None], dict[str, Any]]] = {
+    "aws": aws_extra
+}
+
+
+def platform_extra(
+    kind: str | None,
+    extra: Mapping[str, Any],
+    conn_id: str,
+    login: str | None = None,
+    password: str | None = None,
+) -> dict[str, Any]:
+    """The extras a connection of credentials ``kind`` inherits from its platform connection
+    ({} for a dialect without platform credentials). Blocking: the async hook calls it in a
+    thread, once, when it builds its settings.
+
+    :param kind: the dialect's ``credentials_kind`` (None: nothing to inherit).
+    :param extra: the batch connection's extra (plain names).
+    :param conn_id: the batch connection id, for error messages.
+    :param login: the batch connection's login (its own key id: nothing is inherited).
+    :param password: the batch connection's password.
+    """
+    source = PLATFORM_EXTRAS.get(kind) if kind else None
+    return source(extra, conn_id, login, password) if source is not None else {}
+
+
 #: Per ``Dialect.credentials_kind``: reads the connection extra, returns the credentials object
 #: the dialect's ``credentials_auth`` signs with (made lazily, see the module docstring).
 CREDENTIAL_SOURCES: dict[str, Callable[[Mapping[str, Any], str, str | None, str | None], Any]] = {

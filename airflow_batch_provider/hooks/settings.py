@@ -170,6 +170,13 @@ class BatchApiSettings:
         }
 
 
+def connection_extra(raw_extra: Mapping[str, Any], conn_type: str) -> dict[str, Any]:
+    """The connection extra with its empty values left out, under its plain names (older web
+    servers saved form fields as ``extra__<conn_type>__<field>``; both spellings are read)."""
+    prefix = f"extra__{conn_type}__"
+    return {str(k).removeprefix(prefix): v for k, v in raw_extra.items() if v not in (None, "")}
+
+
 def settings_from_connection(
     conn_id: str,
     conn: Any,
@@ -180,6 +187,7 @@ def settings_from_connection(
     timeout: float | None = None,
     max_retries: int | None = None,
     retry_policy: RetryPolicy | None = None,
+    inherited: Mapping[str, Any] | None = None,
 ) -> BatchApiSettings:
     """The settings of a connection (``host``, ``port``, ``schema``, ``password`` and its extra).
 
@@ -191,10 +199,11 @@ def settings_from_connection(
     :param timeout: overrides the extra's ``timeout``.
     :param max_retries: overrides the extra's ``max_retries``.
     :param retry_policy: a full policy, winning over ``max_retries`` and the extras.
+    :param inherited: extras the platform connection the batch connection signs with supplies
+        (``hooks.credentials.platform_extra``: the aws connection's region), used where the
+        batch connection's own extra sets none.
     """
-    # Older web servers saved form fields as "extra__<conn_type>__<field>"; accept both spellings.
-    prefix = f"extra__{conn_type}__"
-    extra = {str(k).removeprefix(prefix): v for k, v in raw_extra.items() if v not in (None, "")}
+    extra = {**(inherited or {}), **connection_extra(raw_extra, conn_type)}
     dialect = (dialect or get_dialect(extra.get("dialect"))).configure(extra, conn_id)
     if dialect.requires_host and not (conn.host or "").strip():
         raise ConfigurationError(

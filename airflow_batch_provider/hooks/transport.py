@@ -884,11 +884,14 @@ def status_error(
     base_url: str,
     secret: Secrets,
     auth_refused: bool = False,
+    not_found: bool = False,
 ) -> BatchApiError:
     """The typed exception for a non-2xx response (the body must already be read).
 
     :param auth_refused: the dialect reads this answer as a refused key whatever its status
         (Google answers a wrong key with 400 ``API_KEY_INVALID``).
+    :param not_found: the dialect reads this answer as "no such batch" whatever its status
+        (Bedrock refuses an id that cannot be a job's with a 400 ValidationException).
     """
     status = response.status_code
     body = body_of(response, secret)
@@ -911,7 +914,7 @@ def status_error(
             ),
             **kwargs,
         )
-    if status == 404:
+    if status == 404 or not_found:
         target = what or "the resource"
         return BatchApiNotFoundError(
             redact(f"{action}: {target} was not found at {base_url}{detail}", secret), **kwargs

@@ -68,6 +68,7 @@ from airflow_batch_provider.submission import (
     batch_metadata,
     choose_state_store,
     effective_fingerprint,
+    generation_name,
     now_utc,
 )
 from airflow_batch_provider.triggers.batch import BatchTrigger
@@ -736,8 +737,10 @@ class SubmitBatchOperator(BaseOperator):
         state = store.read(key)
         replaced: list[str] = []
         if state is not None and state.fingerprint != fingerprint:
-            self._handle_stale(hook, state, fingerprint, shard)
-            replaced = [*state.replaced_batch_ids, *([state.batch_id] if state.batch_id else [])]
+            old_ids = self._handle_stale(hook, state, fingerprint, shard)
+            # Every batch the new one replaces: a lost create's too, so a vendor whose create
+            # token is the job's name gets a new generation's (``generation_name``).
+            replaced = [*state.replaced_batch_ids, *(i for i in old_ids if i not in state.replaced_batch_ids)]
             state = None
         if state is not None and state.batch_id:
             attached = self._reattach(hook, state)
@@ -747,10 +750,11 @@ class SubmitBatchOperator(BaseOperator):
             state = None
         if state is not None:
             # Intent without an id: the create may have happened before a crash. Look first.
+            dead: list[str] = []
             found = (
                 self._find_inline_orphan(hook, state)
                 if dialect.orphan_lookup == "time_and_count"
-                else self._find_orphan(hook, key, fingerprint, state.input_file_id)
+                else self._find_orphan(hook, key, fingerprint, state.input_file_id, state.intent_at, dead)
             )
             if found is not None:
                 self.log.info(
@@ -760,7 +764,8 @@ class SubmitBatchOperator(BaseOperator):
                 state.created_at = found.created_at or now_utc()
                 store.write(state)
                 return state
-            replaced = state.replaced_batch_ids
+            # A job the lost create made that has since died is replaced too (its name is used).
+            replaced = [*state.replaced_batch_ids, *(d for d in dead if d not in state.replaced_batch_ids)]
         if dialect.submission_mode == "inline":
             return self._create_inline(hook, store, identity, shard, key, fingerprint, replaced, defaults)
         if shard.table is not None:
@@ -929,7 +934,9 @@ class SubmitBatchOperator(BaseOperator):
             metadata=batch_metadata(
                 identity, shard=shard.index, fingerprint=fingerprint, dialect=dialect, extra=self.metadata
             ),
-            name=key,
+            # A replacement job gets a name (and create token) of its own generation: a vendor
+            # whose token is the name would otherwise answer with the dead job.
+            name=generation_name(key, len(replaced)),
             model=encoder.job_model,
             not_these=self._batch_ids,
         )
@@ -1004,19 +1011,41 @@ class SubmitBatchOperator(BaseOperator):
         return state
 
     def _find_orphan(
-        self, hook: BatchApiHook, key: str, fingerprint: str, input_file_id: str | None = None
+        self,
+        hook: BatchApiHook,
+        key: str,
+        fingerprint: str,
+        input_file_id: str | None = None,
+        since: datetime | None = None,
+        dead: list[str] | None = None,
     ) -> Batch | None:
-        def this_shard(batch: Batch) -> bool:
-            # A batch with another fingerprint tag is another shard file's (one without the tag
-            # is judged by its input file alone); a dead one is replaced when resubmit_failed.
-            same = hook.dialect.metadata_of(batch).get(FINGERPRINT_NAME, fingerprint) == fingerprint
-            return same and not (self.resubmit_failed and batch.state in _BAD_END)
+        """The live batch an earlier try created for the shard ``key`` (its intent recorded at
+        ``since``: a listing filtered by creation time asks only for those after it).
 
-        return hook.find_created_batch({KEY_NAME: key}, input_file_id=input_file_id, accept=this_shard)
+        :param dead: gets the ids of this shard's batches left out for being dead
+            (``resubmit_failed``), so the replacement is named as a new generation.
+        """
+
+        def this_shard(batch: Batch) -> bool:
+            # A batch with another fingerprint tag (as the dialect stores it) is another shard
+            # file's (one without the tag is judged by its input file alone); a dead one is
+            # replaced when resubmit_failed.
+            same = hook.dialect.tags_agree(batch, {FINGERPRINT_NAME: fingerprint})
+            if same and self.resubmit_failed and batch.state in _BAD_END:
+                if dead is not None:
+                    dead.append(batch.id)
+                return False
+            return same
+
+        return hook.find_created_batch(
+            {KEY_NAME: key}, input_file_id=input_file_id, accept=this_shard, since=since
+        )
 
     def _handle_stale(
         self, hook: BatchApiHook, state: SubmitState, fingerprint: str, shard: ShardInput
-    ) -> None:
+    ) -> list[str]:
+        """Cancel the batches of a shard whose file changed (or refuse, ``on_stale_state='fail'``);
+        their ids (a lost create's found by the key), which the new batch replaces."""
         what = (
             f"shard {shard.index} ({shard.path}) changed since an earlier try submitted it "
             f"(fingerprint {state.fingerprint[:12]}... -> {fingerprint[:12]}...; "
@@ -1031,6 +1060,7 @@ class SubmitBatchOperator(BaseOperator):
         self.log.warning(
             "%s; cancelled %s and submitting the new file", what, ", ".join(cancelled) or "nothing"
         )
+        return old_ids
 
     @staticmethod
     def _file_exists(hook: BatchApiHook, file_id: str | None) -> bool:

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Mapping
+from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -27,6 +28,7 @@ from airflow_batch_provider.server.bedrock import (
     export_results,
     new_job_id,
     s3_client,
+    submitted,
 )
 from airflow_batch_provider.server.config import BATCH_FAULTS, REQUEST_FAULTS, ServerConfig
 from airflow_batch_provider.server.engine import TERMINAL, Engine, new_batch_record, validate_file
@@ -1127,6 +1129,10 @@ def _invocation_job_routes(r: APIRouter) -> None:
             earlier = await asyncio.to_thread(_job_by_token, st, job["token"])
             if earlier is not None:
                 return {"jobArn": wire.job_arn(earlier["id"])}
+        # Job names are unique per account and region: another create under a used name is
+        # refused (as Bedrock refuses a name in use), whatever its token.
+        if await asyncio.to_thread(_jobs, st, created["name"], None, exact=True):
+            raise wire.error(400, f"The provided job name {created['name']} is currently in use.")
         _storage_room(st)
         file_id = st.store.new_id("file-")
         path = st.store.file_path(file_id)
@@ -1150,8 +1156,11 @@ def _invocation_job_routes(r: APIRouter) -> None:
         st, wire = own(request)
         token, limit = wire.list_page_args(request.query_params)
         query = request.query_params
-        found = await asyncio.to_thread(_jobs, st, query.get("nameContains"), query.get("statusEquals"))
-        if query.get("sortOrder") == "Ascending":
+        status, after, before, ascending = wire.list_filters(query)
+        found = await asyncio.to_thread(
+            _jobs, st, query.get("nameContains"), status, after=after, before=before
+        )
+        if ascending:
             found.reverse()
         ids = [rec["id"] for rec in found]
         start = ids.index(token) + 1 if token in ids else 0
@@ -1197,16 +1206,28 @@ def _job_by_token(st: ServerState, token: str) -> dict[str, Any] | None:
     return None
 
 
-def _jobs(st: ServerState, name: str | None, status: str | None) -> list[dict[str, Any]]:
-    """Jobs, newest first, whose name contains ``name`` and whose status is ``status`` (if given)."""
+def _jobs(
+    st: ServerState,
+    name: str | None,
+    status: str | None,
+    *,
+    exact: bool = False,
+    after: datetime | None = None,
+    before: datetime | None = None,
+) -> list[dict[str, Any]]:
+    """Jobs, newest first, whose name contains ``name`` (is ``name``, when ``exact``), whose
+    status is ``status`` and which were submitted after ``after`` and before ``before`` (the
+    instants the API shows), each when given."""
     items, _ = st.store.list_batches(after=None, limit=1 << 30)
     items = [st.engine.active.get(i["id"], i) for i in items]
     return [
         rec
         for rec in items
         if "bedrock" in rec
-        and (not name or name in str(rec.get("name")))
+        and (not name or (name == rec.get("name") if exact else name in str(rec.get("name"))))
         and (not status or st.wire.status_of(rec) == status)
+        and (after is None or submitted(rec["created_at"]) > after)
+        and (before is None or submitted(rec["created_at"]) < before)
     ]
 
 

@@ -15,7 +15,17 @@ moto server; boto3's default credentials), runs its ``{recordId, modelInput}`` l
 server's engine, and once the job has ended writes ``<name>.out`` for each input file and
 ``manifest.json.out`` under ``<output s3Uri>/<job id>/``, as Bedrock does. Records a stop or an
 expiry left unrun get no line (Bedrock writes none). ``clientRequestToken`` makes a create
-idempotent: the same token answers the job it first made.
+idempotent: the same token answers the job it first made; a job name in use is refused (400
+ValidationException), names being unique per account and region. A ``jobIdentifier`` that is
+neither a 12-character id nor a job ARN is a 400 ValidationException; a well-formed one of no
+job a 404 ResourceNotFoundException. The listing honours ``nameContains``, ``statusEquals``,
+``submitTimeAfter``/``submitTimeBefore``, ``sortBy`` and ``sortOrder``, checked as the service
+model constrains them.
+
+An ``InvokeModel`` chat job (no ``modelInvocationType``) reads each record as its model family's
+native body, chosen by the model id (Anthropic Claude, Meta Llama, Mistral, Amazon Titan Text,
+Amazon Nova, after any inference-profile prefix such as ``us.``), and answers in that family's
+native response shape; a body that is not the family's fails the job's validation.
 """
 
 from __future__ import annotations
@@ -42,13 +52,34 @@ _CREDENTIAL = re.compile(
     r"AWS4-HMAC-SHA256 Credential=([^/,\s]+)/(\d{8})/([a-z0-9-]+)/([a-z0-9-]+)/aws4_request,\s*"
     r"SignedHeaders=([a-z0-9;\-]+),\s*Signature=([0-9a-f]{64})"
 )
+# ``jobIdentifier`` as the service model constrains it: a job id, or the job's ARN.
+_JOB_IDENTIFIER = re.compile(
+    r"(?:arn:aws(?:-[^:]+)?:bedrock:[a-z0-9-]{1,20}:[0-9]{12}:model-invocation-job/)?([a-z0-9]{12})"
+)
+_JOB_STATUSES = (
+    "Submitted",
+    "InProgress",
+    "Completed",
+    "Failed",
+    "Stopping",
+    "Stopped",
+    "PartiallyCompleted",
+    "Expired",
+    "Validating",
+    "Scheduled",
+)
 _ID_CHARS = string.ascii_lowercase + string.digits
+
+
+def submitted(value: float) -> datetime:
+    """An epoch time as the instant the API shows (whole microseconds, UTC)."""
+    return datetime.fromtimestamp(value, tz=timezone.utc)
 
 
 def _iso(value: float | None) -> str | None:
     if value is None:
         return None
-    return datetime.fromtimestamp(value, tz=timezone.utc).isoformat().replace("+00:00", "Z")
+    return submitted(value).isoformat().replace("+00:00", "Z")
 
 
 def new_job_id() -> str:
@@ -249,6 +280,9 @@ class BedrockWire(Wire):
             body: dict[str, Any] = {"model": model, "input": text}
             if model_input.get("dimensions") is not None:
                 body["dimensions"] = model_input["dimensions"]
+        elif _invocation_type(rec, model_input) == "InvokeModel":
+            # The model family's own body (Bedrock's InvokeModel request for that model).
+            body = {"model": model, **native_chat(model_family(model), model_input)}
         else:
             body = {"model": model, "messages": _chat_messages(model_input)}
             config = model_input.get("inferenceConfig") or {}
@@ -267,13 +301,17 @@ class BedrockWire(Wire):
 
     # ---- jobs ---------------------------------------------------------------------------
     def job_id(self, identifier: str) -> str:
-        """The job id a ``jobIdentifier`` names (the id, or the job's ARN). An identifier that is
-        no job's is a 404 here (Bedrock answers a malformed one with a 400 ValidationException)."""
-        found = re.fullmatch(
-            r"(?:arn:aws[a-z-]*:bedrock:[a-z0-9-]+:\d{12}:model-invocation-job/)?([\w-]{1,256})", identifier
-        )
+        """The job id a ``jobIdentifier`` names (the 12-character id, or the job's ARN). One that
+        fits neither is refused as Bedrock refuses it: a 400 ValidationException naming the
+        constraint; a well-formed id of no job is the caller's 404 ResourceNotFoundException."""
+        found = _JOB_IDENTIFIER.fullmatch(identifier)
         if found is None:
-            raise self.not_found("job", identifier[:100])
+            raise self.error(
+                400,
+                f"1 validation error detected: Value '{identifier[:100]}' at 'jobIdentifier' failed "
+                "to satisfy constraint: Member must satisfy regular expression pattern: "
+                f"{_JOB_IDENTIFIER.pattern}",
+            )
         return found.group(1)
 
     def job_arn(self, job_id: str) -> str:
@@ -346,6 +384,44 @@ class BedrockWire(Wire):
             raise self.error(400, f"maxResults must be 1..{self.MAX_RESULTS}.")
         return params.get("nextToken") or None, int(raw)
 
+    def list_filters(
+        self, params: Mapping[str, str]
+    ) -> tuple[str | None, datetime | None, datetime | None, bool]:
+        """``ListModelInvocationJobs``' filters, checked as Bedrock checks them: ``statusEquals``,
+        ``submitTimeAfter`` and ``submitTimeBefore`` (ISO-8601, as aware datetimes), and whether
+        ``sortOrder`` is Ascending (``sortBy`` takes only CreationTime)."""
+        status = params.get("statusEquals") or None
+        if status is not None and status not in _JOB_STATUSES:
+            raise self.error(
+                400,
+                f"Value '{status[:40]}' at 'statusEquals' failed to satisfy constraint: "
+                f"Member must satisfy enum value set: [{', '.join(_JOB_STATUSES)}]",
+            )
+        for name, allowed in (("sortBy", ("CreationTime",)), ("sortOrder", ("Ascending", "Descending"))):
+            value = params.get(name)
+            if value is not None and value not in allowed:
+                raise self.error(
+                    400,
+                    f"Value '{value[:40]}' at '{name}' failed to satisfy constraint: "
+                    f"Member must satisfy enum value set: [{', '.join(allowed)}]",
+                )
+        bounds: list[datetime | None] = []
+        for name in ("submitTimeAfter", "submitTimeBefore"):
+            raw = params.get(name)
+            if raw is None:
+                bounds.append(None)
+                continue
+            try:
+                when = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+            except ValueError:
+                raise self.error(
+                    400, f"Value '{raw[:40]}' at '{name}' is not an ISO-8601 timestamp."
+                ) from None
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=timezone.utc)
+            bounds.append(when)
+        return status, bounds[0], bounds[1], params.get("sortOrder") == "Ascending"
+
     def render_batch_list(self, items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
         page: dict[str, Any] = {"invocationJobSummaries": [self.render_batch(r) for r in items]}
         if has_more and items:
@@ -371,6 +447,16 @@ class BedrockWire(Wire):
                 "errorMessage": str(message or f"request failed with HTTP {status}"),
             },
         }
+
+    def result_line(
+        self, rec: Mapping[str, Any], line_id: str, custom_id: str, status: int, body: Any, request_id: str
+    ) -> tuple[bool, dict[str, Any]]:
+        """An answer of an InvokeModel chat job is the model family's own response body."""
+        ok, line = self.response_line(line_id, custom_id, status, body, request_id)
+        job = rec.get("bedrock") or {}
+        if ok and job.get("type") == "InvokeModel" and rec["endpoint"] == "/v1/chat/completions":
+            line["modelOutput"] = native_output(model_family(str(rec.get("model") or "")), body)
+        return ok, line
 
     def system_line(
         self, line_id: str, custom_id: str, code: str, message: str | None = None, param: Any = None
@@ -421,6 +507,166 @@ def _chat_messages(model_input: Mapping[str, Any]) -> list[dict[str, Any]]:
                 raise ValueError(f"content block {sorted(block)} is not supported by this server")
         messages.append({"role": turn["role"], "content": "".join(text)})
     return messages
+
+
+# ---- native (InvokeModel) chat bodies, per model family ---------------------------------
+# From Bedrock's "Inference request parameters and response fields for foundation models".
+_FAMILIES = {
+    "anthropic.": "anthropic",
+    "meta.": "meta",
+    "mistral.": "mistral",
+    "amazon.titan-text": "titan-text",
+    "amazon.nova": "nova",
+}
+_GEOGRAPHY = re.compile(r"(?:us|eu|apac|us-gov|ca|jp|au|global)\.")
+_LLAMA_TURN = re.compile(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>", re.DOTALL)
+_MISTRAL_TURN = re.compile(r"\[INST\](.*?)\[/INST\]([^\[]*)", re.DOTALL)
+
+
+def model_family(model: str) -> str | None:
+    """The family of a model id, inference profile (``us.meta...``) or ARN; None if unknown."""
+    ident = model.rpartition("/")[2]
+    found = _GEOGRAPHY.match(ident)
+    ident = ident[found.end() :] if found else ident
+    return next((f for prefix, f in _FAMILIES.items() if ident.startswith(prefix)), None)
+
+
+def _invocation_type(rec: Mapping[str, Any], model_input: Mapping[str, Any]) -> str:
+    """The job's ``modelInvocationType`` (a record not yet stored: judged by the body's shape)."""
+    kind = (rec.get("bedrock") or {}).get("type")
+    if kind:
+        return str(kind)
+    native = ("prompt", "inputText", "anthropic_version", "schemaVersion")
+    return "InvokeModel" if any(k in model_input for k in native) else "Converse"
+
+
+def native_chat(family: str | None, model_input: Mapping[str, Any]) -> dict[str, Any]:
+    """A family's native request body as canonical chat fields (``ValueError`` if it is not one)."""
+    if family == "anthropic":
+        if model_input.get("anthropic_version") != "bedrock-2023-05-31":
+            raise ValueError("modelInput.anthropic_version must be bedrock-2023-05-31")
+        if "model" in model_input:
+            raise ValueError("modelInput.model is not a field of Claude's Bedrock body")
+        if type(model_input.get("max_tokens")) is not int:
+            raise ValueError("modelInput.max_tokens is required")
+        messages: list[dict[str, Any]] = []
+        system = model_input.get("system")
+        if system:
+            text = system if isinstance(system, str) else "".join(str(b.get("text") or "") for b in system)
+            messages.append({"role": "system", "content": text})
+        for turn in model_input.get("messages") or []:
+            content = turn.get("content")
+            if isinstance(content, list):
+                content = "".join(str(b.get("text") or "") for b in content if isinstance(b, dict))
+            messages.append({"role": turn.get("role"), "content": str(content or "")})
+        return _sampling(
+            {"messages": messages},
+            model_input,
+            max_tokens="max_tokens",
+            top_p="top_p",
+            stop="stop_sequences",
+        )
+    if family == "meta":
+        prompt = model_input.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("modelInput.prompt must be a text")
+        turns = [{"role": r, "content": t} for r, t in _LLAMA_TURN.findall(prompt)]
+        return _sampling(
+            {"messages": turns or [{"role": "user", "content": prompt}]},
+            model_input,
+            max_tokens="max_gen_len",
+            top_p="top_p",
+        )
+    if family == "mistral":
+        prompt = model_input.get("prompt")
+        if not isinstance(prompt, str) or "[INST]" not in prompt:
+            raise ValueError("modelInput.prompt must hold [INST] ... [/INST]")
+        turns = []
+        for instruction, reply in _MISTRAL_TURN.findall(prompt):
+            turns.append({"role": "user", "content": instruction.strip()})
+            if reply.replace("</s>", "").strip():
+                turns.append({"role": "assistant", "content": reply.replace("</s>", "").strip()})
+        return _sampling(
+            {"messages": turns}, model_input, max_tokens="max_tokens", top_p="top_p", stop="stop"
+        )
+    if family == "titan-text":
+        input_text = model_input.get("inputText")
+        if not isinstance(input_text, str) or not input_text:
+            raise ValueError("modelInput.inputText must be a text")
+        config = model_input.get("textGenerationConfig") or {}
+        if not isinstance(config, dict):
+            raise ValueError("modelInput.textGenerationConfig must be an object")
+        return _sampling(
+            {"messages": [{"role": "user", "content": input_text}]},
+            config,
+            max_tokens="maxTokenCount",
+            top_p="topP",
+            stop="stopSequences",
+        )
+    if family == "nova":
+        config = model_input.get("inferenceConfig") or {}
+        if not isinstance(config, dict):
+            raise ValueError("modelInput.inferenceConfig must be an object")
+        return _sampling(
+            {"messages": _chat_messages(model_input)},
+            config,
+            max_tokens="max_new_tokens",
+            top_p="top_p",
+            stop="stopSequences",
+        )
+    raise ValueError(
+        "this server reads InvokeModel chat bodies of anthropic, meta, mistral, titan-text and nova models"
+    )
+
+
+def _sampling(
+    body: dict[str, Any], source: Mapping[str, Any], *, max_tokens: str, top_p: str, stop: str | None = None
+) -> dict[str, Any]:
+    """``body`` with the sampling fields ``source`` names its own way."""
+    for theirs, ours in ((max_tokens, "max_tokens"), ("temperature", "temperature"), (top_p, "top_p")):
+        if source.get(theirs) is not None:
+            body[ours] = source[theirs]
+    if stop and source.get(stop):
+        body["stop"] = list(source[stop])
+    return body
+
+
+def native_output(family: str | None, body: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat-completion answer as the family's native response body."""
+    choice = (body.get("choices") or [{}])[0]
+    text = str((choice.get("message") or {}).get("content") or "")
+    usage = body.get("usage") or {}
+    prompt, answer = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    finish = choice.get("finish_reason")
+    long = finish == "length"
+    if family == "anthropic":
+        return {
+            "id": f"msg_bdrk_{secrets.token_hex(12)}",
+            "type": "message",
+            "role": "assistant",
+            "model": body.get("model"),
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": "max_tokens" if long else "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": prompt, "output_tokens": answer},
+        }
+    if family == "meta":
+        return {
+            "generation": text,
+            "prompt_token_count": prompt,
+            "generation_token_count": answer,
+            "stop_reason": "length" if long else "stop",
+        }
+    if family == "mistral":
+        return {"outputs": [{"text": text, "stop_reason": "length" if long else "stop"}]}
+    if family == "titan-text":
+        return {
+            "inputTextTokenCount": prompt,
+            "results": [
+                {"tokenCount": answer, "outputText": text, "completionReason": "LENGTH" if long else "FINISH"}
+            ],
+        }
+    return _model_output(body)  # Nova answers in the Converse shape
 
 
 _STOP = {

@@ -493,7 +493,9 @@ class Engine:
         tag = _tag(rec["id"])
         for line_no, custom_id, status, body in answered:
             line_id = f"batch_req_{tag}_{line_no:08d}"
-            ok, result = self.wire.response_line(line_id, custom_id, status, body, f"req_{tag}{line_no:08d}")
+            ok, result = self.wire.result_line(
+                rec, line_id, custom_id, status, body, f"req_{tag}{line_no:08d}"
+            )
             self._put(out if ok or self.wire.one_results_file else err, orjson.dumps(result) + b"\n", line_no)
             if ok:
                 counts["completed"] += 1

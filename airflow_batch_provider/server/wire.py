@@ -380,6 +380,13 @@ class Wire:
         raise NotImplementedError(f"{self.name} lists batches by cursor (render_batch_list)")
 
     # ---- result lines -----------------------------------------------------------------
+    def result_line(
+        self, rec: Mapping[str, Any], line_id: str, custom_id: str, status: int, body: Any, request_id: str
+    ) -> tuple[bool, dict[str, Any]]:
+        """``response_line`` for a request of batch ``rec`` (a vendor whose answer's shape depends
+        on the batch, Bedrock's InvokeModel jobs, overrides this)."""
+        return self.response_line(line_id, custom_id, status, body, request_id)
+
     def response_line(
         self, line_id: str, custom_id: str, status: int, body: Any, request_id: str
     ) -> tuple[bool, dict[str, Any]]:

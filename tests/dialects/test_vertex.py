@@ -4,6 +4,7 @@ against the google-genai SDK's own Vertex conversions where it has them."""
 
 from __future__ import annotations
 
+import hashlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,8 +20,10 @@ from airflow_batch_provider.exceptions import (
     ConfigurationError,
     UnknownBatchStatusError,
 )
+from airflow_batch_provider.hooks.create import create_identity
 from airflow_batch_provider.hooks.settings import settings_from_connection
 from airflow_batch_provider.models import BatchState
+from airflow_batch_provider.submission import FINGERPRINT_NAME, KEY_NAME, RunIdentity, batch_metadata
 
 NAME = "projects/p/locations/us-central1/batchPredictionJobs/4471"
 KEY = "abp-0123456789abcdef01234567-s00000"
@@ -159,7 +162,7 @@ def test_an_unreadable_job_is_a_response_error(raw: dict[str, Any]) -> None:
 def test_the_create_body_is_the_one_the_sdk_sends_plus_labels() -> None:
     metadata = {
         "airflow_batch_key": KEY,
-        "airflow_fingerprint": "f" * 64,  # over 63 characters: no label
+        "airflow_fingerprint": "f" * 64,  # over 63 characters: its first 63
         "airflow_run_id": "manual__2026-12-04T06:00:00+00:00",  # capitals and colons: no label
         "airflow_dag_id": "tickets",
     }
@@ -172,7 +175,11 @@ def test_the_create_body_is_the_one_the_sdk_sends_plus_labels() -> None:
         name=KEY,
         model="gemini-2.5-flash",
     )
-    assert body.pop("labels") == {"airflow_batch_key": KEY, "airflow_dag_id": "tickets"}
+    assert body.pop("labels") == {
+        "airflow_batch_key": KEY,
+        "airflow_fingerprint": "f" * 63,
+        "airflow_dag_id": "tickets",
+    }
     client = Client(vertexai=True, project="p", location="us-central1", credentials=AnonymousCredentials())
     sent = sdk_batches._CreateBatchJobParameters_to_vertex(
         client._api_client,
@@ -196,10 +203,45 @@ def test_the_create_body_is_the_one_the_sdk_sends_plus_labels() -> None:
         )
 
 
+def test_the_fingerprint_label_round_trips_and_another_is_refused() -> None:
+    dialect = vertex()
+    identity = RunIdentity("tickets", "submit", "manual__2026-12-04T06:00:00+00:00")
+    fingerprint = hashlib.sha256(b"shard 0").hexdigest()
+    metadata = batch_metadata(identity, shard=0, fingerprint=fingerprint, dialect=dialect)
+    body = dialect.object_create_body(
+        input_uri="gs://b/run/shard-00000.jsonl",
+        output_uri="gs://b/run/output/",
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata=metadata,
+        name=identity.key(0),
+        model="gemini-2.5-flash",
+    )
+    labels = body["labels"]
+    assert labels == dialect.stored_metadata(metadata)
+    assert labels[FINGERPRINT_NAME] == fingerprint[:63] and labels[KEY_NAME] == identity.key(0)
+    assert "airflow_run_id" not in labels  # capitals and colons: no label
+    # What Google gives back is what the lookups compare with.
+    found = dialect.parse_batch(job(labels=labels))
+    assert dialect.metadata_of(found) == labels
+    assert dialect.tags_agree(found, {FINGERPRINT_NAME: fingerprint})
+    other = hashlib.sha256(b"shard 0, rebuilt").hexdigest()
+    assert not dialect.tags_agree(found, {FINGERPRINT_NAME: other})
+    # Only the 64th character differs: it is not sent, so it cannot be told apart (252 bits are).
+    assert dialect.tags_agree(found, {FINGERPRINT_NAME: fingerprint[:63] + "x"})
+    # A job without the label (made before it was sent) is judged by the rest of the lookup.
+    assert dialect.tags_agree(dialect.parse_batch(job()), {FINGERPRINT_NAME: other})
+    # A lost create is looked for by the labels it was sent with, not the pairs that never fit.
+    assert create_identity(dialect, body, metadata, identity.key(0)) == labels
+
+
 def test_the_orphan_lookup_filters_the_listing_by_label_server_side() -> None:
     dialect = vertex()
-    assert dialect.filter_params({"airflow_batch_key": KEY, "airflow_fingerprint": "f" * 64}) == {
+    assert dialect.filter_params({"airflow_batch_key": KEY}) == {
         "filter": f'labels.airflow_batch_key="{KEY}"'
+    }
+    assert dialect.filter_params({"airflow_batch_key": KEY, "airflow_fingerprint": "f" * 64}) == {
+        "filter": f'labels.airflow_batch_key="{KEY}" AND labels.airflow_fingerprint="{"f" * 63}"'
     }
     assert dialect.filter_params({"Name": "x"}) == {}
     assert label_pairs({"airflow_map_index": "-1", "9bad": "x"}) == {"airflow_map_index": "-1"}

@@ -82,6 +82,69 @@ def test_a_wrong_secret_is_refused_without_showing_it(
     assert not ok and "authenticated: NO" in message and wrong not in message
 
 
+class SeenScopes(httpx.HTTPTransport):
+    """Sends every request; records each signature's credential scope (``<day>/<region>/...``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.regions: list[str] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        scope = request.headers["authorization"].split("Credential=", 1)[1].split(",", 1)[0]
+        self.regions.append(scope.split("/")[2])
+        return super().handle_request(request)
+
+
+def regional(monkeypatch: pytest.MonkeyPatch, host: str | None, **extra: Any) -> None:
+    """A batch connection ``bedrock_regional`` signing with the aws connection ``abp_eu``
+    (region eu-west-1), with ``extra`` on top of the usual extras less their region."""
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_ABP_EU",
+        json.dumps(
+            {
+                "conn_type": "aws",
+                "login": AWS_KEY_ID,
+                "password": SECRET,
+                "extra": {"region_name": "eu-west-1"},
+            }
+        ),
+    )
+    base = {k: v for k, v in AWS_EXTRA.items() if k != "region_name"}
+    conn: dict[str, Any] = {
+        "conn_type": "batch_api",
+        "extra": {"dialect": "bedrock", "aws_conn_id": "abp_eu", **base, **extra},
+    }
+    if host:
+        conn["host"] = host
+    monkeypatch.setenv("AIRFLOW_CONN_BEDROCK_REGIONAL", json.dumps(conn))
+
+
+async def test_the_region_is_the_aws_connections_unless_the_batch_connection_names_one(
+    batch_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No region on the batch connection: the aws connection's, for the endpoint and the signature.
+    regional(monkeypatch, None)
+    for settings in (
+        BatchApiHook("bedrock_regional").get_settings(),
+        await BatchApiHook("bedrock_regional").aget_settings(),
+    ):
+        assert settings.dialect.region == "eu-west-1"  # type: ignore[attr-defined]
+        assert settings.base_url == "https://bedrock.eu-west-1.amazonaws.com"
+    server = batch_server(dialect="bedrock", api_key=SECRET)
+    regional(monkeypatch, server.base_url)
+    seen = SeenScopes()
+    assert list(BatchApiHook("bedrock_regional", retry_policy=FAST, transport=seen).list_batches()) == []
+    assert seen.regions == ["eu-west-1"]
+    # The batch connection's own region_name wins over the aws connection's.
+    regional(monkeypatch, None, region_name="ap-southeast-2")
+    settings = BatchApiHook("bedrock_regional").get_settings()
+    assert settings.base_url == "https://bedrock.ap-southeast-2.amazonaws.com"
+    regional(monkeypatch, server.base_url, region_name="ap-southeast-2")
+    seen = SeenScopes()
+    assert list(BatchApiHook("bedrock_regional", retry_policy=FAST, transport=seen).list_batches()) == []
+    assert seen.regions == ["ap-southeast-2"]
+
+
 class LoseCreateAnswer(httpx.HTTPTransport):
     """Sends every request; the first create's answer is lost after Bedrock made the job."""
 

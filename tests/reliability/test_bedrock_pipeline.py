@@ -8,11 +8,13 @@ the connection's dialect is ``bedrock``. Every terminal status lands every row w
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import orjson
 import pytest
 
+from airflow_batch_provider.dialects.bedrock import SUBMIT_TIME_MARGIN, BedrockDialect
 from airflow_batch_provider.exceptions import BatchFailedError, ConfigurationError
 from airflow_batch_provider.hooks.batch import BatchApiHook
 from airflow_batch_provider.submission import StateStore, SubmitState
@@ -147,11 +149,14 @@ async def test_crash_between_create_and_record_adopts_the_job_found_by_name(
         pass
 
     keys: list[str] = []
+    intents: list[datetime] = []
 
     def crash_when_recording_id(self: StateStore, state: SubmitState) -> None:
         if state.batch_id:
             keys.append(state.key)
             raise Crash(state.batch_id)
+        assert state.intent_at is not None
+        intents.append(state.intent_at)
         real_write(self, state)
 
     monkeypatch.setattr(StateStore, "write", crash_when_recording_id)
@@ -165,11 +170,82 @@ async def test_crash_between_create_and_record_adopts_the_job_found_by_name(
     # The job's name and its clientRequestToken are the shard's idempotency key.
     job = hook.get_batch(created)
     assert job.raw["jobName"] == job.raw["clientRequestToken"] == keys[0]
+    lookups = spy_filters(monkeypatch)
     result = s3_pipeline.submit_op(manifest, wait_for_completion=False).execute(
         s3_pipeline.context("submit", "crash")
     )
     assert result["batch_ids"] == [created]
     assert [b.id for b in hook.list_batches()] == [created]
+    # The lookup asked Bedrock for the key's jobs submitted since the intent, less the margin.
+    assert [p["nameContains"] for p in lookups] == [keys[0]]
+    assert submit_time_after(lookups[0]) == (intents[0] - SUBMIT_TIME_MARGIN).replace(microsecond=0)
+
+
+def spy_filters(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The listing filters the orphan lookups send (``BedrockDialect.filter_params``' answers)."""
+    sent: list[dict[str, Any]] = []
+    real = BedrockDialect.filter_params
+
+    def spy(self: BedrockDialect, metadata: Any, **kwargs: Any) -> dict[str, Any]:
+        params = real(self, metadata, **kwargs)
+        sent.append(params)
+        return params
+
+    monkeypatch.setattr(BedrockDialect, "filter_params", spy)
+    return sent
+
+
+def submit_time_after(params: dict[str, Any]) -> datetime:
+    return datetime.fromisoformat(str(params["submitTimeAfter"]).replace("Z", "+00:00"))
+
+
+async def test_a_failed_job_is_replaced_by_a_job_of_a_new_name_and_token(
+    batch_server: Any, s3_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = serve(batch_server, monkeypatch, faults={"fail_validation": True})
+    seed_texts(s3_pipeline.warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+    manifest = s3_pipeline.build("again", **BUILD)
+    record = await s3_pipeline.submit_and_wait(manifest, "again")
+    assert record.event is not None and record.event["status"] == "failed", record.event
+    (failed,) = record.event["batch_ids"]
+    hook = BatchApiHook()
+    key = hook.get_batch(failed).raw["jobName"]
+    server.set_faults(fail_validation=False)
+
+    # The replacement's create is made, then the task dies before recording its id.
+    real_write = StateStore.write
+
+    class Crash(Exception):
+        pass
+
+    def crash_when_recording_id(self: StateStore, state: SubmitState) -> None:
+        if state.batch_id and state.batch_id != failed:
+            raise Crash(state.batch_id)
+        real_write(self, state)
+
+    monkeypatch.setattr(StateStore, "write", crash_when_recording_id)
+    with pytest.raises(Crash) as crashed:
+        s3_pipeline.submit_op(manifest, wait_for_completion=False, resubmit_failed=True).execute(
+            s3_pipeline.context("submit", "again")
+        )
+    monkeypatch.setattr(StateStore, "write", real_write)
+    replacement = str(crashed.value)
+    job = hook.get_batch(replacement).raw
+    # A new job: its own name and token (the first's would have answered with the failed job).
+    assert replacement != failed
+    assert job["jobName"] == job["clientRequestToken"] == f"{key}-r1"
+    # The next try finds the replacement by the shard's key (nameContains) and adopts it.
+    lookups = spy_filters(monkeypatch)
+    record = await s3_pipeline.submit_and_wait(manifest, "again", resubmit_failed=True)
+    assert record.event is not None and record.event["status"] == "success", record.event
+    assert record.event["batch_ids"] == [replacement]
+    assert [p["nameContains"] for p in lookups] == [key]
+    assert {b.id: b.raw["status"] for b in hook.list_batches()} == {
+        failed: "Failed",
+        replacement: "Completed",
+    }
+    merged = s3_pipeline.merge(record.submission, manifest, "answers")
+    assert merged["counts"]["succeeded"] == ROWS
 
 
 def test_a_local_staging_is_refused_before_anything_is_written(
@@ -249,3 +325,37 @@ def test_an_encoded_input_over_the_file_limit_is_refused_before_its_job(
             s3_pipeline.context("submit", "big")
         )
     assert server.stats()["counters"].get("batches_created", 0) == 0
+
+
+@pytest.mark.parametrize("invocation_type", ["native", "auto"])
+async def test_a_llama_run_with_native_bodies_lands_every_row(
+    batch_server: Any,
+    s3_pipeline: Pipeline,
+    s3_staging: S3Staging,
+    monkeypatch: pytest.MonkeyPatch,
+    invocation_type: str,
+) -> None:
+    server = batch_server(dialect="bedrock")
+    conn = orjson.loads(server.connection_json())
+    conn["extra"]["invocation_type"] = invocation_type
+    monkeypatch.setenv("AIRFLOW_CONN_BATCH_API_DEFAULT", orjson.dumps(conn).decode())
+    rows = seed_texts(s3_pipeline.warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+    model = "us.meta.llama3-2-3b-instruct-v1:0"
+    record = await s3_pipeline.run("llama", "answers", build={**BUILD, "model": model})
+    assert record.event is not None and record.event["status"] == "success", record.event
+    (batch_id,) = record.event["batch_ids"]
+    job = BatchApiHook().get_batch(batch_id).raw
+    # An InvokeModel job: no modelInvocationType sent, the records are Llama 3 prompts.
+    assert job["modelId"] == model and job["modelInvocationType"] == "InvokeModel"
+    (uploaded,) = [k for k in s3_staging.keys(prefix="") if "/vendor/" in k and "/input/" in k]
+    first = orjson.loads(s3_staging.read(uploaded).splitlines()[0])["modelInput"]
+    assert first["prompt"].startswith("<|begin_of_text|>") and "question 0" in first["prompt"]
+    (out,) = [k for k in job_objects(s3_staging, batch_id) if k.endswith(".jsonl.out")]
+    answer = orjson.loads(s3_staging.read(out).splitlines()[0])["modelOutput"]
+    assert {"generation", "prompt_token_count", "generation_token_count", "stop_reason"} <= set(answer)
+    got = dict(s3_pipeline.warehouse.rows("SELECT id, content FROM answers WHERE status = 'succeeded'"))
+    assert got == {i: f"echo: {text}" for i, text in rows}
+    usage = s3_pipeline.warehouse.rows(
+        "SELECT MIN(prompt_tokens), MIN(completion_tokens) FROM answers WHERE status = 'succeeded'"
+    )
+    assert usage[0][0] > 0 and usage[0][1] > 0

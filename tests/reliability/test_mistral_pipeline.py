@@ -151,9 +151,9 @@ async def test_crash_between_create_and_record_adopts_the_job_found_by_metadata(
     filters: list[dict[str, str]] = []
     real_filter = MistralDialect.filter_params
 
-    def spy(self: MistralDialect, metadata: Any) -> dict[str, Any]:
+    def spy(self: MistralDialect, metadata: Any, **kwargs: Any) -> dict[str, Any]:
         filters.append(dict(metadata))
-        return real_filter(self, metadata)
+        return real_filter(self, metadata, **kwargs)
 
     monkeypatch.setattr(MistralDialect, "filter_params", spy)
     record = await wh_pipeline.submit_and_wait(manifest, "crash")

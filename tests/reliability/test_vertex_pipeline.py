@@ -12,13 +12,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 
 from airflow_batch_provider.dialects.vertex import VertexDialect
 from airflow_batch_provider.exceptions import BatchFailedError, ConfigurationError
 from airflow_batch_provider.hooks.batch import BatchApiHook
-from airflow_batch_provider.submission import StateStore, SubmitState
+from airflow_batch_provider.hooks.objects import plain_uri
+from airflow_batch_provider.hooks.retry import RetryPolicy
+from airflow_batch_provider.submission import (
+    FINGERPRINT_NAME,
+    KEY_NAME,
+    RunIdentity,
+    StateStore,
+    SubmitState,
+    batch_metadata,
+)
 from tests.fixtures.gcs import GcsStaging
 from tests.fixtures.reliability import MESSAGES, Pipeline, partly_done, rows_of, seed_texts
 from tests.fixtures.s3 import cut_object_reads
@@ -199,8 +209,8 @@ async def test_crash_between_create_and_record_adopts_the_job_found_by_label(
     listings: list[dict[str, Any]] = []
     real_filter = VertexDialect.filter_params
 
-    def spy(self: VertexDialect, metadata: Any) -> dict[str, Any]:
-        found = real_filter(self, metadata)
+    def spy(self: VertexDialect, metadata: Any, **kwargs: Any) -> dict[str, Any]:
+        found = real_filter(self, metadata, **kwargs)
         listings.append(found)
         return found
 
@@ -213,6 +223,102 @@ async def test_crash_between_create_and_record_adopts_the_job_found_by_label(
     assert len(list(hook.list_batches())) == 1
     merged = gs_pipeline.merge(record.submission, manifest, "answers")
     assert merged["counts"]["succeeded"] == ROWS
+
+
+async def test_a_job_with_the_key_but_another_fingerprint_is_not_adopted(
+    batch_server: Any, gs_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The crash window: the intent is durable, the create never happened. A job carrying the
+    # shard's key label but another fingerprint label (made from another version of the shard)
+    # is what the listing finds: it is not this shard's, so a new job is created.
+    serve(batch_server, monkeypatch)
+    seed_texts(gs_pipeline.warehouse, "tickets", [f"question {i}" for i in range(ROWS)])
+    manifest = gs_pipeline.build("foreign", **BUILD)
+    real_write = StateStore.write
+    intents: list[SubmitState] = []
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_the_intent(self: StateStore, state: SubmitState) -> None:
+        real_write(self, state)
+        if not state.batch_id:
+            intents.append(state.model_copy())
+            raise Crash(state.key)
+
+    monkeypatch.setattr(StateStore, "write", crash_after_the_intent)
+    with pytest.raises(Crash):
+        gs_pipeline.submit_op(manifest, wait_for_completion=False).execute(
+            gs_pipeline.context("submit", "foreign")
+        )
+    monkeypatch.setattr(StateStore, "write", real_write)
+    (intent,) = intents
+    hook = BatchApiHook()
+    assert list(hook.list_batches()) == []
+    other = "0" * 64
+    stale = hook.create_batch(
+        input_file_id=str(intent.input_file_id),
+        output_uri=str(intent.input_file_id).rsplit("/input/", 1)[0] + "/stale-output/",
+        endpoint="/v1/chat/completions",
+        metadata={KEY_NAME: intent.key, FINGERPRINT_NAME: other},
+        name=intent.key,
+        model=intent.model,
+    )
+    assert stale.raw["labels"] == {KEY_NAME: intent.key, FINGERPRINT_NAME: other[:63]}
+    record = await gs_pipeline.submit_and_wait(manifest, "foreign")
+    assert record.event is not None and record.event["status"] == "success", record.event
+    (created,) = record.event["batch_ids"]
+    assert created != stale.id
+    labels = hook.get_batch(created).raw["labels"]
+    assert labels[KEY_NAME] == intent.key and labels[FINGERPRINT_NAME] == intent.fingerprint[:63]
+    assert sorted(b.id for b in hook.list_batches()) == sorted([stale.id, created])
+    merged = gs_pipeline.merge(record.submission, manifest, "answers")
+    assert merged["counts"]["succeeded"] == ROWS
+
+
+class LoseCreateAnswer(httpx.HTTPTransport):
+    """Sends every request; the first create's answer is lost after Vertex AI made the job."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if request.method == "POST" and request.url.path.endswith("/batchPredictionJobs") and not self.lost:
+            response.read()
+            response.close()
+            self.lost += 1
+            raise httpx.ReadTimeout("the answer was lost", request=request)
+        return response
+
+
+def test_a_create_whose_answer_is_lost_is_found_by_its_labels(
+    batch_server: Any, gcs_staging: GcsStaging, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The run id (capitals, colons) is no label and the fingerprint is one cut to 63 characters:
+    # the job is looked for by the labels it was sent with, so it is found, not created twice.
+    serve(batch_server, monkeypatch)
+    transport = LoseCreateAnswer()
+    hook = BatchApiHook(retry_policy=RetryPolicy(max_retries=1, backoff_initial=0.001), transport=transport)
+    source = gcs_staging.path("lost", "input", "shard-00000.jsonl")
+    source.write_bytes(
+        orjson.dumps({"key": "1", "request": {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}})
+        + b"\n"
+    )
+    identity = RunIdentity("tickets", "submit", "manual__2026-12-04T06:00:00+00:00")
+    metadata = batch_metadata(identity, shard=0, fingerprint="a" * 64, dialect=VertexDialect())
+    job = hook.create_batch(
+        input_file_id=plain_uri(source),
+        output_uri=plain_uri(gcs_staging.path("lost", "output")) + "/",
+        endpoint="/v1/chat/completions",
+        metadata=metadata,
+        name=identity.key(0),
+        model="echo-1",
+    )
+    assert transport.lost == 1
+    assert [b.id for b in hook.list_batches()] == [job.id]
+    assert job.raw["labels"][FINGERPRINT_NAME] == "a" * 63
 
 
 def test_a_local_staging_is_refused_before_any_job(

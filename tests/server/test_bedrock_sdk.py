@@ -156,3 +156,172 @@ def test_a_bad_signature_and_a_missing_job_are_refused_as_aws_does(
     with pytest.raises(ClientError) as no_input:
         create(client(bedrock), s3_staging, "no-input")
     assert no_input.value.response["Error"]["Code"] == "ValidationException"
+
+
+def test_a_malformed_job_id_is_a_validation_error_and_an_unknown_one_not_found(bedrock: Any) -> None:
+    sdk = client(bedrock)
+    # jobIdentifier is a 12-character id (or the job's ARN): anything else is a 400, as on AWS.
+    for malformed in ("not-a-job-id", "ABCDEFABCDEF", "abc", "arn:aws:bedrock:us-east-1:1:job/x"):
+        with pytest.raises(ClientError) as refused:
+            sdk.get_model_invocation_job(jobIdentifier=malformed)
+        assert refused.value.response["Error"]["Code"] == "ValidationException", malformed
+        assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 400
+        with pytest.raises(ClientError) as refused:
+            sdk.stop_model_invocation_job(jobIdentifier=malformed)
+        assert refused.value.response["Error"]["Code"] == "ValidationException", malformed
+    for unknown in (
+        "abcdefabcdef",
+        "arn:aws:bedrock:us-east-1:123456789012:model-invocation-job/0123456789ab",
+    ):
+        with pytest.raises(ClientError) as missing:
+            sdk.get_model_invocation_job(jobIdentifier=unknown)
+        assert missing.value.response["Error"]["Code"] == "ResourceNotFoundException"
+        assert missing.value.response["ResponseMetadata"]["HTTPStatusCode"] == 404
+
+
+def test_a_used_job_name_is_refused_and_a_used_token_answers_its_job(
+    bedrock: Any, s3_staging: S3Staging
+) -> None:
+    sdk = client(bedrock)
+    s3_staging.path("in", "named", "input.jsonl").write_bytes(records(1))
+    arn = create(sdk, s3_staging, "named", token="first")
+    assert create(sdk, s3_staging, "named", token="first") == arn
+    # Another token under a name in use: Bedrock's names are unique per account and region.
+    with pytest.raises(ClientError) as refused:
+        create(sdk, s3_staging, "named", token="second")
+    assert refused.value.response["Error"]["Code"] == "ValidationException"
+    assert "in use" in refused.value.response["Error"]["Message"]
+    assert [j["jobArn"] for j in sdk.list_model_invocation_jobs()["invocationJobSummaries"]] == [arn]
+
+
+def test_list_filters_by_submit_time_status_and_sorts(bedrock: Any, s3_staging: S3Staging) -> None:
+    bedrock.set_faults(stall_batches=True)
+    sdk = client(bedrock)
+    arns = []
+    for name in ("t-1", "t-2", "t-3"):
+        s3_staging.path("in", name, "input.jsonl").write_bytes(records(1))
+        arns.append(create(sdk, s3_staging, name))
+        time.sleep(0.01)  # distinct submit times
+    times = [sdk.get_model_invocation_job(jobIdentifier=a)["submitTime"] for a in arns]
+    assert times == sorted(times) and len(set(times)) == 3
+
+    def listed(**kwargs: Any) -> list[str]:
+        return [j["jobArn"] for j in sdk.list_model_invocation_jobs(**kwargs)["invocationJobSummaries"]]
+
+    # boto3 sends the timestamps as ISO-8601 in the query string.
+    assert listed(submitTimeAfter=times[0]) == [arns[2], arns[1]]
+    assert listed(submitTimeBefore=times[2]) == [arns[1], arns[0]]
+    assert listed(submitTimeAfter=times[0], submitTimeBefore=times[2]) == [arns[1]]
+    assert listed(sortBy="CreationTime", sortOrder="Ascending") == arns
+    sdk.stop_model_invocation_job(jobIdentifier=arns[1])
+    wait_until(sdk, arns[1], {"Stopped"})
+    assert listed(statusEquals="Stopped") == [arns[1]]
+    for bad in ({"statusEquals": "Done"}, {"sortOrder": "Sideways"}, {"sortBy": "Name"}):
+        with pytest.raises(ClientError) as refused:
+            listed(**bad)
+        assert refused.value.response["Error"]["Code"] == "ValidationException", bad
+
+
+NATIVE = {
+    "meta.llama3-8b-instruct-v1:0": {
+        "prompt": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nhello llama3<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        "max_gen_len": 20,
+    },
+    "us.anthropic.claude-3-5-haiku-20241022-v1:0": {
+        "anthropic_version": "bedrock-2023-05-31",
+        "max_tokens": 20,
+        "system": "Be brief.",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hello claude"}]}],
+    },
+    "mistral.mistral-7b-instruct-v0:2": {"prompt": "<s>[INST] hello mistral [/INST]", "max_tokens": 20},
+    "amazon.titan-text-express-v1": {
+        "inputText": "hello titan",
+        "textGenerationConfig": {"maxTokenCount": 20},
+    },
+    "amazon.nova-lite-v1:0": {
+        "schemaVersion": "messages-v1",
+        "messages": [{"role": "user", "content": [{"text": "hello nova"}]}],
+        "inferenceConfig": {"max_new_tokens": 20},
+    },
+}
+
+
+@pytest.mark.parametrize("model", sorted(NATIVE))
+def test_an_invoke_model_job_answers_in_the_model_familys_own_shape(
+    bedrock: Any, s3_staging: S3Staging, model: str
+) -> None:
+    name = "native-" + model.replace(":", "-").replace(".", "-")[:40]
+    line = {"recordId": "rec0001", "modelInput": NATIVE[model]}
+    s3_staging.path("in", name, "input.jsonl").write_bytes(orjson.dumps(line) + b"\n")
+    sdk = client(bedrock)
+    arn = sdk.create_model_invocation_job(
+        jobName=name,
+        roleArn=ROLE,
+        modelId=model,
+        inputDataConfig={"s3InputDataConfig": {"s3Uri": f"s3://{s3_staging.bucket}/in/{name}/input.jsonl"}},
+        outputDataConfig={"s3OutputDataConfig": {"s3Uri": f"s3://{s3_staging.bucket}/out/{name}/"}},
+    )["jobArn"]  # no modelInvocationType: InvokeModel, the model's native body
+    job = wait_until(sdk, arn, DONE)
+    assert job["status"] == "Completed" and job["modelInvocationType"] == "InvokeModel"
+    (out,) = [k for k in s3_staging.keys(f"out/{name}") if k.endswith(".jsonl.out")]
+    (answer,) = [orjson.loads(x) for x in s3_staging.read(out).splitlines()]
+    output = answer["modelOutput"]
+    text = ANSWER_TEXT[model](output)
+    # The echo model answered the record's user text, read out of the native body.
+    assert text == "echo: hello " + model.removeprefix("us.").split(".")[1].split("-")[0], output
+
+
+def _llama(output: dict[str, Any]) -> str:
+    assert set(output) == {"generation", "prompt_token_count", "generation_token_count", "stop_reason"}
+    assert output["stop_reason"] == "stop" and output["prompt_token_count"] > 0
+    return str(output["generation"])
+
+
+def _claude(output: dict[str, Any]) -> str:
+    assert output["type"] == "message" and output["stop_reason"] == "end_turn"
+    assert output["usage"]["input_tokens"] > 0
+    return str(output["content"][0]["text"])
+
+
+def _mistral(output: dict[str, Any]) -> str:
+    assert output["outputs"][0]["stop_reason"] == "stop"
+    return str(output["outputs"][0]["text"])
+
+
+def _titan(output: dict[str, Any]) -> str:
+    assert output["results"][0]["completionReason"] == "FINISH" and output["inputTextTokenCount"] > 0
+    return str(output["results"][0]["outputText"])
+
+
+def _nova(output: dict[str, Any]) -> str:
+    assert output["stopReason"] == "end_turn" and output["usage"]["inputTokens"] > 0
+    return str(output["output"]["message"]["content"][0]["text"])
+
+
+ANSWER_TEXT = {
+    "meta.llama3-8b-instruct-v1:0": _llama,
+    "us.anthropic.claude-3-5-haiku-20241022-v1:0": _claude,
+    "mistral.mistral-7b-instruct-v0:2": _mistral,
+    "amazon.titan-text-express-v1": _titan,
+    "amazon.nova-lite-v1:0": _nova,
+}
+
+
+def test_a_native_body_that_is_not_the_models_fails_validation(bedrock: Any, s3_staging: S3Staging) -> None:
+    # Claude's body without Bedrock's anthropic_version: the job fails validation.
+    line = {"recordId": "r1", "modelInput": {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}}
+    s3_staging.path("in", "bad-native", "input.jsonl").write_bytes(orjson.dumps(line) + b"\n")
+    sdk = client(bedrock)
+    arn = sdk.create_model_invocation_job(
+        jobName="bad-native",
+        roleArn=ROLE,
+        modelId="anthropic.claude-3-haiku-20240307-v1:0",
+        inputDataConfig={
+            "s3InputDataConfig": {"s3Uri": f"s3://{s3_staging.bucket}/in/bad-native/input.jsonl"}
+        },
+        outputDataConfig={"s3OutputDataConfig": {"s3Uri": f"s3://{s3_staging.bucket}/out/bad-native/"}},
+    )["jobArn"]
+    job = wait_until(sdk, arn, DONE)
+    assert job["status"] == "Failed" and "anthropic_version" in job["message"]
