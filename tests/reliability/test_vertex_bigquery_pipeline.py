@@ -173,6 +173,38 @@ async def test_expired_and_cancelled_jobs_keep_what_was_answered(
     assert statuses.count("rejected") == 1
 
 
+async def test_crash_between_create_and_record_adopts_the_job_found_by_label(
+    batch_server: Any, bqemulator: str, bq_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow_batch_provider.submission import StateStore, SubmitState
+
+    serve(batch_server, bqemulator, monkeypatch)
+    seed(bq_pipeline)
+    manifest = bq_pipeline.build("crash", **build_args(bq_pipeline))
+    real_write = StateStore.write
+
+    class Crash(Exception):
+        pass
+
+    def crash_when_recording_id(self: StateStore, state: SubmitState) -> None:
+        if state.batch_id:
+            raise Crash(state.batch_id)
+        real_write(self, state)
+
+    monkeypatch.setattr(StateStore, "write", crash_when_recording_id)
+    with pytest.raises(Crash) as crashed:
+        bq_pipeline.submit_op(manifest, wait_for_completion=False).execute(
+            bq_pipeline.context("submit", "crash")
+        )
+    monkeypatch.setattr(StateStore, "write", real_write)
+    record = await bq_pipeline.submit_and_wait(manifest, "crash")
+    assert record.event is not None and record.event["batch_ids"] == [str(crashed.value)]
+    # The retry found the job by its label and created none.
+    assert len(list(BatchApiHook().list_batches())) == 1
+    merged = bq_pipeline.merge(record.submission, manifest, "answers")
+    assert merged["counts"]["succeeded"] == ROWS - 1
+
+
 def test_the_route_is_refused_by_name_where_it_cannot_run(
     bq_pipeline: Pipeline, duckdb_warehouse: Any
 ) -> None:
