@@ -230,6 +230,11 @@ class Shard(BaseModel):
         default=None, description="worst-case output tokens (None: a line sets no cap, and no default)"
     )
     estimated_cost: float | None = Field(default=None, description="USD, worst case; None: price unknown")
+    table: str | None = Field(
+        default=None,
+        description="the shard's requests table (bq://project.dataset.table) when the build wrote "
+        "the requests in BigQuery (requests_table); ``path`` then names no file",
+    )
 
 
 class Manifest(BaseModel):

@@ -214,6 +214,10 @@ class Dialect:
     #: The object-store schemes an "object_store" dialect reads input from and writes output to
     #: (``("s3",)``); the run's staging must be on one of them, checked before anything is written.
     object_store_schemes: ClassVar[tuple[str, ...]] = ()
+    #: Whether a job can read its requests from a BigQuery table and write its answers to one
+    #: (``bq://`` input and output: the build's ``requests_table`` route, see
+    #: ``warehouse/bigquery_requests.py``); the dialect then puts ``bq://`` URIs on the job.
+    bigquery_io: ClassVar[bool] = False
     #: The Airflow connection through which the provider reads the vendor's output objects (and
     #: writes its input), when the URIs the vendor names carry none; None: the scheme's default
     #: connection (``aws_default``...). Set by ``configure`` from the connection's extras.
@@ -578,6 +582,11 @@ class Dialect:
         :param name: the job's name (the shard's idempotency key), for vendors that name jobs.
         """
         raise NotImplementedError(f"dialect {self.name!r} does not submit through object storage")
+
+    def output_table(self, batch: Batch) -> str | None:
+        """The ``project.dataset.table`` an ended job wrote its answers to, for a dialect whose jobs
+        write BigQuery (``bigquery_io``); None otherwise."""
+        return None
 
     def results_prefix_of(self, batch: Batch) -> str | None:
         """The URI under which an "object_store" batch's result objects lie (None: none yet)."""

@@ -146,6 +146,8 @@ class VertexDialect(GeminiDialect):
     submission_mode = "object_store"
     results_modes: ClassVar[tuple[ResultsMode, ...]] = ("object_store",)
     object_store_schemes = ("gs", "gcs")
+    # Requests tables on BigQuery (bigquerySource) and prediction tables (bigqueryDestination).
+    bigquery_io = True
     list_keys = frozenset({JOBS})
     listed_id_key = "name"
     # A cancel of a job that has ended is refused as FAILED_PRECONDITION (HTTP 400).
@@ -305,13 +307,30 @@ class VertexDialect(GeminiDialect):
                 "gcsDestination": {"outputUriPrefix": output_uri.rstrip("/")},
             },
         }
+        if input_uri.startswith("bq://"):
+            # A requests table the build wrote in BigQuery; the predictions go to a new table
+            # (predictions_<time>) in the output dataset, one per job.
+            if not output_uri.startswith("bq://"):
+                raise ConfigurationError(
+                    f"a job reading {input_uri} writes its predictions to BigQuery: the output "
+                    f"{output_uri!r} is not a bq:// dataset"
+                )
+            body["inputConfig"] = {"instancesFormat": "bigquery", "bigquerySource": {"inputUri": input_uri}}
+            body["outputConfig"] = {
+                "predictionsFormat": "bigquery",
+                "bigqueryDestination": {"outputUri": output_uri.rstrip("/")},
+            }
         if labels:
             body["labels"] = labels
         return body
 
     def results_prefix_of(self, batch: Batch) -> str | None:
         """The directory the job wrote (``outputInfo``), else, once it ended, its output prefix
-        (a job that ended early may have written completed rows there)."""
+        (a job that ended early may have written completed rows there); None for a job writing
+        BigQuery (its table is read inside BigQuery by the merge, see ``output_table``)."""
+        config = batch.raw.get("outputConfig")
+        if isinstance(config, Mapping) and config.get("predictionsFormat") == "bigquery":
+            return None
         found = self.output_directory(batch.raw)
         if found or not batch.state.is_terminal:
             return found
@@ -319,6 +338,21 @@ class VertexDialect(GeminiDialect):
         gcs = config.get("gcsDestination") if isinstance(config, Mapping) else None
         prefix = gcs.get("outputUriPrefix") if isinstance(gcs, Mapping) else None
         return prefix if isinstance(prefix, str) and prefix else None
+
+    def output_table(self, batch: Batch) -> str | None:
+        """The ``project.dataset.table`` an ended job wrote its predictions to (BigQuery output:
+        ``outputInfo.bigqueryOutputDataset`` ``bq://project.dataset`` and the table's name in
+        ``bigqueryOutputTable``), None until then or for a Cloud Storage job."""
+        info = batch.raw.get("outputInfo")
+        if not isinstance(info, Mapping):
+            return None
+        dataset, table = info.get("bigqueryOutputDataset"), info.get("bigqueryOutputTable")
+        if not isinstance(table, str) or not table:
+            return None
+        table = table.removeprefix("bq://")
+        if table.count(".") >= 2 or not isinstance(dataset, str):
+            return table  # already qualified (or nothing to qualify it with)
+        return f"{dataset.removeprefix('bq://').rstrip('.')}.{table.rsplit('.', 1)[-1]}"
 
     def result_object_kind(self, relative: str) -> ResultObjectKind | None:
         """``predictions*.jsonl`` (below a ``prediction-*`` folder) holds the result lines."""

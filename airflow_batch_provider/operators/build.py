@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ from airflow_batch_provider.exceptions import (
     EmptyBatchError,
     RejectRatioExceededError,
 )
-from airflow_batch_provider.models import Manifest
+from airflow_batch_provider.models import Manifest, Shard
 from airflow_batch_provider.prices import PriceBook, spend_settings
 from airflow_batch_provider.rendering import BodySource
 from airflow_batch_provider.rows_to_lines import (
@@ -129,6 +130,16 @@ class SqlToBatchJsonlOperator(BaseOperator):
         them its answer (column ``shared_answer``). Off by default: with a temperature,
         identical requests may be meant to differ. Holds one small entry per distinct request
         in memory (about 200 bytes).
+    :param requests_table: ``dataset.prefix`` (or ``project.dataset.prefix``): write the requests
+        as BigQuery tables instead of files, by SQL run inside BigQuery, so no row passes through
+        the worker (templated). For a BigQuery source connection and a dialect whose jobs read
+        BigQuery (``vertex``); tables ``prefix_shard_000``... (key columns, ``custom_id``,
+        ``request_hash``, ``request``) and ``prefix_rejects``, in ``dataset``, where the job's
+        prediction tables also go. Restrictions, refused by name: ``messages`` as a list whose
+        strings are plain text plus ``{{ column }}`` (STRING or INT64 columns; no filters, blocks
+        or ``row[...]``: compute such text in ``sql``), INT64 or STRING key columns, no
+        ``parameters``, ``skip_unchanged`` or ``deduplicate``; no estimate is made. See
+        :mod:`airflow_batch_provider.warehouse.bigquery_requests`.
     :param list outlets: (a BaseOperator argument) every ``Asset`` among them gets the build's figures
         as its event extra: shard count, rows read / written / rejected, the staging URI.
     """
@@ -149,6 +160,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
         "target_table",
         "target_schema",
         "target_conn_id",
+        "requests_table",
     )
     template_ext: Sequence[str] = (".sql",)
     template_fields_renderers = {"sql": "sql", "parameters": "json"}
@@ -193,6 +205,7 @@ class SqlToBatchJsonlOperator(BaseOperator):
         target_conn_id: str | None = None,
         unchanged_lookup: str = "auto",
         deduplicate: bool = False,
+        requests_table: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -274,6 +287,25 @@ class SqlToBatchJsonlOperator(BaseOperator):
         self.target_conn_id = target_conn_id
         self.unchanged_lookup = unchanged_lookup
         self.deduplicate = deduplicate
+        self.requests_table = requests_table
+        if requests_table is not None:
+            refused = [
+                name
+                for name, given in (
+                    ("skip_unchanged", skip_unchanged),
+                    ("deduplicate", deduplicate),
+                    ("parameters", parameters is not None),
+                    ("body_template", body_template is not None),
+                    ("body_callable", body_callable is not None),
+                    ("input_column", input_column is not None),
+                )
+                if given
+            ]
+            if refused:
+                raise ConfigurationError(
+                    f"requests_table (requests written in BigQuery) does not take {', '.join(refused)}; "
+                    "give messages, and compute any other text in sql"
+                )
         # What this try wrote (its XCom), for lineage; None until the build succeeds.
         self.built: dict[str, Any] | None = None
 
@@ -409,6 +441,8 @@ class SqlToBatchJsonlOperator(BaseOperator):
     # ---- execution ----------------------------------------------------------------------------
 
     def execute(self, context: Context) -> dict[str, Any]:
+        if self.requests_table is not None:
+            return self._execute_in_bigquery(context)
         directory = self._staging_dir(context)
         # Before any work: on a distributed executor, local staging would strand the next task.
         staging.check_shared(directory)
@@ -503,6 +537,155 @@ class SqlToBatchJsonlOperator(BaseOperator):
         attach_outlet_extra(context, self.outlets, build_event_extra(self.built))
         return self.built
 
+    def _execute_in_bigquery(self, context: Context) -> dict[str, Any]:
+        """The ``requests_table`` route: SQL run inside BigQuery writes the request and rejects
+        tables; the manifest (counts and table names) is the only thing written to staging."""
+        from airflow_batch_provider.hooks.bigquery import BigQuerySqlHook
+        from airflow_batch_provider.jsonl import LineValidator
+        from airflow_batch_provider.rendering import body_builder
+        from airflow_batch_provider.warehouse import bigquery_requests as bq
+
+        assert self.requests_table is not None
+        directory = self._staging_dir(context)
+        staging.check_shared(directory)
+        dialect = self._dialect()
+        if not dialect.bigquery_io:
+            raise ConfigurationError(
+                f"requests_table: dialect {dialect.name!r} has no job that reads BigQuery tables "
+                "(vertex does); leave requests_table out to write files"
+            )
+        hook = self._hook()
+        if not isinstance(hook, BigQuerySqlHook):
+            raise ConfigurationError(
+                f"requests_table: connection {self.conn_id!r} gives a {type(hook).__name__}, not "
+                "BigQuery (type bigquery): the requests are written by SQL in the source database"
+            )
+        endpoint = self._endpoint()
+        dialect.check_endpoint(endpoint)
+        limits = self._limits(dialect)
+        prefix = keymod.check_prefix(self.custom_id_prefix or "")
+        self._check_names(hook)
+        query = self._query(hook)
+        client = hook.get_client()
+        project, dataset, name = bq.split_requests_table(self.requests_table, client.project)
+        quoting = _identifiers(hook)
+        schema = {
+            f.name: f.field_type for f in client.query(f"SELECT * FROM ({query}) LIMIT 0").result().schema
+        }
+        source = self._body_source()
+
+        def canonical_body(compiled: list[Any]) -> dict[str, Any]:
+            # The file route's body builder, given the compiled messages as constant text.
+            constant = dataclasses.replace(source, messages=compiled)
+            return body_builder(constant, [], endpoint).build(())
+
+        plan = bq.plan_requests(
+            source=query,
+            schema=schema,
+            key_columns=self.key_columns,
+            messages=self.messages,
+            canonical_body=canonical_body,
+            endpoint=endpoint,
+            encode_request=lambda line: _encoded_request(dialect, line),
+            prefix=prefix,
+            on_null=self.on_null,
+            max_line=min(limits.max_line_bytes, limits.max_file_bytes - 1),
+            quote=quoting.quote,
+        )
+        # Every row's line has the same shape (only text changes): its verdict is the first's.
+        sample_body = plan.body
+        sample: dict[str, Any] = {"custom_id": "x", "method": "POST", "url": endpoint, "body": sample_body}
+        rules = dataclasses.replace(dialect.validation_rules(limits), unique_custom_ids=False)
+        problems = LineValidator(rules, endpoint).check_object(sample, 1)
+        reason = problems[0].message if problems else dialect.unsupported(sample)
+        if reason is not None:
+            raise ConfigurationError(f"requests_table: every line would be rejected: {reason}")
+        model = sample_body.get("model")
+        if not isinstance(model, str) or not model:
+            raise ConfigurationError(
+                f"requests_table: no model in the body; dialect {dialect.name!r} runs one model per job "
+                "(give model=)"
+            )
+        staging.mkdirs(directory)
+        manifest_file = directory / staging.MANIFEST_NAME
+        if manifest_file.exists():
+            manifest_file.unlink()
+        self.log.info(
+            "Writing %s request tables %s.%s.%s_* from %s", dialect.name, project, dataset, name, self.conn_id
+        )
+        try:
+            built = bq.write_tables(
+                client,
+                plan,
+                project=project,
+                dataset=dataset,
+                name=name,
+                max_lines=limits.max_lines,
+                log=self.log,
+            )
+        finally:
+            client.close()
+        manifest = Manifest(
+            source=f"{self.conn_id}: {self.table or _one_line(query)}",
+            dialect=dialect.name,
+            endpoint=endpoint,
+            model=model,
+            key_columns=self.key_columns,
+            key_types=[bq.key_type(kind) for _, kind in plan.keys],
+            custom_id_prefix=prefix,
+            shards=[
+                Shard(
+                    index=index,
+                    path=f"bigquery/{uri.rsplit('.', 1)[-1]}",
+                    lines=lines,
+                    bytes=size,
+                    fingerprint=fingerprint,
+                    endpoint=endpoint,
+                    table=uri,
+                )
+                for index, uri, lines, size, fingerprint in built.shards
+            ],
+            rows_read=built.rows_read,
+            rows_written=built.rows_written,
+            rows_rejected=built.rows_rejected,
+            rejects_path=None,
+            keys_path=None,
+            extra={
+                "rejects_by_code": built.reject_codes,
+                "columns": list(schema),
+                "on_null": self.on_null,
+                "limits": dataclasses.asdict(limits),
+                "bigquery": {
+                    "rejects_table": built.rejects_table,
+                    "output_dataset": f"bq://{project}.{dataset}",
+                    "body_keys": sorted(sample_body),
+                },
+            },
+        )
+        result = BuildResult(
+            rows_read=built.rows_read,
+            rows_written=built.rows_written,
+            rows_rejected=built.rows_rejected,
+            reject_codes=Counter(built.reject_codes),
+            first_reasons=built.first_reasons,
+        )
+        self._check_outcome(result, directory)
+        written = staging.write_manifest(directory, manifest)
+        self.log.info(
+            "Wrote %d request(s) in %d table(s); %d row(s) rejected of %d read (%s); manifest %s",
+            manifest.rows_written,
+            len(manifest.shards),
+            manifest.rows_rejected,
+            manifest.rows_read,
+            built.rejects_table,
+            written,
+        )
+        self.built = manifest_xcom(manifest, directory)
+        for shard in self.built["shards"]:
+            shard["uri"] = shard["table"]
+        attach_outlet_extra(context, self.outlets, build_event_extra(self.built))
+        return self.built
+
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage: tables read, SQL, shard files written (:mod:`airflow_batch_provider.lineage`)."""
         from airflow_batch_provider.lineage import build_lineage
@@ -554,6 +737,16 @@ class SqlToBatchJsonlOperator(BaseOperator):
                     f"{build.rows_rejected} of {build.rows_read} rows rejected ({ratio:.1%}), over "
                     f"max_reject_ratio {self.max_reject_ratio:.1%} ({summary}); {where}"
                 )
+
+
+def _encoded_request(dialect: Dialect, line: dict[str, Any]) -> Any:
+    """The request object a job reads from a table row: the ``request`` of the encoded line."""
+    encoded = dialect.encode_line(line)
+    if not isinstance(encoded, dict) or "request" not in encoded:
+        raise ConfigurationError(
+            f"requests_table: dialect {dialect.name!r} does not encode a line as {{key, request}}"
+        )
+    return encoded["request"]
 
 
 def _identifiers(hook: Any) -> SqlDialect:

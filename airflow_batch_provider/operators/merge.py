@@ -22,8 +22,20 @@ from airflow_batch_provider.prices import Price, PriceBook, spend_settings
 from airflow_batch_provider.records import KeyRecord, RetryKey
 from airflow_batch_provider.request_hash import request_hash
 from airflow_batch_provider.warehouse.lines import RawResults, ResultFile, file_line_reader
-from airflow_batch_provider.warehouse.rows import STATUSES, Column, OutputSchema, ResultMapper
-from airflow_batch_provider.warehouse.write import PARSE_IN_CHOICES, MergeReport, ResultsWriter, ShardOutcome
+from airflow_batch_provider.warehouse.rows import (
+    RESULT_COLUMNS,
+    STATUSES,
+    Column,
+    OutputSchema,
+    ResultMapper,
+)
+from airflow_batch_provider.warehouse.write import (
+    PARSE_IN_CHOICES,
+    MergeReport,
+    ResultsWriter,
+    ShardOutcome,
+    SqlStaging,
+)
 
 if TYPE_CHECKING:
     from airflow.sdk import Context, ObjectStoragePath
@@ -357,7 +369,12 @@ class MergeBatchResultsOperator(BaseOperator):
         mapper = ResultMapper(extra_columns=self.extra_columns, output_schema=schema)
         key_columns: list[Column] = []
         keys_file = rejects_file = None
-        if manifest is not None and staging_dir is not None and manifest.key_columns and manifest.keys_path:
+        in_tables = manifest is not None and any(s.table for s in manifest.shards)
+        if in_tables:
+            assert manifest is not None
+            types = list(manifest.key_types) or ["text"] * len(manifest.key_columns)
+            key_columns = [Column(n, t) for n, t in zip(manifest.key_columns, types, strict=True)]
+        elif manifest is not None and staging_dir is not None and manifest.key_columns and manifest.keys_path:
             types = list(manifest.key_types) or ["text"] * len(manifest.key_columns)
             key_columns = [Column(n, t) for n, t in zip(manifest.key_columns, types, strict=True)]
             keys_file = staging_dir / manifest.keys_path
@@ -400,6 +417,18 @@ class MergeBatchResultsOperator(BaseOperator):
                     yield line, batch.id
                 self.log.info("Read %d result line(s) of batch %s", count, batch.id)
 
+        if in_tables:
+            assert manifest is not None
+            report = writer.merge(
+                iter(()),
+                staged=self._tables_staging(hook, manifest, batches, len(mapper.columns)),
+                shards=shards,
+            )
+            self.merge_summary = self._summarise(report, list(batches), resubmission, manifest, price_note)
+            attach_outlet_extra(
+                context, self.outlets, merge_event_extra(self.merge_summary, self.target_schema)
+            )
+            return self.merge_summary
         report = writer.merge(
             self._raw_results(hook, batches, writer) or results(),
             keys=keys_file,
@@ -410,6 +439,53 @@ class MergeBatchResultsOperator(BaseOperator):
         self.merge_summary = self._summarise(report, list(batches), resubmission, manifest, price_note)
         attach_outlet_extra(context, self.outlets, merge_event_extra(self.merge_summary, self.target_schema))
         return self.merge_summary
+
+    def _tables_staging(
+        self, hook: BatchApiHook, manifest: Manifest, batches: Mapping[str, Any], columns: int
+    ) -> SqlStaging:
+        """The staging SQL of a build that wrote its requests in BigQuery (``requests_table``):
+        request, rejects and prediction tables read inside BigQuery by the results table's
+        connection (see ``warehouse/bigquery_results.py``)."""
+        from airflow_batch_provider.hooks.bigquery import BigQuerySqlHook
+        from airflow_batch_provider.warehouse import bigquery_results as bq
+
+        refused = [
+            name
+            for name, given in (
+                ("resubmit_failed", self.resubmit_failed),
+                ("extra_columns", bool(self.extra_columns)),
+                ("output_schema", self.output_schema is not None),
+            )
+            if given
+        ]
+        if refused:
+            raise ConfigurationError(
+                f"the build wrote its requests in BigQuery (requests_table): the merge reads them "
+                f"there, and cannot give {', '.join(refused)} (they need the rows in Python)"
+            )
+        warehouse = self.get_warehouse_hook()
+        if not isinstance(warehouse, BigQuerySqlHook):
+            raise ConfigurationError(
+                f"the build wrote its requests in BigQuery (requests_table): the results table must be "
+                f"on a BigQuery connection too, and {self.conn_id!r} gives a {type(warehouse).__name__}"
+            )
+        found = manifest.extra.get("bigquery")
+        tables: dict[str, Any] = found if isinstance(found, dict) else {}
+        rejects = str(tables.get("rejects_table") or "")
+        outputs = []
+        for batch in batches.values():
+            table = hook.dialect.output_table(batch)
+            if table is not None:
+                outputs.append((batch.id, table))
+            else:
+                self.log.info("Batch %s wrote no prediction table (%s)", batch.id, batch.state.value)
+        keys = manifest.key_columns
+        return SqlStaging(
+            keys=bq.keys_select([(s.index, str(s.table)) for s in manifest.shards if s.table], keys),
+            rejects=bq.rejects_select(rejects, keys),
+            unkeyed_rejects=bq.unkeyed_rejects_select(rejects, keys),
+            results=bq.results_select(outputs, columns - len(RESULT_COLUMNS)),
+        )
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage: batches read, table written, figures (:mod:`airflow_batch_provider.lineage`)."""

@@ -111,6 +111,12 @@ class ShardInput:
     lines: int | None = None
     # The build's estimate of the shard's input tokens (the queue-aware submit's ledger entry).
     input_tokens: int | None = None
+    # A shard the build wrote as a BigQuery table (``requests_table``): its bq:// URI, the
+    # dataset its prediction table goes to, the job's model and the body keys every row holds.
+    table: str | None = None
+    output_dataset: str | None = None
+    model: str | None = None
+    body_keys: tuple[str, ...] = ()
 
 
 class SubmitBatchOperator(BaseOperator):
@@ -305,6 +311,9 @@ class SubmitBatchOperator(BaseOperator):
         if not shards:
             return self._nothing_to_send(context, manifest_file)
         for shard in shards:
+            if shard.table is not None:
+                self._check_table_shard(dialect, shard)
+                continue
             # A job that reads object storage reads it beside the shard: refused before any write.
             dialect.check_staging(shard.path)
             # A vendor's per-job bounds (Bedrock's fewest records): refused before any create.
@@ -759,6 +768,8 @@ class SubmitBatchOperator(BaseOperator):
             replaced = [*state.replaced_batch_ids, *(d for d in dead if d not in state.replaced_batch_ids)]
         if dialect.submission_mode == "inline":
             return self._create_inline(hook, store, identity, shard, key, fingerprint, replaced, defaults)
+        if shard.table is not None:
+            return self._create_from_table(hook, store, identity, shard, key, fingerprint, replaced)
         if dialect.submission_mode == "object_store":
             return self._create_in_store(hook, store, identity, shard, key, fingerprint, replaced, defaults)
         file_id = (
@@ -1099,6 +1110,77 @@ class SubmitBatchOperator(BaseOperator):
             )
 
     # ---- input -------------------------------------------------------------------------
+    def _check_table_shard(self, dialect: Dialect, shard: ShardInput) -> None:
+        """A shard written as a BigQuery table: its rows were encoded by the build, so this
+        submit can change nothing in them (refused by name before any create)."""
+        if not dialect.bigquery_io:
+            raise ConfigurationError(
+                f"shard {shard.index} is the BigQuery table {shard.table}; dialect {dialect.name!r} "
+                "has no job that reads BigQuery (rebuild without requests_table)"
+            )
+        if self.model and self.model != shard.model:
+            raise ConfigurationError(
+                f"shard {shard.index} ({shard.table}) was built for model {shard.model!r}; its rows are "
+                f"encoded in BigQuery, so model={self.model!r} cannot replace it: rebuild with that model"
+            )
+        missing = sorted(k for k in self._line_defaults if k not in shard.body_keys)
+        if missing:
+            raise ConfigurationError(
+                f"shard {shard.index} ({shard.table}): the connection's request_defaults set "
+                f"{', '.join(missing)}, which the rows built in BigQuery lack; give the build "
+                "batch_conn_id (or body) so they are in the requests"
+            )
+        problem = dialect.job_problem(shard.lines, None)
+        if problem is not None:
+            raise ConfigurationError(f"shard {shard.index} ({shard.table}): {problem}")
+
+    def _create_from_table(
+        self,
+        hook: BatchApiHook,
+        store: SubmissionStateStore,
+        identity: RunIdentity,
+        shard: ShardInput,
+        key: str,
+        fingerprint: str,
+        replaced: list[str],
+    ) -> SubmitState:
+        """Create a job reading a requests table the build wrote in BigQuery, writing its
+        predictions to a new table in the output dataset (nothing is read or written here)."""
+        dialect = hook.dialect
+        assert shard.table is not None and shard.output_dataset is not None
+        state = SubmitState(
+            key=key,
+            shard=shard.index,
+            fingerprint=fingerprint,
+            dag_id=identity.dag_id,
+            task_id=identity.task_id,
+            run_id=identity.run_id,
+            map_index=identity.map_index,
+            endpoint=shard.endpoint,
+            input_file_id=shard.table,
+            model=shard.model,
+            intent_at=now_utc(),
+            replaced_batch_ids=replaced,
+        )
+        store.write(state)
+        batch = hook.create_batch(
+            input_file_id=shard.table,
+            output_uri=shard.output_dataset,
+            endpoint=shard.endpoint,
+            completion_window=self.completion_window,
+            metadata=batch_metadata(
+                identity, shard=shard.index, fingerprint=fingerprint, dialect=dialect, extra=self.metadata
+            ),
+            name=key,
+            model=shard.model,
+            not_these=self._batch_ids,
+        )
+        state.batch_id = batch.id
+        state.created_at = batch.created_at or now_utc()
+        store.write(state)
+        self.log.info("Shard %d: created batch %s reading %s", shard.index, batch.id, shard.table)
+        return state
+
     def _plan(self, dialect: Dialect) -> tuple[list[ShardInput], ObjectStoragePath, ObjectStoragePath | None]:
         """Resolve ``source`` into shards, the state directory and the manifest file (if any)."""
         manifest: Manifest | None = None
@@ -1167,10 +1249,28 @@ class SubmitBatchOperator(BaseOperator):
         if not chosen:
             raise ConfigurationError(f"manifest {manifest_file} lists no shards (nothing to submit)")
         shards = []
+        found = manifest.extra.get("bigquery")
+        tables: dict[str, Any] = found if isinstance(found, dict) else {}
         for s in chosen:
             endpoint = self.endpoint or s.endpoint or manifest.endpoint
             dialect.check_endpoint(endpoint)
             path = staging / s.path
+            if s.table is not None:
+                # Rows encoded in BigQuery by the build: nothing in staging to read or check.
+                shards.append(
+                    ShardInput(
+                        s.index,
+                        path,
+                        s.fingerprint,
+                        endpoint,
+                        s.lines,
+                        table=s.table,
+                        output_dataset=str(tables.get("output_dataset") or ""),
+                        model=manifest.model,
+                        body_keys=tuple(tables.get("body_keys") or ()),
+                    )
+                )
+                continue
             if self.validate:
                 checked = self._validated(dialect, path, endpoint)
                 if checked.fingerprint != s.fingerprint:
@@ -1185,6 +1285,11 @@ class SubmitBatchOperator(BaseOperator):
         self, dialect: Dialect, shard: Mapping[str, Any]
     ) -> tuple[list[ShardInput], ObjectStoragePath, ObjectStoragePath | None]:
         """One shard of a build XCom (``.expand()`` over its ``shards``): ``{index, uri, fingerprint}``."""
+        if shard.get("table"):
+            raise ConfigurationError(
+                f"shard {shard.get('index')} is the BigQuery table {shard['table']}: pass the build's "
+                "XCom (or its manifest_path) as source, not one shard of it"
+            )
         path = resolve_path(shard["uri"])
         if not path.exists():
             raise ConfigurationError(f"shard {shard.get('index')} file {path} does not exist")

@@ -48,6 +48,9 @@ from airflow_batch_provider.server.vertex import (
     upload,
     vertex_job_id,
 )
+from airflow_batch_provider.server.vertex_bigquery import COLUMNS_SUFFIX
+from airflow_batch_provider.server.vertex_bigquery import read_input as read_input_table
+from airflow_batch_provider.server.vertex_bigquery import write_output as write_output_table
 from airflow_batch_provider.server.wire import AnthropicWire, ApiError, Wire, get_wire
 
 log = logging.getLogger(__name__)
@@ -789,6 +792,8 @@ def _prediction_job_routes(r: APIRouter) -> None:
     async def exported(st: ServerState, rec: dict[str, Any]) -> dict[str, Any]:
         # An ended job's predictions are written to its output prefix once, when first read.
         job = rec["vertex"]
+        if job.get("format") == "bigquery":
+            return await exported_table(st, rec)
         if rec["status"] in TERMINAL and not job.get("output_dir") and rec.get("output_file_id"):
             endpoint = st.config.gcs_endpoint_url
             if endpoint is None:
@@ -800,6 +805,38 @@ def _prediction_job_routes(r: APIRouter) -> None:
             st.engine.save(rec)
         return rec
 
+    async def exported_table(st: ServerState, rec: dict[str, Any]) -> dict[str, Any]:
+        # The output table is written once, when the ended job is first read (a failed job
+        # that answered nothing writes none).
+        job = rec["vertex"]
+        if rec["status"] not in TERMINAL or job.get("output_table") or rec["status"] == "failed":
+            return rec
+        endpoint = st.config.bigquery_endpoint_url
+        if endpoint is None:
+            raise not_ready(st.wire, bigquery=True)  # type: ignore[arg-type]
+        output = st.store.file_path(rec["output_file_id"]) if rec.get("output_file_id") else None
+        source = st.store.file_path(rec["input_file_id"])
+        columns = source.with_name(source.name + COLUMNS_SUFFIX)
+        processed = _iso_time(rec.get("completed_at") or rec.get("cancelled_at") or rec.get("expired_at"))
+        dataset, table = await asyncio.to_thread(
+            write_output_table, endpoint, rec, columns, output, processed
+        )
+        job.update(output_dataset=dataset, output_table=table)
+        st.engine.save(rec)
+        return rec
+
+    async def read_table(st: ServerState, wire: VertexWire, job: dict[str, Any], path: Path) -> None:
+        endpoint = st.config.bigquery_endpoint_url
+        if endpoint is None:
+            raise not_ready(wire, bigquery=True)
+        columns = path.with_name(path.name + COLUMNS_SUFFIX)
+        try:
+            job["schema"] = await asyncio.to_thread(read_input_table, endpoint, job["input"], path, columns)
+        except FileNotFoundError:
+            raise wire.error(404, f"Table {job['input']} was not found.") from None
+        except ValueError as exc:
+            raise wire.error(400, str(exc)) from None
+
     @r.post(jobs)
     async def create(project: str, location: str, request: Request) -> dict[str, Any]:
         st, wire = own(request)
@@ -810,12 +847,16 @@ def _prediction_job_routes(r: APIRouter) -> None:
         created = wire.parse_job(body)
         job = created.pop("vertex")
         job.update(project=project, location=location)
-        endpoint = st.config.gcs_endpoint_url
-        if endpoint is None:
-            raise not_ready(wire)
         _storage_room(st)
         file_id = st.store.new_id("file-")
         path = st.store.file_path(file_id)
+        if job.get("format") == "bigquery":
+            await read_table(st, wire, job, path)
+            rec = _start_job(st, request, created, vertex_job_id(), path, "input.jsonl", vertex=job)
+            return wire.render_batch(rec)
+        endpoint = st.config.gcs_endpoint_url
+        if endpoint is None:
+            raise not_ready(wire)
         try:
             await asyncio.to_thread(download, endpoint, job["input"], path)
         except FileNotFoundError:
@@ -860,6 +901,13 @@ def _prediction_job_routes(r: APIRouter) -> None:
             )
         st.engine.cancel(rec)
         return {}
+
+
+def _iso_time(value: float | None) -> str:
+    """An epoch time (else now) as ISO 8601 UTC text."""
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(value if value is not None else now(), tz=timezone.utc).isoformat()
 
 
 def _start_job(

@@ -106,6 +106,8 @@ class ServerConfig(BaseModel):
     :param faults: faults injected from the start.
     :param gcs_endpoint_url: the Cloud Storage JSON API a mode whose jobs read and write gs://
         uses (vertex: the test suite's emulator), without credentials.
+    :param bigquery_endpoint_url: the BigQuery REST endpoint a mode whose jobs read and write
+        ``bq://`` tables uses (vertex: the test suite's bqemulator), with anonymous credentials.
     :param s3_endpoint_url: the S3 endpoint a mode whose jobs read and write S3 uses (bedrock;
         None: AWS's own), with boto3's default credentials.
     """
@@ -142,6 +144,7 @@ class ServerConfig(BaseModel):
     enqueued_limit_form: Literal["refuse", "fail"] | None = None
     faults: FaultConfig = Field(default_factory=FaultConfig)
     gcs_endpoint_url: str | None = None
+    bigquery_endpoint_url: str | None = None
     s3_endpoint_url: str | None = None
 
     @field_validator("allowed_hosts")

@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "vertex; e.g. a gcp-storage-emulator at http://127.0.0.1:9023)",
     )
     parser.add_argument(
+        "--bigquery-endpoint-url",
+        metavar="URL",
+        help="BigQuery REST endpoint the jobs read bq:// input tables from and write prediction "
+        "tables to (dialect vertex; anonymous credentials, e.g. a bqemulator at http://127.0.0.1:9050)",
+    )
+    parser.add_argument(
         "--s3-endpoint-url",
         metavar="URL",
         help="S3 endpoint the jobs read input from and write results to (dialect bedrock; default: "
@@ -133,6 +139,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         backend=args.backend,
         dialect=args.dialect,
         gcs_endpoint_url=getattr(args, "gcs_endpoint_url", None),
+        bigquery_endpoint_url=getattr(args, "bigquery_endpoint_url", None),
         api_key=api_key,
         bearer_token=bearer_token,
         s3_endpoint_url=getattr(args, "s3_endpoint_url", None),

@@ -14,8 +14,11 @@ them), and once the job has ended writes ``predictions.jsonl`` under
 names. Each output line is ``{key, response, status: ""}``, or ``{key, status: <message>}`` for a
 failed request; a job that ended with failed requests is ``JOB_STATE_PARTIALLY_SUCCEEDED``.
 
+BigQuery input and output (``instancesFormat``/``predictionsFormat`` ``bigquery``) read and
+write through ``server/vertex_bigquery.py``.
+
 Not emulated: the output lines do not echo the ``request`` (Google's do); an unreadable input is
-refused at create (Google fails the job later); BigQuery input and output; no tuned-model
+refused at create (Google fails the job later); no tuned-model
 (``projects/...``) resource is checked.
 """
 
@@ -33,6 +36,7 @@ from urllib.parse import quote
 import httpx
 import orjson
 
+from airflow_batch_provider.server.vertex_bigquery import split_bq
 from airflow_batch_provider.server.wire import SYSTEM_MESSAGES, ApiError, GeminiWire, tallies
 
 JOBS = "batchPredictionJobs"
@@ -148,31 +152,7 @@ class VertexWire(GeminiWire):
         model = body.get("model")
         if not isinstance(model, str) or not _MODEL.fullmatch(model):
             raise self.error(400, f"model {model!r} must be publishers/google/models/{{model}}.")
-        source = body.get("inputConfig")
-        gcs = source.get("gcsSource") if isinstance(source, Mapping) else None
-        uris = gcs.get("uris") if isinstance(gcs, Mapping) else None
-        if not isinstance(source, Mapping) or source.get("instancesFormat") != "jsonl":
-            raise self.error(
-                400, "inputConfig.instancesFormat must be jsonl (the local server reads gcsSource)."
-            )
-        if not isinstance(uris, list) or len(uris) != 1 or not isinstance(uris[0], str):
-            raise self.error(400, "inputConfig.gcsSource.uris must name one gs:// object.")
-        out = body.get("outputConfig")
-        dest = out.get("gcsDestination") if isinstance(out, Mapping) else None
-        prefix = dest.get("outputUriPrefix") if isinstance(dest, Mapping) else None
-        if (
-            not isinstance(out, Mapping)
-            or out.get("predictionsFormat") != "jsonl"
-            or not isinstance(prefix, str)
-        ):
-            raise self.error(
-                400, "outputConfig needs predictionsFormat jsonl and gcsDestination.outputUriPrefix."
-            )
-        for uri in (uris[0], prefix.rstrip("/") + "/x"):
-            try:
-                split_gs(uri)
-            except ValueError as exc:
-                raise self.error(400, str(exc)) from None
+        job = self._io(body.get("inputConfig"), body.get("outputConfig"))
         labels = body.get("labels") or {}
         if not isinstance(labels, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) and _FILTER.fullmatch(f'labels.{k}="{v}"')
@@ -187,8 +167,47 @@ class VertexWire(GeminiWire):
             "metadata": dict(labels),
             "name": display,
             "model": model.rsplit("/", 1)[-1],
-            "vertex": {"model": model, "input": uris[0], "output_prefix": prefix.rstrip("/")},
+            "vertex": {"model": model, **job},
         }
+
+    def _io(self, source: Any, out: Any) -> dict[str, Any]:
+        """The job's input and output: one JSONL object on gs:// and a gs:// prefix, or a
+        BigQuery table and a BigQuery dataset or table (``server/vertex_bigquery.py``)."""
+        if not isinstance(source, Mapping) or not isinstance(out, Mapping):
+            raise self.error(400, "inputConfig and outputConfig are required.")
+        if source.get("instancesFormat") == "bigquery":
+            uri = (source.get("bigquerySource") or {}).get("inputUri")
+            dest = out.get("bigqueryDestination")
+            target = dest.get("outputUri") if isinstance(dest, Mapping) else None
+            if out.get("predictionsFormat") != "bigquery" or not isinstance(target, str):
+                raise self.error(
+                    400, "outputConfig needs predictionsFormat bigquery and bigqueryDestination.outputUri."
+                )
+            try:
+                if not isinstance(uri, str) or split_bq(uri)[2] is None:
+                    raise ValueError(f"inputConfig.bigquerySource.inputUri {uri!r} must name a bq:// table")
+                split_bq(target)
+            except ValueError as exc:
+                raise self.error(400, str(exc)) from None
+            return {"input": uri, "output_uri": target, "format": "bigquery"}
+        gcs = source.get("gcsSource")
+        uris = gcs.get("uris") if isinstance(gcs, Mapping) else None
+        if source.get("instancesFormat") != "jsonl":
+            raise self.error(400, "inputConfig.instancesFormat must be jsonl or bigquery.")
+        if not isinstance(uris, list) or len(uris) != 1 or not isinstance(uris[0], str):
+            raise self.error(400, "inputConfig.gcsSource.uris must name one gs:// object.")
+        dest = out.get("gcsDestination")
+        prefix = dest.get("outputUriPrefix") if isinstance(dest, Mapping) else None
+        if out.get("predictionsFormat") != "jsonl" or not isinstance(prefix, str):
+            raise self.error(
+                400, "outputConfig needs predictionsFormat jsonl and gcsDestination.outputUriPrefix."
+            )
+        for uri in (uris[0], prefix.rstrip("/") + "/x"):
+            try:
+                split_gs(uri)
+            except ValueError as exc:
+                raise self.error(400, str(exc)) from None
+        return {"input": uris[0], "output_prefix": prefix.rstrip("/")}
 
     def parse_filter(self, text: str | None) -> dict[str, str]:
         """``labels.k="v" AND ...`` as the pairs a listed job must carry (what the provider sends)."""
@@ -219,11 +238,7 @@ class VertexWire(GeminiWire):
             "name": f"projects/{project}/locations/{location}/{JOBS}/{rec['id']}",
             "displayName": rec.get("name"),
             "model": job.get("model"),
-            "inputConfig": {"instancesFormat": "jsonl", "gcsSource": {"uris": [job.get("input")]}},
-            "outputConfig": {
-                "predictionsFormat": "jsonl",
-                "gcsDestination": {"outputUriPrefix": job.get("output_prefix")},
-            },
+            **_io_config(job),
             "state": self.status_of(rec),
             "createTime": _iso(rec["created_at"]),
             "updateTime": _iso(ended or rec.get("in_progress_at") or rec["created_at"]),
@@ -240,6 +255,11 @@ class VertexWire(GeminiWire):
             raw["endTime"] = _iso(ended)
         if job.get("output_dir"):
             raw["outputInfo"] = {"gcsOutputDirectory": job["output_dir"]}
+        if job.get("output_table"):
+            raw["outputInfo"] = {
+                "bigqueryOutputDataset": job["output_dataset"],
+                "bigqueryOutputTable": job["output_table"],
+            }
         if status == "failed":
             errors = rec.get("errors") or [{}]
             message = str(errors[0].get("message") or errors[0].get("code") or "the job failed")
@@ -268,6 +288,25 @@ class VertexWire(GeminiWire):
         return {"key": custom_id, "status": message or SYSTEM_MESSAGES.get(code, code)}
 
 
+def _io_config(job: Mapping[str, Any]) -> dict[str, Any]:
+    """``inputConfig`` and ``outputConfig`` of a job as it was created."""
+    if job.get("format") == "bigquery":
+        return {
+            "inputConfig": {"instancesFormat": "bigquery", "bigquerySource": {"inputUri": job.get("input")}},
+            "outputConfig": {
+                "predictionsFormat": "bigquery",
+                "bigqueryDestination": {"outputUri": job.get("output_uri")},
+            },
+        }
+    return {
+        "inputConfig": {"instancesFormat": "jsonl", "gcsSource": {"uris": [job.get("input")]}},
+        "outputConfig": {
+            "predictionsFormat": "jsonl",
+            "gcsDestination": {"outputUriPrefix": job.get("output_prefix")},
+        },
+    }
+
+
 def output_dir(rec: Mapping[str, Any]) -> str:
     """The directory a job's predictions go to: ``<prefix>/prediction-model-<creation time>``."""
     job = rec["vertex"]
@@ -275,7 +314,11 @@ def output_dir(rec: Mapping[str, Any]) -> str:
     return f"{job['output_prefix']}/prediction-model-{stamp}"
 
 
-def not_ready(wire: VertexWire) -> ApiError:
+def not_ready(wire: VertexWire, bigquery: bool = False) -> ApiError:
+    if bigquery:
+        return wire.error(
+            400, "The local server was started without --bigquery-endpoint-url: it cannot read bq://."
+        )
     return wire.error(400, "The local server was started without --gcs-endpoint-url: it cannot read gs://.")
 
 

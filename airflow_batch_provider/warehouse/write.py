@@ -77,6 +77,25 @@ class ShardOutcome:
     absent_status: str = "missing"
 
 
+@dataclass(frozen=True)
+class SqlStaging:
+    """The merge's staging filled by SQL run in the target database, from tables already there
+    (the BigQuery route: request, rejects and prediction tables), so no row passes through the
+    worker. Each SELECT gives its staging table's columns in order (see ``_key_staging_columns``,
+    ``_stage_keyed`` and the results' ``custom_id, seq, <mapper columns>``).
+
+    :param keys: the keys' staged rows (``custom_id, shard, seq, klen, rhash, rid, k0..``).
+    :param rejects: the keyed rejects' staged rows (``custom_id, seq, code, reason, k0..``).
+    :param unkeyed_rejects: one row, one count: the rejects without a usable key.
+    :param results: the results' staged rows.
+    """
+
+    keys: str
+    rejects: str
+    unkeyed_rejects: str
+    results: str
+
+
 @dataclass
 class MergeReport:
     """What one merge wrote and found."""
@@ -330,6 +349,7 @@ class ResultsWriter:
         shards: Mapping[int, ShardOutcome] | None = None,
         on_retry: RetryCallback | None = None,
         merged_at: datetime | None = None,
+        staged: SqlStaging | None = None,
     ) -> MergeReport:
         """Write one row per key in one transaction and return what happened.
 
@@ -344,7 +364,16 @@ class ResultsWriter:
         :param on_retry: receives the ``RetryKey`` (shard, custom_id, key values...) of every
             retryable key before commit; an exception from it rolls the merge back.
         :param merged_at: the ``merged_at`` value of every written row (default: now, UTC).
+        :param staged: the staging filled by SQL in the database instead (``keys``, ``rejects``
+            and ``results`` are then not read); the write that follows is the same.
         """
+        if staged is not None:
+            if self.mapper.extra_paths or self.mapper.output_schema is not None:
+                raise WarehouseSchemaError(
+                    "extra_columns and output_schema are read in Python, so a merge whose results "
+                    "stay in the database cannot give them"
+                )
+            keys, rejects, results = (), (), iter(())
         if self.manifest_mode and keys is None:
             raise ValueError("key columns were given but no keys to merge")
         if on_retry is not None and not self.manifest_mode:
@@ -386,7 +415,10 @@ class ResultsWriter:
                 self._create_temp(conn, t_keys, key_cols, created)
 
                 def load_keys() -> None:
-                    self._load_keys(conn, t_keys, key_cols, keys or ())
+                    if staged is not None:
+                        self._insert_select(conn, t_keys, key_cols, staged.keys)
+                    else:
+                        self._load_keys(conn, t_keys, key_cols, keys or ())
 
                 keyed = _Keyed(
                     plan,
@@ -401,6 +433,14 @@ class ResultsWriter:
                     ),
                     _Rounds(),
                 )
+                if staged is not None:
+                    t_rej = keyed.sql.t_rejects
+                    rej_cols = self._staging_columns(
+                        ["custom_id", "seq", "code", "reason", *keyed.sql.key_names],
+                        ["text", "integer", "text", "text", *[c.type for c in self.key_columns]],
+                    )
+                    self._insert_select(conn, t_rej, rej_cols, staged.rejects)
+                    report.unkeyed_rejects = int(self._fetchall(conn, staged.unkeyed_rejects)[0][0] or 0)
 
             # Where a second connection parses a share of the raw lines, the keys are staged
             # while it does (see _stage_raw); else after the lines.
@@ -422,7 +462,19 @@ class ResultsWriter:
                     results, raw = raw.parsed(), None
             if raw is None:
                 self._create_temp(conn, t_results, res_cols, created)
-            if sql_sums is not None:
+            if staged is not None:
+                if load_keys is not None:
+                    load_keys()
+                self._insert_select(conn, t_results, res_cols, staged.results)
+                q = self.dialect.quote
+                counted = self._fetchall(
+                    conn,
+                    f"SELECT COUNT(*), SUM({q('prompt_tokens')}), SUM({q('completion_tokens')}), "
+                    f"SUM({q('total_tokens')}) FROM {q(t_results)}",
+                )[0]
+                report.result_lines = int(counted[0] or 0)
+                sql_sums = (int(counted[1] or 0), int(counted[2] or 0), int(counted[3] or 0))
+            elif sql_sums is not None:
                 if load_keys is not None and not keys_staged:
                     load_keys()
             else:
@@ -1288,6 +1340,11 @@ class ResultsWriter:
                 reject.message,
                 *self._key_values(reject.key, f"rejects.jsonl line {seq}"),
             )
+
+    def _insert_select(self, conn: Any, table: str, columns: Sequence[Column], select: str) -> None:
+        """Fill a staging table from a SELECT run in the database (``SqlStaging``)."""
+        q = self.dialect.quote
+        self._execute(conn, f"INSERT INTO {q(table)} ({', '.join(q(c.name) for c in columns)}) {select}")
 
     def _execute(self, conn: Any, sql: str, params: Sequence[Any] | None = None) -> None:
         cur = self.dialect.cursor(conn)
