@@ -611,7 +611,13 @@ class SqlToBatchJsonlOperator(BaseOperator):
         if manifest_file.exists():
             manifest_file.unlink()
         self.log.info(
-            "Writing %s request tables %s.%s.%s_* from %s", dialect.name, project, dataset, name, self.conn_id
+            "Writing %s request tables %s.%s.%s_%s_* from %s",
+            dialect.name,
+            project,
+            dataset,
+            name,
+            bq.run_token(str(directory)),
+            self.conn_id,
         )
         try:
             built = bq.write_tables(
@@ -620,6 +626,9 @@ class SqlToBatchJsonlOperator(BaseOperator):
                 project=project,
                 dataset=dataset,
                 name=name,
+                # The run's own tables (a prefix of at most 200 characters, an 11-character token
+                # and a suffix stay far within BigQuery's 1,024-character table names).
+                token=bq.run_token(str(directory)),
                 max_lines=limits.max_lines,
                 log=self.log,
             )
@@ -659,6 +668,9 @@ class SqlToBatchJsonlOperator(BaseOperator):
                     "rejects_table": built.rejects_table,
                     "output_dataset": f"bq://{project}.{dataset}",
                     "body_keys": sorted(sample_body),
+                    # Checked again (with each shard's fingerprint) by the submit and the merge.
+                    "template": plan.template,
+                    "conn_id": self.conn_id,
                 },
             },
         )

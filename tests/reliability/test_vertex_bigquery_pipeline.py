@@ -278,8 +278,8 @@ def test_both_builds_agree_on_ids_hashes_and_rejects(bq_pipeline: Pipeline) -> N
     assert sorted(bq_pipeline.warehouse.rows(union)) == sorted(
         (k["custom_id"], k["request_hash"]) for k in keys
     )
-    schema = bq_pipeline.warehouse.schema
-    got = bq_pipeline.warehouse.rows(f"SELECT custom_id, code, reason FROM `{schema}.req_rejects`")
+    rejects_table = tables["extra"]["bigquery"]["rejects_table"].removeprefix("bq://")
+    got = bq_pipeline.warehouse.rows(f"SELECT custom_id, code, reason FROM `{rejects_table}`")
     # Row numbers follow each read's order, which BigQuery does not fix: compared as sets.
     assert sorted(got, key=str) == sorted(
         ((r["custom_id"], r["code"], r["reason"]) for r in rejects), key=str
