@@ -133,11 +133,13 @@ class SqlToBatchJsonlOperator(BaseOperator):
     :param requests_table: ``dataset.prefix`` (or ``project.dataset.prefix``): write the requests
         as BigQuery tables instead of files, by SQL run inside BigQuery, so no row passes through
         the worker (templated). For a BigQuery source connection and a dialect whose jobs read
-        BigQuery (``vertex``); tables ``prefix_shard_000``... (key columns, ``custom_id``,
-        ``request_hash``, ``request``) and ``prefix_rejects``, in ``dataset``, where the job's
-        prediction tables also go. Restrictions, refused by name: ``messages`` as a list whose
-        strings are plain text plus ``{{ column }}`` (STRING or INT64 columns; no filters, blocks
-        or ``row[...]``: compute such text in ``sql``), INT64 or STRING key columns, no
+        BigQuery (``vertex``); tables ``prefix_<token>_shard_000``... (key columns,
+        ``custom_id``, ``request_hash``, ``request``) and ``prefix_<token>_rejects``, in
+        ``dataset``, where the job's prediction tables also go (``<token>``: the run's, from its
+        staging directory, so overlapping runs keep their own tables). Restrictions, refused by
+        name: ``messages`` as a list whose strings are plain text plus ``{{ column }}`` (STRING
+        or INT64 columns; no filters, blocks or ``row[...]``: compute such text in ``sql``),
+        INT64 or STRING key columns, no
         ``parameters``, ``skip_unchanged`` or ``deduplicate``; no estimate is made. See
         :mod:`airflow_batch_provider.warehouse.bigquery_requests`.
     :param list outlets: (a BaseOperator argument) every ``Asset`` among them gets the build's figures
@@ -611,7 +613,13 @@ class SqlToBatchJsonlOperator(BaseOperator):
         if manifest_file.exists():
             manifest_file.unlink()
         self.log.info(
-            "Writing %s request tables %s.%s.%s_* from %s", dialect.name, project, dataset, name, self.conn_id
+            "Writing %s request tables %s.%s.%s_%s_* from %s",
+            dialect.name,
+            project,
+            dataset,
+            name,
+            bq.run_token(str(directory)),
+            self.conn_id,
         )
         try:
             built = bq.write_tables(
@@ -620,6 +628,9 @@ class SqlToBatchJsonlOperator(BaseOperator):
                 project=project,
                 dataset=dataset,
                 name=name,
+                # The run's own tables (a prefix of at most 200 characters, an 11-character token
+                # and a suffix stay far within BigQuery's 1,024-character table names).
+                token=bq.run_token(str(directory)),
                 max_lines=limits.max_lines,
                 log=self.log,
             )
@@ -659,6 +670,9 @@ class SqlToBatchJsonlOperator(BaseOperator):
                     "rejects_table": built.rejects_table,
                     "output_dataset": f"bq://{project}.{dataset}",
                     "body_keys": sorted(sample_body),
+                    # Checked again (with each shard's fingerprint) by the submit and the merge.
+                    "template": plan.template,
+                    "conn_id": self.conn_id,
                 },
             },
         )

@@ -369,7 +369,17 @@ class MergeBatchResultsOperator(BaseOperator):
         mapper = ResultMapper(extra_columns=self.extra_columns, output_schema=schema)
         key_columns: list[Column] = []
         keys_file = rejects_file = None
-        in_tables = manifest is not None and any(s.table for s in manifest.shards)
+        # The route is the build's (its manifest says BigQuery), not the shards': an all-rejected
+        # build has no shard, and its rejects are in a table too.
+        in_tables = manifest is not None and isinstance(manifest.extra.get("bigquery"), Mapping)
+        if not in_tables:
+            tabled = [b.id for b in batches.values() if hook.dialect.output_table(b) is not None]
+            if tabled:
+                raise ConfigurationError(
+                    f"batch(es) {', '.join(tabled)} wrote their predictions to BigQuery tables: the "
+                    "BigQuery route's merge needs the build's manifest (give manifest_path or the "
+                    "build's XCom)"
+                )
         if in_tables:
             assert manifest is not None
             types = list(manifest.key_types) or ["text"] * len(manifest.key_columns)
@@ -448,6 +458,7 @@ class MergeBatchResultsOperator(BaseOperator):
         connection (see ``warehouse/bigquery_results.py``)."""
         from airflow_batch_provider.hooks.bigquery import BigQuerySqlHook
         from airflow_batch_provider.warehouse import bigquery_results as bq
+        from airflow_batch_provider.warehouse.bigquery_requests import check_table
 
         refused = [
             name
@@ -480,8 +491,20 @@ class MergeBatchResultsOperator(BaseOperator):
             else:
                 self.log.info("Batch %s wrote no prediction table (%s)", batch.id, batch.state.value)
         keys = manifest.key_columns
+        template = tables.get("template")
+        if template:
+            # The tables the jobs read are the ones the build wrote (same check as the submit's).
+            client = warehouse.get_client()
+            try:
+                for shard in manifest.shards:
+                    if shard.table:
+                        check_table(client, str(shard.table), str(template), shard.fingerprint)
+            finally:
+                client.close()
         return SqlStaging(
-            keys=bq.keys_select([(s.index, str(s.table)) for s in manifest.shards if s.table], keys),
+            keys=bq.keys_select(
+                [(s.index, str(s.table)) for s in manifest.shards if s.table], keys, manifest.key_types
+            ),
             rejects=bq.rejects_select(rejects, keys),
             unkeyed_rejects=bq.unkeyed_rejects_select(rejects, keys),
             results=bq.results_select(outputs, columns - len(RESULT_COLUMNS)),

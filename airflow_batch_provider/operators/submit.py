@@ -117,6 +117,10 @@ class ShardInput:
     output_dataset: str | None = None
     model: str | None = None
     body_keys: tuple[str, ...] = ()
+    # The build's BigQuery connection and template digest: the table's fingerprint is checked
+    # again before a create (another writer may have replaced the table since).
+    conn_id: str | None = None
+    template: str | None = None
 
 
 class SubmitBatchOperator(BaseOperator):
@@ -320,6 +324,7 @@ class SubmitBatchOperator(BaseOperator):
             problem = dialect.job_problem(shard.lines, None)
             if problem is not None:
                 raise ConfigurationError(f"shard {shard.index} ({shard.path}): {problem}")
+        self._check_tables_unchanged(shards)
         estimate = None
         if self.max_estimated_cost is not None or self.max_input_tokens is not None:
             # Before any upload or create: a refused run costs nothing.
@@ -1134,6 +1139,24 @@ class SubmitBatchOperator(BaseOperator):
         if problem is not None:
             raise ConfigurationError(f"shard {shard.index} ({shard.table}): {problem}")
 
+    def _check_tables_unchanged(self, shards: Sequence[ShardInput]) -> None:
+        """Each table shard's fingerprint, recomputed in BigQuery, before any create: a table
+        rewritten since the build is refused by name, never sent under the old fingerprint."""
+        from airflow.sdk import BaseHook
+
+        from airflow_batch_provider.warehouse.bigquery_requests import check_table
+
+        checked = [s for s in shards if s.table is not None and s.conn_id and s.template]
+        if not checked:
+            return
+        client = BaseHook.get_connection(str(checked[0].conn_id)).get_hook().get_client()
+        try:
+            for shard in checked:
+                assert shard.table is not None and shard.template is not None
+                check_table(client, shard.table, shard.template, shard.fingerprint)
+        finally:
+            client.close()
+
     def _create_from_table(
         self,
         hook: BatchApiHook,
@@ -1268,6 +1291,8 @@ class SubmitBatchOperator(BaseOperator):
                         output_dataset=str(tables.get("output_dataset") or ""),
                         model=manifest.model,
                         body_keys=tuple(tables.get("body_keys") or ()),
+                        conn_id=str(tables["conn_id"]) if tables.get("conn_id") else None,
+                        template=str(tables["template"]) if tables.get("template") else None,
                     )
                 )
                 continue

@@ -26,16 +26,26 @@ a list whose strings are plain text plus ``{{ column }}`` (no filters, control b
 are INT64 or STRING; no query ``parameters``; no ``skip_unchanged``, ``deduplicate`` or
 estimate on this route.
 
-Tables written, for ``requests_table="dataset.prefix"`` (each replaced by a rerun, each expiring
-after ``TABLE_DAYS`` days): ``prefix_shard_000``... (key columns, ``custom_id``,
-``request_hash``, ``request``; at most ``max_lines`` rows each) and ``prefix_rejects`` (``row``,
-the key columns, ``custom_id``, ``code``, ``reason``: the codes of the file route's
-rejects.jsonl: ``null_key``, ``null_value``, ``line_too_large``). Two rows with one key fail
-the build (``DuplicateKeyError``), as on the file route.
+Tables written, for ``requests_table="dataset.prefix"``, each named with the run's token
+(:func:`run_token`, from the run's staging directory) so overlapping runs (a backfill,
+``max_active_runs`` > 1) never share a table, each replaced by a rerun of the same run and each
+expiring after ``TABLE_DAYS`` days: ``prefix_<token>_shard_000``... (key columns,
+``custom_id``, ``request_hash``, ``request``; at most ``max_lines`` rows each, each row's place
+computed once in the work table) and ``prefix_<token>_rejects`` (``row``, the key columns,
+``custom_id``, ``code``, ``reason``: the codes of the file route's rejects.jsonl:
+``null_key``, ``null_value``, ``line_too_large``). Two rows with one key fail the build
+(``DuplicateKeyError``), as on the file route.
+
+A shard's fingerprint (:func:`fingerprint_sql`) is the SHA-256 of the encoding's template digest
+(the request's literal pieces: model, generation config...) and every row's
+``custom_id:request_hash`` (which covers url and body), never the requests themselves (a value
+over BigQuery's 100 MB limit at scale). The submit (before a create) and the merge recompute it
+(:func:`check_table`) and refuse a table that changed since the build, by name.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -58,7 +68,67 @@ REQUEST_COLUMNS = ("custom_id", "request_hash", "request")
 #: Columns Vertex AI adds to an output row (a key column may not reuse them either).
 OUTPUT_COLUMNS = ("response", "status", "processed_time")
 _SHORT_ESCAPES = {0x08: "\\b", 0x09: "\\t", 0x0A: "\\n", 0x0C: "\\f", 0x0D: "\\r"}
+#: Hex characters of the run token in the table names.
+TOKEN_CHARS = 10
 _PREFIX = re.compile(r"(?:([a-z0-9][a-z0-9.:-]{0,99})\.)?([A-Za-z0-9_]{1,1024})\.([A-Za-z0-9_]{1,200})")
+
+
+def run_token(identity: str) -> str:
+    """The token naming one run's tables: the first ``TOKEN_CHARS`` hex of the SHA-256 of the
+    run's identity (its staging directory), so two runs of one ``requests_table`` never write,
+    drop or read each other's tables.
+
+    :param identity: what tells the run apart (the build's staging directory).
+    """
+    return hashlib.sha256(identity.encode()).hexdigest()[:TOKEN_CHARS]
+
+
+def fingerprint_sql(table: str, template: str, quote: Any) -> str:
+    """SQL for ``(lines, bytes, fingerprint)`` of a request table: the SHA-256 of the encoding's
+    template digest and every ``custom_id:request_hash``, in custom_id order.
+
+    :param table: ``project.dataset.table``.
+    :param template: the plan's :attr:`RequestsPlan.template` digest.
+    :param quote: identifier quoting.
+    """
+    return (
+        f"SELECT COUNT(*), SUM(BYTE_LENGTH(request)), TO_HEX(SHA256(CONCAT({sql_literal(template)}, "
+        f"IFNULL(STRING_AGG(CONCAT(custom_id, ':', request_hash), '\\n' ORDER BY custom_id), '')))) "
+        f"FROM {quote(table)}"
+    )
+
+
+def check_table(client: Any, uri: str, template: str, fingerprint: str) -> None:
+    """Refuse a request table that is gone or changed since the build wrote it.
+
+    :param client: a ``google.cloud.bigquery.Client``.
+    :param uri: the shard's ``bq://project.dataset.table``.
+    :param template: the build's template digest (manifest ``extra.bigquery.template``).
+    :param fingerprint: the shard's fingerprint in the manifest.
+    :raises ConfigurationError: the table is missing or its fingerprint differs.
+    """
+    table = uri.removeprefix("bq://")
+    if "`" in table or "\\" in table:
+        raise ConfigurationError(f"not a BigQuery table name: {uri!r}")
+    try:
+        found_rows = client.query(fingerprint_sql(table, template, _backquote)).result()
+        rows = [tuple(r.values()) for r in found_rows]
+    except Exception as exc:
+        if type(exc).__name__ != "NotFound":
+            raise
+        raise ConfigurationError(
+            f"requests table {table} is gone (expired or dropped); rebuild the requests"
+        ) from None
+    found = str(rows[0][2]) if rows else ""
+    if found != fingerprint:
+        raise ConfigurationError(
+            f"requests table {table} changed since the build (fingerprint {fingerprint[:12]}... is now "
+            f"{found[:12]}...): another run or a person rewrote it; rebuild the requests"
+        )
+
+
+def _backquote(name: str) -> str:
+    return f"`{name}`"
 
 
 def sql_literal(text: str) -> str:
@@ -292,6 +362,13 @@ class RequestsPlan:
     #: The canonical body with a sentinel for each substitution (every row's has its shape).
     body: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def template(self) -> str:
+        """Digest of the encoded request's literal pieces (model, generation config and every
+        other part no row changes): part of each shard's fingerprint."""
+        pieces = [p if isinstance(p, str) else list(p) for p in self.request]
+        return hashlib.sha256(orjson.dumps(pieces)).hexdigest()[:32]
+
     def slot_texts(self) -> list[str]:
         """Per slot, the SQL of its JSON-escaped text (NULL stays NULL unless on_null='empty')."""
         texts = []
@@ -475,26 +552,38 @@ def write_tables(
     project: str,
     dataset: str,
     name: str,
+    token: str,
     max_lines: int,
     log: Any = None,
 ) -> BuiltTables:
     """Run the build's statements: the work table, the duplicate check, the rejects table and one
-    table per shard (a rerun replaces them and drops shard tables it no longer writes).
+    table per shard (a rerun of the same run replaces them and drops the shard tables of this run
+    it no longer writes; another run's tables are never touched).
 
     :param client: a ``google.cloud.bigquery.Client``.
     :param name: the tables' name prefix in ``dataset``.
+    :param token: the run's token (:func:`run_token`), in every table name.
     :param max_lines: rows per shard table.
     """
     q = plan.quote
     where = f"{project}.{dataset}"
-    work = f"{where}.{name}_work"
+    own = f"{name}_{token}"
+    work = f"{where}.{own}_work"
     expiry = f"OPTIONS(expiration_timestamp = TIMESTAMP_ADD(CURRENT_TIMESTAMP(), INTERVAL {TABLE_DAYS} DAY))"
 
     def run(sql: str) -> list[tuple[Any, ...]]:
         return [tuple(r.values()) for r in client.query(sql, api_method="INSERT").result()]
 
     key_cols = ", ".join(q(k) for k, _ in plan.keys)
-    run(f"CREATE OR REPLACE TABLE {q(work)} {expiry} AS {plan.work_select()}")
+    # Each row's place, once, in the work table: rows sent first (in custom_id order), rejects
+    # after; shard n is places n*max_lines+1..(n+1)*max_lines. Kept as the bare ROW_NUMBER (the
+    # shard number as DIV of it is not computed by some BigQuery-compatible servers, which
+    # return a window function's value unchanged when an expression wraps it).
+    numbered = (
+        f"SELECT *, ROW_NUMBER() OVER (ORDER BY IF(abp_code IS NULL, 0, 1), custom_id) AS abp_place "
+        f"FROM ({plan.work_select()})"
+    )
+    run(f"CREATE OR REPLACE TABLE {q(work)} {expiry} AS {numbered}")
     try:
         if plan.on_null == "fail" and plan.slots.columns:
             nulls = " OR ".join(f"{q(c)} IS NULL" for c in dict.fromkeys(plan.slots.columns))
@@ -510,7 +599,7 @@ def write_tables(
         if dups:
             raise duplicate_error(dups, [k for k, _ in plan.keys])
         codes = run(f"SELECT abp_code, COUNT(*), MIN(abp_reason) FROM {q(work)} GROUP BY abp_code")
-        rejects = f"{where}.{name}_rejects"
+        rejects = f"{where}.{own}_rejects"
         run(
             f"CREATE OR REPLACE TABLE {q(rejects)} {expiry} AS SELECT abp_row AS {q('row')}, {key_cols}, "
             f"custom_id, abp_code AS code, abp_reason AS reason FROM {q(work)} WHERE abp_code IS NOT NULL"
@@ -519,22 +608,18 @@ def write_tables(
         count = -(-written // max_lines)
         shards = []
         for index in range(count):
-            table = f"{where}.{name}_shard_{index:03d}"
+            table = f"{where}.{own}_shard_{index:03d}"
             low, high = index * max_lines + 1, (index + 1) * max_lines
             run(
                 f"CREATE OR REPLACE TABLE {q(table)} {expiry} AS SELECT {key_cols}, custom_id, request_hash, "
-                f"request FROM (SELECT *, ROW_NUMBER() OVER (ORDER BY custom_id) AS abp_rn FROM {q(work)} "
-                f"WHERE abp_code IS NULL) WHERE abp_rn BETWEEN {low} AND {high}"
+                f"request FROM {q(work)} WHERE abp_code IS NULL AND abp_place BETWEEN {low} AND {high}"
             )
-            ((lines, size, fingerprint),) = run(
-                f"SELECT COUNT(*), SUM(BYTE_LENGTH(request)), TO_HEX(SHA256(STRING_AGG(CONCAT(custom_id, "
-                f"':', request_hash, ':', request), '\\n' ORDER BY custom_id))) FROM {q(table)}"
-            )
+            ((lines, size, fingerprint),) = run(fingerprint_sql(table, plan.template, q))
             shards.append((index, f"bq://{table}", int(lines), int(size or 0), str(fingerprint)))
             if log is not None:
                 log.info("Wrote shard table %s: %d request(s)", table, lines)
-        kept = {f"{name}_shard_{i:03d}" for i in range(count)}
-        _drop_stale(client, project, dataset, f"{name}_shard_", kept)
+        kept = {f"{own}_shard_{i:03d}" for i in range(count)}
+        _drop_stale(client, project, dataset, f"{own}_shard_", kept)
     finally:
         client.delete_table(work, not_found_ok=True)
     rejected = {str(code): int(n) for code, n, _ in codes if code is not None}
@@ -550,7 +635,8 @@ def write_tables(
 
 
 def _drop_stale(client: Any, project: str, dataset: str, start: str, keep: set[str]) -> None:
-    """Drop the shard tables of an earlier run that this one did not write."""
+    """Drop the shard tables of an earlier try of this run that this one did not write (``start``
+    carries the run's token: another run's tables never match)."""
     for table in client.list_tables(f"{project}.{dataset}"):
         if table.table_id.startswith(start) and table.table_id not in keep:
             client.delete_table(f"{project}.{dataset}.{table.table_id}", not_found_ok=True)

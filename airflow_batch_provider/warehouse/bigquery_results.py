@@ -49,9 +49,25 @@ def quote_name(name: str) -> str:
     return f"`{name}`"
 
 
-def keys_select(shards: Sequence[tuple[int, str]], key_columns: Sequence[str]) -> str:
-    """The staged keys (``custom_id, shard, seq, klen, rhash, rid, k0..``) of every request table."""
+def keys_select(
+    shards: Sequence[tuple[int, str]], key_columns: Sequence[str], key_types: Sequence[str] = ()
+) -> str:
+    """The staged keys (``custom_id, shard, seq, klen, rhash, rid, k0..``) of every request table.
+
+    :param shards: ``(shard index, table)`` each; none for a build that rejected every row (an
+        empty SELECT of the same columns, so its rejects are still written).
+    :param key_types: the manifest's portable key types (``integer``/``text``), for that SELECT.
+    """
     keys = ", ".join(f"{quote_name(k)} AS k{i}" for i, k in enumerate(key_columns))
+    if not shards:
+        types = list(key_types) or ["text"] * len(key_columns)
+        typed = "".join(
+            f", CAST(NULL AS {'INT64' if t == 'integer' else 'STRING'}) AS k{i}" for i, t in enumerate(types)
+        )
+        return (
+            f"SELECT CAST(NULL AS STRING) AS custom_id, 0 AS shard, 0 AS seq, {len(key_columns)} AS klen, "
+            f"CAST(NULL AS STRING) AS rhash, CAST(NULL AS STRING) AS rid{typed} FROM (SELECT 1) WHERE FALSE"
+        )
     parts = [
         f"SELECT custom_id, {index} AS shard, 0 AS seq, {len(key_columns)} AS klen, request_hash AS rhash, "
         f"custom_id AS rid, {keys} FROM {table_ref(table)}"
@@ -85,7 +101,8 @@ def _count(path: str) -> str:
 def results_select(outputs: Sequence[tuple[str, str]], extra_nulls: int = 0) -> str:
     """The staged results (``custom_id, seq, status, content, embedding, finish_reason, model,
     prompt_tokens, completion_tokens, total_tokens, cached_tokens, error_code, error_message,
-    batch_id``) of every prediction table, ``(batch id, table)`` each.
+    batch_id``) of every prediction table, ``(batch id, table)`` each, in the order the Python
+    route reads the batches (``seq`` is the batch's position, 1 first).
 
     :param extra_nulls: NULL columns after those (the mapper's other columns, none on this route).
     """
@@ -108,7 +125,7 @@ def results_select(outputs: Sequence[tuple[str, str]], extra_nulls: int = 0) -> 
         width = len(RESULT_COLUMNS) + 2 + extra_nulls
         return f"SELECT {', '.join(['NULL'] * width)} FROM (SELECT 1) WHERE FALSE"
     selects = []
-    for batch_id, table in outputs:
+    for position, (batch_id, table) in enumerate(outputs):
         # Layered (the answer's parts, then the row): some BigQuery-compatible servers cannot
         # translate the whole expression nested in one.
         parsed = (
@@ -128,7 +145,11 @@ def results_select(outputs: Sequence[tuple[str, str]], extra_nulls: int = 0) -> 
         answer = f"NOT ({failed}) AND abp_has"
         body = f"NOT ({failed})"
         selects.append(
-            "SELECT custom_id, 1 AS seq, "
+            # seq orders the answers as the Python route reads them, batch by batch: of a
+            # custom_id's answers in two batches (a replaced batch and its successor) the writer
+            # keeps the later batch's. Within one batch a custom_id answers once, so the batch's
+            # position is the whole order the tie-break needs.
+            f"SELECT custom_id, {position + 1} AS seq, "
             f"IF({answer}, 'succeeded', 'failed') AS status, "
             f"IF({answer}, abp_text, NULL) AS content, "
             "CAST(NULL AS STRING) AS embedding, "

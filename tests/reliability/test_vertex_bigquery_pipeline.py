@@ -278,9 +278,96 @@ def test_both_builds_agree_on_ids_hashes_and_rejects(bq_pipeline: Pipeline) -> N
     assert sorted(bq_pipeline.warehouse.rows(union)) == sorted(
         (k["custom_id"], k["request_hash"]) for k in keys
     )
-    schema = bq_pipeline.warehouse.schema
-    got = bq_pipeline.warehouse.rows(f"SELECT custom_id, code, reason FROM `{schema}.req_rejects`")
+    rejects_table = tables["extra"]["bigquery"]["rejects_table"].removeprefix("bq://")
+    got = bq_pipeline.warehouse.rows(f"SELECT custom_id, code, reason FROM `{rejects_table}`")
     # Row numbers follow each read's order, which BigQuery does not fix: compared as sets.
     assert sorted(got, key=str) == sorted(
         ((r["custom_id"], r["code"], r["reason"]) for r in rejects), key=str
     )
+
+
+async def test_overlapping_runs_of_one_requests_table_keep_their_own_tables(
+    batch_server: Any, bqemulator: str, bq_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs (a backfill, max_active_runs > 1) with one requests_table: the second build
+    neither overwrites nor drops the first's tables, and each merge lands its own rows."""
+    serve(batch_server, bqemulator, monkeypatch)
+    seed(bq_pipeline)
+    seed(bq_pipeline, "tickets_b", count=6)
+    first = bq_pipeline.build("run-a", **build_args(bq_pipeline))
+    second = bq_pipeline.build("run-b", **{**build_args(bq_pipeline), "table": "tickets_b"})
+    tables = [m["shards"][0]["table"] for m in (first, second)]
+    assert tables[0] != tables[1]
+    assert first["extra"]["bigquery"]["rejects_table"] != second["extra"]["bigquery"]["rejects_table"]
+    for manifest, run_id, target in ((first, "run-a", "answers_a"), (second, "run-b", "answers_b")):
+        record = await bq_pipeline.submit_and_wait(manifest, run_id)
+        assert record.event is not None and record.event["status"] == "success", record.event
+        bq_pipeline.merge(record.submission, manifest, target)
+    landed_a, landed_b = results(bq_pipeline, "answers_a"), results(bq_pipeline, "answers_b")
+    assert len(landed_a) == ROWS and len(landed_b) == 6
+    assert sum(v[0] == "succeeded" for v in landed_a.values()) == ROWS - 1
+    assert sum(v[0] == "succeeded" for v in landed_b.values()) == 6 - 1
+
+
+async def test_a_requests_table_changed_after_the_build_is_refused_by_name(
+    batch_server: Any, bqemulator: str, bq_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serve(batch_server, bqemulator, monkeypatch)
+    seed(bq_pipeline)
+    manifest = bq_pipeline.build("changed", **build_args(bq_pipeline))
+    table = manifest["shards"][0]["table"].removeprefix("bq://")
+    record = await bq_pipeline.submit_and_wait(manifest, "changed")
+    assert record.event is not None and record.event["status"] == "success", record.event
+    bq_pipeline.warehouse.rows(f"DELETE FROM `{table}` WHERE custom_id = '1'")
+    with pytest.raises(ConfigurationError, match=f"requests table {table} changed since the build"):
+        bq_pipeline.merge(record.submission, manifest, "answers")
+    with pytest.raises(ConfigurationError, match=f"requests table {table} changed since the build"):
+        bq_pipeline.submit_op(manifest, wait_for_completion=False).execute(
+            bq_pipeline.context("submit", "changed-again")
+        )
+
+
+def test_an_all_rejected_build_still_writes_its_rejects(
+    batch_server: Any, bqemulator: str, bq_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """allow_empty and every row rejected: no shard, no batch, and the merge (on the BigQuery
+    route by the manifest, not by its shards) writes each keyed reject."""
+    serve(batch_server, bqemulator, monkeypatch)
+    client = bq_pipeline.warehouse.hook.get_client()
+    try:
+        load_rows(
+            client,
+            f"{client.project}.{bq_pipeline.warehouse.schema}.tickets",
+            [Column("id", "integer"), Column("text", "text")],
+            [(1, None), (2, None), (None, "no key")],
+        )
+    finally:
+        client.close()
+    manifest = bq_pipeline.build("all-rejected", **build_args(bq_pipeline), allow_empty=True)
+    assert manifest["shards"] == [] and manifest["rows_rejected"] == 3
+    merged = bq_pipeline.merge([], manifest, "answers")
+    assert merged["counts"]["rejected"] == 2 and merged["unkeyed_rejects"] == 1
+    assert {k: v[:2] for k, v in results(bq_pipeline).items()} == {
+        1: ("rejected", "null_value"),
+        2: ("rejected", "null_value"),
+    }
+
+
+async def test_a_merge_of_bigquery_jobs_without_the_manifest_is_refused_by_name(
+    batch_server: Any, bqemulator: str, bq_pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow_batch_provider.operators.merge import MergeBatchResultsOperator
+
+    serve(batch_server, bqemulator, monkeypatch)
+    seed(bq_pipeline, count=6)
+    record = await bq_pipeline.run("no-manifest", "answers", build=build_args(bq_pipeline))
+    assert record.event is not None
+    op = MergeBatchResultsOperator(
+        task_id="merge",
+        target_table="answers_again",
+        conn_id=bq_pipeline.warehouse.conn_id,
+        batch_conn_id=bq_pipeline.batch_conn_id,
+        batches=record.event["batch_ids"],
+    )
+    with pytest.raises(ConfigurationError, match="needs the build's manifest"):
+        op.execute(bq_pipeline.context("merge", "no-manifest"))

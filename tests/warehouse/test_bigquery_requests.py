@@ -175,3 +175,65 @@ def test_request_hash_line_and_request_equal_the_python_path(bq: tuple[Any, str]
         assert cid == custom_id_for([i])
         assert digest == request_hash("/v1/chat/completions", body)
         assert request == orjson.dumps(dialect.encode_line(line)["request"]).decode()
+
+
+def _plan(encode: Any, source: str = "SELECT 1 AS id, 'x' AS t") -> Any:
+    return plan_requests(
+        source=source,
+        schema={"id": "INTEGER", "t": "STRING"},
+        key_columns=["id"],
+        messages=[{"role": "user", "content": "{{ t }}"}],
+        canonical_body=lambda compiled: {"model": "m", "messages": compiled},
+        endpoint="/v1/chat/completions",
+        encode_request=encode,
+        prefix="",
+        on_null="reject",
+        max_line=10_000,
+        quote=quote,
+    )
+
+
+def test_the_fingerprint_covers_the_encoding_but_not_the_request_text(bq: tuple[Any, str]) -> None:
+    """The shard fingerprint aggregates ``custom_id:request_hash`` (never the whole request, which
+    can pass BigQuery's 100 MB value limit) plus the encoding template's digest: a change in the
+    request's non-row parts (the job's generation config) changes it; the random sentinels do not."""
+    from airflow_batch_provider.warehouse.bigquery_requests import check_table, fingerprint_sql, run_token
+
+    client, dataset = bq
+
+    def plain(line: Any) -> Any:
+        return {"contents": line["body"]["messages"]}
+
+    def tuned(line: Any) -> Any:
+        return {**plain(line), "generationConfig": {"temperature": 0}}
+
+    first, again, other = _plan(plain), _plan(plain), _plan(tuned)
+    assert first.slots.token != again.slots.token and first.template == again.template
+    assert other.template != first.template
+    ref = f"{BQ_PROJECT}.{dataset}.shard"
+    columns = "custom_id, request_hash, request"
+    run(client, f"CREATE TABLE `{ref}` AS SELECT {columns} FROM ({first.work_select()})")
+    sql = fingerprint_sql(ref, first.template, quote)
+    assert "request)" not in sql.split("STRING_AGG", 1)[1]
+    ((lines, _, fingerprint),) = run(client, sql)
+    assert lines == 1
+    ((_, _, tuned_print),) = run(client, fingerprint_sql(ref, other.template, quote))
+    assert tuned_print != fingerprint
+    check_table(client, f"bq://{ref}", first.template, fingerprint)
+    run(client, f"UPDATE `{ref}` SET request_hash = 'changed' WHERE TRUE")
+    with pytest.raises(ConfigurationError, match=f"requests table {ref} changed since the build"):
+        check_table(client, f"bq://{ref}", first.template, fingerprint)
+    with pytest.raises(ConfigurationError, match="is gone"):
+        check_table(client, f"bq://{ref}_missing", first.template, fingerprint)
+    assert run_token("/staging/a") != run_token("/staging/b") and len(run_token("x")) == 10
+
+
+def test_results_seq_follows_the_batch_order() -> None:
+    """Of a custom_id's answers in two batches, the writer keeps the higher seq: the later batch's,
+    as the Python route keeps the last line it reads."""
+    from airflow_batch_provider.warehouse.bigquery_results import results_select
+
+    sql = results_select([("first", "p.d.a"), ("second", "p.d.b")])
+    first, second = sql.split(" UNION ALL ")
+    assert "1 AS seq" in first and "'first' AS batch_id" in first
+    assert "2 AS seq" in second and "'second' AS batch_id" in second
