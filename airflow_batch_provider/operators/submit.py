@@ -786,21 +786,9 @@ class SubmitBatchOperator(BaseOperator):
             file_id, model = self._upload(hook, shard, defaults)
         else:
             model = self._job_model(dialect, shard, state, defaults)
-        state = SubmitState(
-            key=key,
-            shard=shard.index,
-            fingerprint=fingerprint,
-            dag_id=identity.dag_id,
-            task_id=identity.task_id,
-            run_id=identity.run_id,
-            map_index=identity.map_index,
-            endpoint=shard.endpoint,
-            input_file_id=file_id,
-            model=model,
-            intent_at=now_utc(),
-            replaced_batch_ids=replaced,
+        state = self._record_intent(
+            store, identity, shard, key, fingerprint, replaced, input_file_id=file_id, model=model
         )
-        store.write(state)
         batch = hook.create_batch(
             input_file_id=file_id,
             endpoint=shard.endpoint,
@@ -815,9 +803,7 @@ class SubmitBatchOperator(BaseOperator):
             ),
             model=model,
         )
-        state.batch_id = batch.id
-        state.created_at = batch.created_at or now_utc()
-        store.write(state)
+        self._record_created(store, state, batch)
         self.log.info("Shard %d: created batch %s from file %s", shard.index, batch.id, file_id)
         return state
 
@@ -849,20 +835,7 @@ class SubmitBatchOperator(BaseOperator):
         try:
             with os.fdopen(fd, "wb", buffering=1 << 20) as out, open_read(shard.path) as src:
                 size, count = write_inline_body(encoder, src, out, fields)
-            state = SubmitState(
-                key=key,
-                shard=shard.index,
-                fingerprint=fingerprint,
-                dag_id=identity.dag_id,
-                task_id=identity.task_id,
-                run_id=identity.run_id,
-                map_index=identity.map_index,
-                endpoint=shard.endpoint,
-                requests=count,
-                intent_at=now_utc(),
-                replaced_batch_ids=replaced,
-            )
-            store.write(state)
+            state = self._record_intent(store, identity, shard, key, fingerprint, replaced, requests=count)
             body = FileBody(tmp, filename=f"{shard.path.name} ({count} requests)", size=size, requests=count)
             # The batches of this try's other shards are not this one's, whatever their size.
             batch = hook.create_batch(
@@ -873,9 +846,7 @@ class SubmitBatchOperator(BaseOperator):
             )
         finally:
             os.unlink(tmp)
-        state.batch_id = batch.id
-        state.created_at = batch.created_at or now_utc()
-        store.write(state)
+        self._record_created(store, state, batch)
         self.log.info("Shard %d: created batch %s with %d inline request(s)", shard.index, batch.id, count)
         return state
 
@@ -916,21 +887,16 @@ class SubmitBatchOperator(BaseOperator):
             raise ConfigurationError(f"shard {shard.index} ({target}): {problem}")
         input_uri = plain_uri(target)
         output_uri = plain_uri(folder / "output") + "/"
-        state = SubmitState(
-            key=key,
-            shard=shard.index,
-            fingerprint=fingerprint,
-            dag_id=identity.dag_id,
-            task_id=identity.task_id,
-            run_id=identity.run_id,
-            map_index=identity.map_index,
-            endpoint=shard.endpoint,
+        state = self._record_intent(
+            store,
+            identity,
+            shard,
+            key,
+            fingerprint,
+            replaced,
             input_file_id=input_uri,
             model=encoder.job_model,
-            intent_at=now_utc(),
-            replaced_batch_ids=replaced,
         )
-        store.write(state)
         batch = hook.create_batch(
             input_file_id=input_uri,
             output_uri=output_uri,
@@ -945,11 +911,44 @@ class SubmitBatchOperator(BaseOperator):
             model=encoder.job_model,
             not_these=self._batch_ids,
         )
+        self._record_created(store, state, batch)
+        self.log.info("Shard %d: created batch %s reading %s", shard.index, batch.id, input_uri)
+        return state
+
+    @staticmethod
+    def _record_intent(
+        store: SubmissionStateStore,
+        identity: RunIdentity,
+        shard: ShardInput,
+        key: str,
+        fingerprint: str,
+        replaced: list[str],
+        **fields: Any,
+    ) -> SubmitState:
+        """The shard's intent, durable before its create (a crash after the create leaves the
+        lookup something to find): ``fields`` say what the create will read (file, URI, table)."""
+        state = SubmitState(
+            key=key,
+            shard=shard.index,
+            fingerprint=fingerprint,
+            dag_id=identity.dag_id,
+            task_id=identity.task_id,
+            run_id=identity.run_id,
+            map_index=identity.map_index,
+            endpoint=shard.endpoint,
+            intent_at=now_utc(),
+            replaced_batch_ids=replaced,
+            **fields,
+        )
+        store.write(state)
+        return state
+
+    @staticmethod
+    def _record_created(store: SubmissionStateStore, state: SubmitState, batch: Batch) -> None:
+        """The created batch's id beside the intent, durable before anything else is done."""
         state.batch_id = batch.id
         state.created_at = batch.created_at or now_utc()
         store.write(state)
-        self.log.info("Shard %d: created batch %s reading %s", shard.index, batch.id, input_uri)
-        return state
 
     def _find_inline_orphan(self, hook: BatchApiHook, state: SubmitState) -> Batch | None:
         """The batch a lost inline create made: the one batch created since the intent (less
@@ -1171,21 +1170,9 @@ class SubmitBatchOperator(BaseOperator):
         predictions to a new table in the output dataset (nothing is read or written here)."""
         dialect = hook.dialect
         assert shard.table is not None and shard.output_dataset is not None
-        state = SubmitState(
-            key=key,
-            shard=shard.index,
-            fingerprint=fingerprint,
-            dag_id=identity.dag_id,
-            task_id=identity.task_id,
-            run_id=identity.run_id,
-            map_index=identity.map_index,
-            endpoint=shard.endpoint,
-            input_file_id=shard.table,
-            model=shard.model,
-            intent_at=now_utc(),
-            replaced_batch_ids=replaced,
+        state = self._record_intent(
+            store, identity, shard, key, fingerprint, replaced, input_file_id=shard.table, model=shard.model
         )
-        store.write(state)
         batch = hook.create_batch(
             input_file_id=shard.table,
             output_uri=shard.output_dataset,
@@ -1194,13 +1181,11 @@ class SubmitBatchOperator(BaseOperator):
             metadata=batch_metadata(
                 identity, shard=shard.index, fingerprint=fingerprint, dialect=dialect, extra=self.metadata
             ),
-            name=key,
+            name=generation_name(key, len(replaced)),
             model=shard.model,
             not_these=self._batch_ids,
         )
-        state.batch_id = batch.id
-        state.created_at = batch.created_at or now_utc()
-        store.write(state)
+        self._record_created(store, state, batch)
         self.log.info("Shard %d: created batch %s reading %s", shard.index, batch.id, shard.table)
         return state
 
