@@ -11,3 +11,6 @@ DEFAULT_CONN_ID = "batch_api_default"
 CONN_TYPE = "batch_api"
 #: Batch metadata key naming the shard a batch was submitted for (set at submit, read at merge).
 SHARD_TAG = "airflow_shard"
+#: The batch metadata key carrying the shard's fingerprint (a Vertex AI label holds its first 63
+#: characters). Here, not in submission.py, so a dialect can name it without loading pydantic.
+FINGERPRINT_NAME = "airflow_fingerprint"

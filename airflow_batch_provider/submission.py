@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from airflow_batch_provider.constants import SHARD_TAG
+from airflow_batch_provider.constants import FINGERPRINT_NAME, SHARD_TAG
 from airflow_batch_provider.enqueued import QUEUE_TAG
 from airflow_batch_provider.exceptions import ConfigurationError
 from airflow_batch_provider.staging import atomic_writer, open_read
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 STATE_DIR = "submit-state"
 #: The metadata key carrying the idempotency key (xAI's dialect moves it into the batch name).
 KEY_NAME = "airflow_batch_key"
-FINGERPRINT_NAME = "airflow_fingerprint"
 # OpenAI's metadata limits, the strictest documented: keys <= 64 chars, values <= 512 chars.
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512

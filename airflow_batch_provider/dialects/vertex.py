@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from airflow_batch_provider.constants import FINGERPRINT_NAME
 from airflow_batch_provider.dialects.base import (
     LIST_WHAT,
     ResultObjectKind,
@@ -54,7 +55,6 @@ from airflow_batch_provider.exceptions import (
 )
 from airflow_batch_provider.ids import path_segment
 from airflow_batch_provider.limits import MB, Limits
-from airflow_batch_provider.submission import FINGERPRINT_NAME
 
 if TYPE_CHECKING:  # bound at run time by bind_models (see dialects/base.py)
     import httpx
